@@ -1,0 +1,66 @@
+"""All tunables in one place, read from the environment (AOTFUSE_*), overridable in a scope.
+
+| knob | env | default | meaning |
+|---|---|---|---|
+| targets | AOTFUSE_TARGETS | sm_80,sm_90 | architectures to compile cubins for |
+| compile_workers | AOTFUSE_COMPILE_WORKERS | cpu count | parallel cubin compiles |
+| max_fusion_size | AOTFUSE_MAX_FUSION_SIZE | 64 | most loop-IR nodes in one kernel |
+| max_pairs_per_buffer | AOTFUSE_MAX_PAIRS | 64 | cap on fusion candidates tried per shared buffer |
+| fusion_fuel | AOTFUSE_FUSION_FUEL | -1 | stop fusing after N fusions (bisect a bad fusion); -1 = no cap |
+| inline_max_ops | AOTFUSE_INLINE_MAX_OPS | 24 | a pointwise node is inlined into its consumers when its body has at most this many ops |
+| persistent_rblock_max | AOTFUSE_PERSISTENT_RBLOCK | 4096 | largest reduction kept in registers (persistent); beyond it loops |
+| launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
+| bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
+| cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
+| debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else int(raw)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else float(raw)
+
+
+@dataclasses.dataclass
+class Knobs:
+    # Mutable on purpose: `override` swaps values for a scope (tests, CLI flags).
+    targets: tuple[str, ...] = tuple(os.environ.get("AOTFUSE_TARGETS", "sm_80,sm_90").split(","))
+    compile_workers: int = _env_int("AOTFUSE_COMPILE_WORKERS", os.cpu_count() or 1)
+    max_fusion_size: int = _env_int("AOTFUSE_MAX_FUSION_SIZE", 64)
+    max_pairs_per_buffer: int = _env_int("AOTFUSE_MAX_PAIRS", 64)
+    fusion_fuel: int = _env_int("AOTFUSE_FUSION_FUEL", -1)
+    inline_max_ops: int = _env_int("AOTFUSE_INLINE_MAX_OPS", 24)
+    persistent_rblock_max: int = _env_int("AOTFUSE_PERSISTENT_RBLOCK", 4096)
+    launch_overhead_us: float = _env_float("AOTFUSE_LAUNCH_US", 4.0)
+    bandwidth_gbs: float = _env_float("AOTFUSE_BANDWIDTH_GBS", 2000.0)
+    cuda_graphs: bool = bool(_env_int("AOTFUSE_CUDA_GRAPHS", 1))
+    debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
+
+
+knobs = Knobs()
+
+
+@contextlib.contextmanager
+def override(**values) -> Iterator[Knobs]:
+    """Temporarily set knobs: `with override(fusion_fuel=3): build(...)`."""
+    old = {k: getattr(knobs, k) for k in values}
+    for k, v in values.items():
+        if not hasattr(knobs, k):
+            raise AttributeError(f"no knob named {k!r}")
+        setattr(knobs, k, v)
+    try:
+        yield knobs
+    finally:
+        for k, v in old.items():
+            setattr(knobs, k, v)
