@@ -1,0 +1,492 @@
+"""The `aotfuse` command line: build, inspect, run, verify, bench.
+
+Flags in, calls out: the work is done by `aotfuse.build/load/inspect_archive` (the core),
+`aotfuse.specs` (model specs, random inputs) and `aotfuse.bench` (accuracy and timing).
+
+Errors: an `AotfuseError` prints one line `error: <message>` on stderr and exits 2; any other
+exception prints one line with a hint to rerun with `--debug` and exits 3. `--debug` (or
+AOTFUSE_DEBUG=1) prints the traceback first. `verify` exits 1 when an output is out of tolerance.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
+
+from aotfuse import bench as _bench
+from aotfuse import specs as _specs
+from aotfuse.errors import AotfuseError
+from aotfuse.knobs import knobs
+
+__all__ = ["app", "main", "BuildProgress", "DEFAULT_SPEC"]
+
+DEFAULT_SPEC = "aotfuse.examples.gpt:demo"
+_ARCH_RE = re.compile(r"sm_\d{2,3}[a-z]?")
+
+
+class _Group(TyperGroup):
+    """Turns exceptions into the one-line errors and exit codes the module docstring promises."""
+
+    def invoke(self, ctx):
+        try:
+            with warnings.catch_warnings():
+                if not (ctx.params.get("debug") or knobs.debug):
+                    # torch's deprecation chatter is for library authors, not for CLI users.
+                    warnings.simplefilter("ignore", FutureWarning)
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, TyperException):
+            raise
+        except AotfuseError as e:
+            _fail(ctx, e, " ".join(str(e).split()), code=2)
+        except Exception as e:
+            first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            msg = f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+            _fail(ctx, e, f"{msg} (rerun with --debug for the traceback)", code=3)
+
+
+def _fail(ctx, exc: BaseException, message: str, *, code: int):
+    if ctx.params.get("debug") or knobs.debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="Package a PyTorch model ahead of time into one .aotf file.")
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="On error, print the full traceback.")):
+    """Package a PyTorch model ahead of time into one .aotf file: cubins, program, guards, weights."""
+
+
+def main() -> None:
+    """Console entry point (`aotfuse`, `python -m aotfuse`)."""
+    app(prog_name="aotfuse")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+def _core(name: str):
+    """`aotfuse.<name>` from the compiler core, looked up at call time (tests swap in fakes)."""
+    import aotfuse
+
+    fn = getattr(aotfuse, name, None)
+    if fn is None:
+        raise AotfuseError(f"this install has no aotfuse.{name}: the compiler core is missing",
+                           remedy="reinstall with `make setup`")
+    return fn
+
+
+def _device(device: Optional[str]) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise AotfuseError(f"bad --device {device!r}", remedy="use cuda, cuda:N or cpu") from e
+    if kind not in ("cuda", "cpu"):
+        raise AotfuseError(f"bad --device {device!r}", remedy="use cuda, cuda:N or cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise AotfuseError("--device cuda but torch sees no CUDA device",
+                           remedy="use --device cpu (kernels run in Triton's interpreter: slow)")
+    return device
+
+
+def _targets(arch: Optional[str], device: Optional[str] = None) -> tuple[str, ...]:
+    names = [a.strip() for a in arch.split(",") if a.strip()] if arch else list(knobs.targets)
+    for a in names:
+        if not _ARCH_RE.fullmatch(a):
+            raise AotfuseError(f"bad architecture {a!r}", remedy="use e.g. --arch sm_80,sm_90")
+    if device is not None and torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        own = f"sm_{major}{minor}"
+        names += [] if own in names else [own]
+    if not names:
+        raise AotfuseError("no target architectures", remedy="use e.g. --arch sm_80,sm_90")
+    return tuple(names)
+
+
+def _existing(path: Path) -> Path:
+    if not path.is_file():
+        raise AotfuseError(f"no such file: {path}")
+    return path
+
+
+def _bytes(n: Any, *, exact: bool = True) -> str:
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" + (f" ({int(n):,} bytes)" if exact else "")
+    return f"{int(n)} bytes"
+
+
+def _count(x: Any) -> Optional[int]:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, (list, tuple, dict, set)):
+        return len(x)
+    return None
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# build
+
+class BuildProgress:
+    """The build's progress callback: a line per finished stage with its time, and kernels i/n.
+
+    On a terminal a live spinner and bar show the running stage and the kernel compiles; in a
+    log, the same facts come as plain lines (kernels at each quarter)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.stages: dict[str, float] = {}
+        self._lock = threading.Lock()  # kernels may report from compile worker threads
+        self._live = console.is_terminal
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                  transient=True) if self._live else None
+        self._stage_task = self._kernel_task = None
+        self._quarter = 0
+        self._kernels_done = False
+
+    def __enter__(self) -> "BuildProgress":
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def __call__(self, event: str, info: dict) -> None:
+        with self._lock:
+            if event == "stage":
+                self._stage(str(info.get("name", "?")), info.get("status"), info.get("seconds"))
+            elif event == "kernels":
+                self._kernels(int(info.get("done", 0)), int(info.get("total", 0)))
+
+    def _print(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+    def _stage(self, name: str, status: Any, seconds: Any) -> None:
+        p = self._progress
+        if status == "start" and p is not None:
+            if self._stage_task is None:
+                self._stage_task = p.add_task(name, total=None)
+            p.update(self._stage_task, description=name)
+        elif status == "done":
+            secs = float(seconds) if isinstance(seconds, (int, float)) else float("nan")
+            self.stages[name] = secs
+            self._print(f"  {name:<16} {secs:8.2f} s")
+
+    def _kernels(self, done: int, total: int) -> None:
+        p = self._progress
+        if p is not None:
+            if self._kernel_task is None:
+                self._kernel_task = p.add_task("kernels compiled", total=total)
+            p.update(self._kernel_task, completed=done, total=total)
+        if total <= 0 or self._kernels_done:
+            return
+        if done >= total:
+            self._kernels_done = True
+            self._print(f"  kernels compiled {done}/{total}")
+        elif p is None and done * 4 // total > self._quarter:
+            self._quarter = done * 4 // total
+            self._print(f"  kernels compiled {done}/{total}")
+
+
+def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, memory_budget: float):
+    model, example = _specs.load_spec(spec)
+    console = _stderr()
+    console.print(f"building {spec} for {','.join(targets)}" + (" (train)" if train else ""),
+                  markup=False, highlight=False)
+    build_fn = _core("build")
+    t0 = time.perf_counter()
+    with BuildProgress(console) as progress:
+        res = build_fn(model, example, targets=targets, train=train, memory_budget=memory_budget, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = res.save(str(path))
+    return res, size, time.perf_counter() - t0
+
+
+@app.command()
+def build(
+    spec: str = typer.Argument(DEFAULT_SPEC, help="Model factory: package.module:factory or ...:factory(key=value)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--out", help="Output file [default: artifacts/<factory>.aotf]."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="Comma-separated targets [default: AOTFUSE_TARGETS or sm_80,sm_90]."),
+    train: bool = typer.Option(False, "--train", help="Also package the backward pass."),
+    memory_budget: float = typer.Option(1.0, "--memory-budget", min=0.0,
+                                        help="With --train: share of saved activations to keep (less: recompute more)."),
+):
+    """Compile a model into one .aotf file (no GPU needed)."""
+    path = out or Path(_specs.default_artifact_name(spec))
+    targets = _targets(arch)
+    if memory_budget != 1.0 and not train:
+        typer.echo("note: --memory-budget only matters with --train", err=True)
+    res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget)
+    kernels = _count((getattr(res, "report", None) or {}).get("kernels"))
+    extra = f", {kernels} kernels" if kernels is not None else ""
+    typer.echo(f"wrote {path} ({_bytes(size, exact=False)}{extra}, targets {','.join(targets)}) in {seconds:.1f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+def _programs(programs: Any) -> list[tuple[str, Any]]:
+    if isinstance(programs, dict):
+        return list(programs.items())
+    if isinstance(programs, (list, tuple)):
+        return [(str(p.get("name", i)) if isinstance(p, dict) else str(i), p) for i, p in enumerate(programs)]
+    return []
+
+
+def _instructions(p: Any) -> tuple[Optional[int], str]:
+    """Instruction count and a by-op breakdown of one program's summary, whatever its shape."""
+    if not isinstance(p, dict):
+        return _count(p), ""
+    ins = next((p[k] for k in ("instructions", "num_instructions", "n_instructions") if k in p), None)
+    ops = next((p[k] for k in ("ops", "by_op", "op_counts") if isinstance(p.get(k), dict)), None)
+    if ops is None and isinstance(ins, list) and all(isinstance(i, dict) and "op" in i for i in ins):
+        ops = Counter(i["op"] for i in ins)
+    by_op = ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])) if ops else ""
+    return _count(ins), by_op
+
+
+def _kv_lines(d: Any, indent: str = "  ") -> list[str]:
+    if not isinstance(d, dict):
+        return [f"{indent}{d}"]
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"{indent}{k}:")
+            items = sorted(v.items(), key=lambda kv: -kv[1]) if all(isinstance(x, (int, float)) for x in v.values()) else v.items()
+            lines += [f"{indent}  {kk}: {vv}" for kk, vv in items] or [f"{indent}  (none)"]
+        elif isinstance(v, (list, tuple)):
+            lines.append(f"{indent}{k}: {len(v)} entries")
+        else:
+            lines.append(f"{indent}{k}: {v}")
+    return lines
+
+
+def render_inspect(info: dict, path: Path) -> str:
+    """The readable view of `aotfuse.inspect_archive`'s dict."""
+    size = path.stat().st_size if path.is_file() else info.get("size_bytes")
+    built_by = f" (aotfuse {info['aotfuse_version']})" if info.get("aotfuse_version") else ""
+    out = [f"{path}: aotfuse archive, format version {info.get('format_version', '?')}{built_by}, {_bytes(size)}",
+           f"targets: {', '.join(map(str, info.get('targets') or [])) or '-'}",
+           f"weights: {_bytes(info.get('weights_bytes'))}", "", "inputs:"]
+    rows = []
+    for s in info.get("inputs") or []:
+        lo, hi = s.get("low"), s.get("high")
+        rows.append([s.get("name", "?"), list(s.get("shape", [])), s.get("dtype", "?"), s.get("kind", "?"),
+                     f"[{lo}, {hi})" if lo is not None or hi is not None else "-"])
+    out += [_indent(_bench.format_table(["name", "shape", "dtype", "kind", "range"], rows))]
+    if info.get("outputs"):
+        rows = [[s.get("name", f"out{i}"), list(s.get("shape", [])), s.get("dtype", "?")]
+                for i, s in enumerate(info["outputs"])]
+        out += ["", "outputs:", _indent(_bench.format_table(["name", "shape", "dtype"], rows))]
+    out += ["", "programs:"]
+    rows = []
+    for name, p in _programs(info.get("programs")):
+        n, by_op = _instructions(p)
+        rows.append([name, "-" if n is None else n, by_op])
+    out += [_indent(_bench.format_table(["program", "instructions", "by op"], rows))]
+    kernels = info.get("kernels") or []
+    rows = []
+    for k in kernels:
+        k = k if isinstance(k, dict) else {"name": k}
+        nodes = next((k[key] for key in ("nodes", "fused_nodes", "num_nodes", "origins") if key in k), None)
+        rows.append([k.get("name", "?"), k.get("kind", "-"), "-" if _count(nodes) is None else _count(nodes),
+                     k.get("launches", "-")])
+    headers = ["name", "kind", "nodes fused", "launches"]
+    out += ["", f"kernels ({len(kernels)}):", _indent(_bench.format_table(headers, rows))]
+    if info.get("fusion") is not None:
+        out += ["", "fusion:", *_kv_lines(info["fusion"])]
+    if isinstance(info.get("memory"), dict):
+        out += ["", "memory:", *_kv_lines({k: _bytes(v, exact=False) if k.endswith("bytes") else v
+                                           for k, v in info["memory"].items()})]
+    if info.get("partition") is not None:
+        out += ["", "partition:", *_kv_lines(info["partition"])]
+    return "\n".join(out)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+@app.command("inspect")
+def inspect_cmd(
+    artifact: Path = typer.Argument(..., help="An .aotf file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the machine-readable summary."),
+):
+    """Show what an .aotf file holds: targets, inputs, programs, kernels, fusion, weights."""
+    path = _existing(artifact)
+    info = _core("inspect_archive")(str(path))
+    if as_json:
+        typer.echo(json.dumps(info, indent=2, default=str))
+    else:
+        typer.echo(render_inspect(info, artifact))
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+def _summary_rows(out: Any, names: list[str]) -> list[list[Any]]:
+    rows = []
+    for i, t in enumerate(_bench.leaves(out)):
+        name = names[i] if i < len(names) and names[i] else f"out{i}"
+        if not isinstance(t, torch.Tensor):
+            rows.append([name, "-", type(t).__name__, t, "-", "-"])
+            continue
+        f = t.detach().double()
+        finite = bool(torch.isfinite(f).all()) if f.numel() else True
+        mean = f"{f.mean().item():.6g}" if f.numel() else "-"
+        std = f"{f.std().item():.6g}" if f.numel() > 1 else "-"
+        rows.append([name, list(t.shape), str(t.dtype), mean, std, "yes" if finite else "NO"])
+    return rows
+
+
+def _describe_input(s: dict) -> str:
+    rng = f" in [{s.get('low')}, {s.get('high')})" if s.get("kind") == "int" else ""
+    return f"{s.get('name', '?')} {list(s.get('shape', []))} {s.get('dtype', '?')}{rng}"
+
+
+@app.command()
+def run(
+    artifact: Path = typer.Argument(..., help="An .aotf file."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu [default: cuda if available]."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    iters: int = typer.Option(1, "--iters", min=1, help="Calls to make; past the first, the median is reported."),
+):
+    """Run an artifact on random inputs that satisfy its guards; summarize outputs and time."""
+    dev = _device(device)
+    _existing(artifact)
+    if torch.device(dev).type == "cpu":
+        typer.echo("note: on cpu, kernels run in Triton's interpreter (slow)", err=True)
+    t0 = time.perf_counter()
+    art = _core("load")(str(artifact), device=dev)
+    _sync(dev)
+    load_ms = (time.perf_counter() - t0) * 1e3
+    inputs = _specs.random_inputs(art.input_specs, device=dev, seed=seed)
+    times, out = [], None
+    with torch.no_grad():
+        for _ in range(iters):
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = art(*inputs)
+            _sync(dev)
+            times.append((time.perf_counter() - t0) * 1e3)
+    typer.echo(f"loaded {artifact} on {dev} in {load_ms:.1f} ms")
+    typer.echo("inputs (seed %d): %s" % (seed, "; ".join(_describe_input(s) for s in art.input_specs)))
+    names = [s.get("name", "") for s in (getattr(art, "output_specs", None) or [])]
+    typer.echo(_bench.format_table(["output", "shape", "dtype", "mean", "std", "finite"], _summary_rows(out, names)))
+    line = f"time: first call {times[0]:.2f} ms"
+    if len(times) > 1:
+        line += f"; median of the next {len(times) - 1}: {statistics.median(times[1:]):.3f} ms"
+    typer.echo(line)
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+def _check_rows(checks) -> list[list[Any]]:
+    return [[c.name, list(c.shape), str(c.dtype), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", c.tolerance,
+             "ok" if c.passed else "FAIL", c.note] for c in checks]
+
+
+@app.command()
+def verify(
+    spec: str = typer.Argument(..., help="The model spec the artifact was built from."),
+    artifact: Optional[Path] = typer.Argument(None, help="An .aotf file [default: build one to a temp file]."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu [default: cuda if available]."),
+    train: bool = typer.Option(False, "--train", help="Compare loss and gradients (artifact.as_module())."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+):
+    """Compare an artifact with eager PyTorch on fresh random inputs; exit 1 on FAIL."""
+    dev = _device(device)
+    with tempfile.TemporaryDirectory(prefix="aotfuse-verify-") as tmp:
+        if artifact is None:
+            path = Path(tmp) / "verify.aotf"
+            _build_to(spec, path, targets=_targets(None, dev), train=train, memory_budget=1.0)
+        else:
+            path = _existing(artifact)
+        art = _core("load")(str(path), device=dev)
+        checks = _bench.verify_spec(spec, art, device=dev, seed=seed, train=train)
+    headers = ["output", "shape", "dtype", "max abs err", "max rel err", "tolerance", "result", "note"]
+    typer.echo(_bench.format_table(headers, _check_rows(checks)))
+    failed = [c for c in checks if not c.passed]
+    what = "loss and gradients" if train else "outputs"
+    if failed:
+        typer.echo(f"FAIL: {len(failed)} of {len(checks)} {what} out of tolerance ({dev}, seed {seed})")
+        raise typer.Exit(1)
+    typer.echo(f"PASS: {len(checks)} {what} within tolerance ({dev}, seed {seed})")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+def _batches(batch: Optional[str], spec: str) -> list[Optional[int]]:
+    if batch is None:
+        return [1, 8] if _specs.accepts(_specs.factory_of(spec), "batch") else [None]
+    try:
+        sizes = [int(b) for b in batch.split(",") if b.strip()]
+    except ValueError as e:
+        raise AotfuseError(f"bad --batch {batch!r}", remedy="use comma-separated integers, e.g. --batch 1,8") from e
+    if not sizes or any(b < 1 for b in sizes):
+        raise AotfuseError(f"bad --batch {batch!r}", remedy="use comma-separated positive integers, e.g. --batch 1,8")
+    return sizes
+
+
+@app.command("bench")
+def bench_cmd(
+    spec: str = typer.Argument(DEFAULT_SPEC, help="Model factory; it must take `batch` for --batch."),
+    batch: Optional[str] = typer.Option(None, "--batch", help="Comma-separated batch sizes [default: 1,8]."),
+    iters: int = typer.Option(200, "--iters", min=1, help="Timed calls per contender (median reported)."),
+    warmup: int = typer.Option(20, "--warmup", min=0, help="Untimed calls first."),
+    arch: Optional[str] = typer.Option(None, "--arch", help="Targets to build [default: this GPU's]."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Append a dated section to this file."),
+):
+    """GPU: eager vs torch.compile vs aotfuse in one process, plus build and load times."""
+    batches = _batches(batch, spec)
+    targets = _targets(arch) if arch else None
+    results = _bench.bench_spec(spec, batches=batches, iters=iters, warmup=warmup, targets=targets,
+                                log=lambda s: typer.echo(s, err=True))
+    env = _bench.environment("cuda")
+    typer.echo(", ".join(f"{k} {v}" for k, v in env.items()) + f"; median of {iters} calls after {warmup} warm-up")
+    typer.echo(_bench.result_table(results))
+    for line in _bench.artifact_lines(results):
+        typer.echo(line)
+    if markdown is not None:
+        _bench.append_markdown(markdown, _bench.markdown_section(results, iters=iters, warmup=warmup, env=env))
+        typer.echo(f"appended to {markdown}")

@@ -1,0 +1,347 @@
+"""One fusion group -> one Triton kernel's source, plus its launch metadata.
+
+Kernel shapes:
+- pointwise (r = 1): 1-D blocks of XBLOCK elements.
+- reduction, persistent (r fits in registers): each program holds XBLOCK rows x RBLOCK >= r columns;
+  the group's reductions and their pointwise producers/consumers are computed level by level.
+- reduction, looped: one `for roffset` loop per level; values a later loop needs are recomputed.
+Numels and block sizes are literals: shapes are static, and literals give the best code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import sympy
+
+from ..errors import BuildError
+from ..knobs import knobs
+from ..schedule.fusion import FusionGroup
+from ..schedule.indexing import flat_index, simplify, unravel
+from ..schedule.ir import (Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, compute_dtype,
+                           subs_expr)
+from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
+
+SX = sympy.Symbol("sx", integer=True, nonnegative=True)
+SR = sympy.Symbol("sr", integer=True, nonnegative=True)
+INDEX_LIMIT = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelArg:
+    name: str
+    buf: str
+    dtype: str
+    role: str  # "in" | "out"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSource:
+    name: str
+    source: str
+    args: tuple[KernelArg, ...]
+    grid: tuple[int, int, int]
+    num_warps: int
+    group: str
+    kind: str  # "pointwise" | "persistent_reduction" | "looped_reduction"
+    nodes: tuple[str, ...]
+    xblock: int
+    rblock: int
+
+    @property
+    def signature(self) -> dict[str, str]:
+        return {a.name: PTR_TYPE[a.dtype] for a in self.args}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _blocks(x: int, r: int) -> tuple[str, int, int, int]:
+    """(kind, XBLOCK, RBLOCK, num_warps) for an x-by-r iteration space."""
+    if r == 1:
+        xb = min(1024, _next_pow2(x))
+        return "pointwise", xb, 1, max(1, min(4, xb // 128))
+    if r <= knobs.persistent_rblock_max:
+        rb = _next_pow2(r)
+        xb = max(1, min(_next_pow2(x), 4096 // rb))
+        while xb > 1 and -(-x // xb) < 256:  # keep enough programs to fill the SMs
+            xb //= 2
+        elems = xb * rb
+        return "persistent_reduction", xb, rb, max(1, min(8, elems // 256))
+    return "looped_reduction", 1, 1024, 8
+
+
+class _Emitter:
+    # Mutable by nature: accumulates source lines and a CSE cache per scope while one kernel is written.
+    def __init__(self, graph: LoopGraph, members: dict, args: dict, kind: str):
+        self.graph = graph
+        self.members = members  # node name -> node with kernel-level indices
+        self.args = args  # buffer -> arg name (inputs)
+        self.kind = kind
+        self.lines: list[str] = []
+        self.depth = 1
+        self.scopes: list[dict] = [{}]
+        self.n = 0
+        self.red_vars: dict[str, str] = {}
+        self.ctx = "x"  # "x": per-row context (mask xmask); "xr": per-element context
+
+    def line(self, text: str):
+        self.lines.append("    " * self.depth + text)
+
+    def tmp(self, code: str) -> str:
+        self.n += 1
+        name = f"t{self.n}"
+        self.line(f"{name} = {code}")
+        return name
+
+    def lookup(self, key):
+        for s in reversed(self.scopes):
+            if key in s:
+                return s[key]
+        return None
+
+    def mask(self) -> str:
+        if self.kind == "pointwise":
+            return "xmask"
+        return "xmask & rmask" if self.ctx == "xr" else "xmask"
+
+    def emit(self, e) -> str:
+        key = (self.ctx, e)
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
+        code = self._code(e)
+        name = code if code.isidentifier() else self.tmp(code)
+        self.scopes[-1][key] = name
+        return name
+
+    def _code(self, e) -> str:
+        if isinstance(e, Load):
+            if e.buf in self.members:
+                return self.node_value(e.buf, e.index)
+            idx = print_index(e.index, {SX: "xindex", SR: "rindex"})
+            return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0)"
+        if isinstance(e, Const):
+            return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
+        if isinstance(e, IndexValue):
+            return f"({print_index(e.expr, {SX: 'xindex', SR: 'rindex'})}).to({TL_DTYPE[e.dtype]})"
+        if isinstance(e, Cast):
+            inner = self.emit(e.arg)
+            src = e.arg.dtype
+            if e.dtype == "bool" and src != "bool":
+                return f"({inner} != 0)"
+            return f"{inner}.to({TL_DTYPE[e.dtype]})"
+        if isinstance(e, Op):
+            return op_source(e.op, [self.emit(a) for a in e.args], e.dtype)
+        raise BuildError(f"internal: cannot emit {type(e).__name__}")
+
+    def node_value(self, name: str, index) -> str:
+        node = self.members[name]
+        want = _store_index(node, self.kind)
+        if sympy.expand(index - want) != 0:
+            raise BuildError(f"internal: fused read of {name} at {index} but it is held at {want}",
+                             remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
+        if isinstance(node, Reduction):
+            return self.red_vars[name]
+        saved = self.ctx
+        self.ctx = "xr" if self.kind != "pointwise" and node.numel != self.xnumel else "x"
+        try:
+            return self.emit(node.body)
+        finally:
+            self.ctx = saved
+
+
+def _store_index(node, kind: str):
+    if isinstance(node, Reduction):
+        return SX
+    return node.store_index
+
+
+def _kernelize(node, x: int, r: int):
+    """node with its loop variables replaced by kernel indices sx (row/element) and sr (column)."""
+    rng = {SX: x, SR: r}
+    if isinstance(node, Reduction):
+        mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
+        mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges))))
+        store = SX
+    elif r > 1 and node.numel == x * r:
+        mapping = dict(zip(node.pvars, unravel(SX * r + SR, node.ranges)))
+        store = SX * r + SR
+    else:
+        mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
+        store = SX
+    mapping = {k: simplify(v, rng) for k, v in mapping.items()}
+    body = subs_expr(node.body, mapping)
+    body = _simplify_loads(body, rng)
+    out = dataclasses.replace(node, body=body)
+    object.__setattr__(out, "store_index", store)  # codegen-only annotation on a private copy
+    return out
+
+
+def _simplify_loads(e, rng):
+    from ..schedule.ir import map_loads
+
+    e = map_loads(e, lambda ld: Load(ld.buf, simplify(ld.index, rng), ld.dtype))
+
+    def walk(x):
+        if isinstance(x, IndexValue):
+            return IndexValue(simplify(x.expr, rng), x.dtype)
+        if isinstance(x, Op):
+            return Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
+        if isinstance(x, Cast):
+            return Cast(walk(x.arg), x.dtype)
+        return x
+    return walk(e)
+
+
+def _levels(nodes: list, names: set, x: int, r: int) -> dict[str, int]:
+    from ..schedule.ir import expr_loads
+
+    level: dict[str, int] = {}
+    for n in nodes:
+        lv = 0
+        for ld in expr_loads(n.body):
+            if ld.buf in names and ld.buf != n.name:
+                dep = level[ld.buf]
+                lv = max(lv, dep + 1 if isinstance(_by_name(nodes, ld.buf), Reduction) else dep)
+        level[n.name] = lv
+    return level
+
+
+def _by_name(nodes, name):
+    for n in nodes:
+        if n.name == name:
+            return n
+    raise KeyError(name)
+
+
+_RED_INIT = {"sum": "0", "prod": "1", "max": 'float("-inf")', "min": 'float("inf")', "any": "0"}
+
+
+def _red_identity(rtype: str, dtype: str) -> str:
+    if dtype.startswith("float"):
+        return _RED_INIT[rtype]
+    if rtype == "max":
+        return "-2147483648" if dtype != "bool" else "0"
+    if rtype == "min":
+        return "2147483647" if dtype != "bool" else "1"
+    return _RED_INIT[rtype]
+
+
+def _finalize(rtype: str, v: str) -> str:
+    return {"sum": f"tl.sum({v}, 1)[:, None]", "max": f"tl.max({v}, 1)[:, None]",
+            "min": f"tl.min({v}, 1)[:, None]", "prod": f"tl.reduce({v}, 1, _prod_combine)[:, None]",
+            "any": f"(tl.max({v}.to(tl.int8), 1) > 0)[:, None]"}[rtype]
+
+
+def _combine(rtype: str, acc: str, v: str) -> str:
+    return {"sum": f"{acc} + {v}", "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})",
+            "prod": f"{acc} * {v}", "any": f"{acc} | {v}"}[rtype]
+
+
+def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
+    nodes_by = {n.name: n for n in graph.nodes}
+    x, r = group.xnumel, group.rnumel
+    if x * r > INDEX_LIMIT or any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes):
+        raise BuildError(f"group {group.name} indexes more than 2**31 elements",
+                         remedy="split the batch; 64-bit indexing is not supported yet")
+    kind, xb, rb, warps = _blocks(x, r)
+    knodes = [_kernelize(nodes_by[n], x, r) for n in group.nodes]
+    names = set(group.nodes)
+    from ..schedule.ir import expr_loads
+
+    ins: list[str] = []
+    for n in knodes:
+        for ld in expr_loads(n.body):
+            if ld.buf not in names and ld.buf not in ins:
+                ins.append(ld.buf)
+    outs = [n.name for n in knodes if n.name in stored]
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in") for i, b in enumerate(ins)]
+    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out") for i, b in enumerate(outs)]
+    out_name = {a.buf: a.name for a in args if a.role == "out"}
+    em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
+    em.xnumel = x
+
+    def store(n, value: str, ctx: str):
+        idx = print_index(n.store_index, {SX: "xindex", SR: "rindex"})
+        m = "xmask & rmask" if ctx == "xr" else "xmask"
+        em.line(f"tl.store({out_name[n.name]} + {idx}, {value}.to({TL_DTYPE[graph.buffer(n.name).dtype]}), {m})")
+
+    if kind == "pointwise":
+        em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})")
+        em.line(f"xmask = xindex < {x}")
+        for n in knodes:
+            if n.name in out_name:
+                store(n, em.emit(n.body), "x")
+    else:
+        em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
+        em.line(f"xmask = xindex < {x}")
+        levels = _levels(knodes, names, x, r)
+        looped = kind == "looped_reduction"
+        if not looped:
+            em.line(f"rindex = tl.arange(0, {rb})[None, :]")
+            em.line(f"rmask = rindex < {r}")
+        for lv in range(max(levels.values()) + 1):
+            at = [n for n in knodes if levels[n.name] == lv]
+            epi = [n for n in at if isinstance(n, Pointwise) and n.numel == x]
+            elem = [n for n in at if n not in epi]
+            em.ctx = "x"
+            for n in epi:
+                v = em.emit(n.body)
+                if n.name in out_name:
+                    store(n, v, "x")
+            if not elem:
+                continue
+            reds = [n for n in elem if isinstance(n, Reduction)]
+            if looped:
+                for n in reds:
+                    em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
+                             f"{TL_DTYPE[n.acc_dtype]})")
+                em.line(f"for roffset in range(0, {r}, {rb}):")
+                em.depth += 1
+                em.scopes.append({})
+                em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")
+                em.line(f"rmask = rindex < {r}")
+            em.ctx = "xr"
+            for n in elem:
+                v = em.emit(n.body)
+                if isinstance(n, Reduction):
+                    ident = _red_identity(n.rtype, n.acc_dtype)
+                    masked = em.tmp(f"tl.where(xmask & rmask, {v}, {ident})")
+                    if looped:
+                        em.line(f"acc_{n.name} = {_combine(n.rtype, f'acc_{n.name}', masked)}")
+                    else:
+                        em.red_vars[n.name] = em.tmp(_finalize(n.rtype, masked))
+                elif n.name in out_name:
+                    store(n, v, "xr")
+            if looped:
+                em.scopes.pop()
+                em.depth -= 1
+                for n in reds:
+                    em.red_vars[n.name] = em.tmp(_finalize(n.rtype, f"acc_{n.name}"))
+            em.ctx = "x"
+            for n in reds:
+                if n.name in out_name:
+                    store(n, em.red_vars[n.name], "x")
+    body = "\n".join(em.lines)
+    params = ", ".join(a.name for a in args)
+    head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
+    text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
+    return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
+                        group.name, kind, group.nodes, xb, rb)
+
+
+_HEADER = """import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+"""
+
+_PROD_COMBINE = """
+
+@triton.jit
+def _prod_combine(a, b):
+    return a * b
+"""

@@ -1,0 +1,79 @@
+"""Index expressions and loop-IR ops as Triton source text."""
+from __future__ import annotations
+
+import math
+
+import sympy
+
+from ..schedule.indexing import FloorDiv, ModIdx
+
+TL_DTYPE = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float64": "tl.float64",
+            "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8",
+            "bool": "tl.int1"}
+PTR_TYPE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64", "int64": "*i64",
+            "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
+
+
+def print_index(e: sympy.Expr, names: dict) -> str:
+    """sympy index -> Triton integer expression; `names` maps symbols to source names."""
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return names[e]
+    if e.is_Add:
+        parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
+        return "(" + " + ".join(parts) + ")"
+    if e.is_Mul:
+        parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
+        return "(" + " * ".join(parts) + ")"
+    if isinstance(e, FloorDiv):
+        return f"({print_index(e.args[0], names)} // {print_index(e.args[1], names)})"
+    if isinstance(e, ModIdx):
+        return f"({print_index(e.args[0], names)} % {print_index(e.args[1], names)})"
+    raise ValueError(f"cannot print index expression {e}")
+
+
+def literal(value, dtype: str) -> str:
+    if dtype == "bool":
+        return "1" if value else "0"
+    if dtype.startswith(("int", "uint")):
+        return str(int(value))
+    v = float(value)
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else 'float("-inf")'
+    return repr(v)
+
+
+def op_source(op: str, a: list[str], dtype: str) -> str:
+    """One loop-IR op applied to already-named operands."""
+    is_float = dtype.startswith("float")
+    simple = {
+        "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+        "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
+        "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+        "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
+        "xor": "({0} ^ {1})", "neg": "(-{0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
+        "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "erf": "tl.erf({0})", "tanh": "libdevice.tanh({0})",
+        "sigmoid": "tl.sigmoid({0})", "abs": "tl.abs({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
+        "log1p": "libdevice.log1p({0})", "expm1": "libdevice.expm1({0})", "floor": "tl.floor({0})",
+        "ceil": "tl.ceil({0})", "not": "({0} == 0)", "reciprocal": "(1.0 / {0})",
+        "relu": "tl.maximum({0}, 0)", "isnan": "({0} != {0})", "pow": "libdevice.pow({0}, {1})",
+        "where": "tl.where({0}, {1}, {2})",
+    }
+    if op in simple:
+        return simple[op].format(*a)
+    if op == "sign":
+        return f"tl.where({a[0]} > 0, 1, tl.where({a[0]} < 0, -1, 0)).to({TL_DTYPE[dtype]})"
+    if op == "floordiv":
+        if is_float:
+            return f"tl.floor({a[0]} / {a[1]})"
+        q = f"({a[0]} // {a[1]})"
+        return f"({q} - ((({a[0]} % {a[1]}) != 0) & (({a[0]} < 0) != ({a[1]} < 0))).to({TL_DTYPE[dtype]}))"
+    if op == "truncdiv":
+        return f"libdevice.trunc({a[0]} / {a[1]})" if is_float else f"({a[0]} // {a[1]})"
+    if op == "mod":
+        r = f"({a[0]} % {a[1]})"
+        return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"
+    raise ValueError(f"no Triton source for op {op!r}")

@@ -1,0 +1,65 @@
+"""The execution program: a flat list of instructions, as plain data (msgpack), never code.
+
+Instructions (all fields are data):
+  alloc  {buf, offset, shape, dtype}          view of the per-call arena
+  launch {kernel, grid, args: [buf...]}       one fused kernel
+  extern {target, args, kwargs, out, out_view, out_variant, shape, dtype}
+  free   {bufs: [...]}                        drop references after their last use
+  return {outputs: [view...]}
+"""
+from __future__ import annotations
+
+from ..schedule.fusion import Schedule
+from ..schedule.ir import Extern, LoopGraph, TensorArg
+from ..schedule.memplan import MemoryPlan
+from .kernel_src import KernelSource
+
+PROGRAM_VERSION = 1
+
+
+def encode_arg(a):
+    if isinstance(a, TensorArg):
+        return {"t": a.buf, "shape": list(a.shape), "stride": list(a.stride), "offset": a.offset}
+    if isinstance(a, (list, tuple)):
+        return [encode_arg(x) for x in a]
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise TypeError(f"extern argument of type {type(a).__name__} cannot be encoded")
+
+
+def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSource], plan: MemoryPlan) -> dict:
+    bufs = graph.buffer_map
+    nodes = {n.name: n for n in graph.nodes}
+    alloc_of = {a.buf: a for a in plan.allocations}
+    frees = dict(plan.frees)
+    instrs = []
+    for step, g in enumerate(sched.groups):
+        if g.kind == "extern":
+            ext: Extern = nodes[g.nodes[0]]
+            b = bufs[ext.name]
+            if ext.name in alloc_of:
+                instrs.append(_alloc(alloc_of[ext.name], b))
+            instrs.append({"op": "extern", "target": ext.target, "args": encode_arg(ext.args),
+                           "kwargs": {k: encode_arg(v) for k, v in ext.kwargs}, "out": ext.name,
+                           "out_view": encode_arg(ext.out), "out_variant": ext.out_variant,
+                           "shape": list(b.shape), "dtype": b.dtype})
+        else:
+            k = kernels[g.name]
+            for a in k.args:
+                if a.role == "out":
+                    instrs.append(_alloc(alloc_of[a.buf], bufs[a.buf]))
+            instrs.append({"op": "launch", "kernel": k.name, "grid": list(k.grid), "args": [a.buf for a in k.args]})
+        if step in frees:
+            instrs.append({"op": "free", "bufs": list(frees[step])})
+    instrs.append({"op": "return", "outputs": [encode_arg(o.view) for o in graph.outputs]})
+    return {
+        "version": PROGRAM_VERSION,
+        "inputs": [{"buf": name, "shape": list(bufs[name].shape), "dtype": bufs[name].dtype} for name in graph.inputs],
+        "weights": {buf: fqn for buf, fqn in graph.weights},
+        "arena_bytes": plan.arena_bytes,
+        "instructions": instrs,
+    }
+
+
+def _alloc(a, b) -> dict:
+    return {"op": "alloc", "buf": a.buf, "offset": a.offset, "shape": list(b.shape), "dtype": b.dtype}

@@ -1,0 +1,106 @@
+"""torch.export capture: module + example inputs -> core-ATen FX graph, weights, input specs."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import BuildError
+from .decomp import decomposition_table
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # "float" | "int" | "bool"
+    low: int | None = None  # for int inputs: the valid value range [low, high)
+    high: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype), "kind": self.kind,
+                "low": self.low, "high": self.high}
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedGraph:
+    """The export stage's value: an FX graph in core ATen plus what its placeholders mean."""
+
+    gm: torch.fx.GraphModule
+    # placeholder name -> ("weight", fqn) | ("input", index)
+    placeholders: tuple[tuple[str, str, Any], ...]
+    weights: dict[str, torch.Tensor]  # fqn -> tensor (parameters, buffers, lifted constants)
+    inputs: tuple[InputSpec, ...]
+    single_output: bool
+    seconds: float
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point else "int"
+
+
+def _int_range(name: str, t: torch.Tensor, gm: torch.fx.GraphModule, weights: dict, ph_to_weight: dict):
+    """Valid range of an integer input: an embedding index is in [0, num_embeddings)."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name == name:
+            for user in node.users:
+                if user.target is torch.ops.aten.embedding.default and user.args[1] is node:
+                    w = weights[ph_to_weight[user.args[0].name]]
+                    return 0, int(w.shape[0])
+    lo, hi = int(t.min()), int(t.max()) + 1
+    return lo, hi
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = False) -> CapturedGraph:
+    t0 = time.perf_counter()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = tuple(example_inputs)
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise BuildError(f"example input {i} is a {type(x).__name__}; only tensors are supported",
+                             remedy="wrap scalars and structures in the model's forward")
+    try:
+        ep = torch.export.export(model, example_inputs, strict=False)
+        ep = ep.run_decompositions(decomposition_table())
+    except Exception as exc:  # torch raises many types here; name the stage and the cause
+        raise BuildError(f"torch.export failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                         remedy="check that the model exports with torch.export.export(model, inputs)") from exc
+    sig = ep.graph_signature
+    state = dict(ep.state_dict)
+    state.update(ep.constants)
+    ph_map: dict[str, Any] = {}
+    ph_map.update({k: v for k, v in sig.inputs_to_parameters.items()})
+    ph_map.update({k: v for k, v in sig.inputs_to_buffers.items()})
+    ph_map.update({k: v for k, v in sig.inputs_to_lifted_tensor_constants.items()})
+    user_inputs = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    placeholders = []
+    weights = {}
+    for node in ep.graph_module.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.name in ph_map:
+            fqn = ph_map[node.name]
+            weights[fqn] = state[fqn].detach().contiguous()
+            placeholders.append((node.name, "weight", fqn))
+        elif node.name in user_inputs:
+            placeholders.append((node.name, "input", user_inputs.index(node.name)))
+        else:
+            raise BuildError(f"placeholder {node.name} is neither a user input nor a weight")
+    specs = []
+    for idx, name in enumerate(user_inputs):
+        t = example_inputs[idx]
+        kind = _kind(t.dtype)
+        lo = hi = None
+        if kind == "int":
+            lo, hi = _int_range(name, t, ep.graph_module, weights, ph_map)
+        specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
+    out_spec = ep.call_spec.out_spec
+    single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
+    return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
+                         time.perf_counter() - t0)

@@ -1,0 +1,141 @@
+"""Our decomposition table: composite ops become primitives the scheduler can fuse.
+
+Starts from torch.export's default table (core ATen) and then
+- keeps matmuls, convolution, attention and embedding whole (they become externs), and
+- replaces the decompositions of the composites we care about with our own, written so that each
+  one lowers to a few reductions and pointwise ops (one kernel each after fusion).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops kept whole: the runtime calls them as allow-listed aten externs.
+KEEP_WHOLE = (
+    aten.scaled_dot_product_attention.default,
+    aten.embedding.default,
+    aten.convolution.default,
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+)
+
+
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = torch.mean(xf, dims, keepdim=True)
+    centered = xf - mean
+    var = torch.mean(centered * centered, dims, keepdim=True)
+    out = centered * torch.rsqrt(var + eps)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype)
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = torch.mean(xf, dims, keepdim=True)
+    centered = xf - mean
+    var = torch.mean(centered * centered, dims, keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    out = centered * rstd
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype), mean, rstd
+
+
+def _rms_norm(x, normalized_shape, weight=None, eps=None):
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    out = xf * torch.rsqrt(torch.mean(xf * xf, dims, keepdim=True) + eps)
+    if weight is not None:
+        out = out * weight
+    return out.to(x.dtype)
+
+
+def _gelu(x, approximate="none"):
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if approximate == "tanh":
+        inner = math.sqrt(2.0 / math.pi) * (xf + 0.044715 * xf * xf * xf)
+        out = 0.5 * xf * (1.0 + torch.tanh(inner))
+    else:
+        out = 0.5 * xf * (1.0 + torch.erf(xf * (1.0 / math.sqrt(2.0))))
+    return out.to(x.dtype)
+
+
+def _silu(x):
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    return (xf * torch.sigmoid(xf)).to(x.dtype)
+
+
+def _softmax(x, dim, half_to_float=False):
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    shifted = xf - torch.amax(xf, dim, keepdim=True)
+    e = torch.exp(shifted)
+    out = e / torch.sum(e, dim, keepdim=True)
+    return out if half_to_float else out.to(x.dtype)
+
+
+def _softmax_int(x, dim, dtype=None):
+    out = _softmax(x, dim, half_to_float=True)
+    return out.to(dtype if dtype is not None else x.dtype)
+
+
+def _log_softmax(x, dim, half_to_float=False):
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    shifted = xf - torch.amax(xf, dim, keepdim=True)
+    out = shifted - torch.log(torch.sum(torch.exp(shifted), dim, keepdim=True))
+    return out if half_to_float else out.to(x.dtype)
+
+
+def _log_softmax_int(x, dim, dtype=None):
+    out = _log_softmax(x, dim, half_to_float=True)
+    return out.to(dtype if dtype is not None else x.dtype)
+
+
+def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    out = (xf - running_mean.reshape(shape)) * torch.rsqrt(running_var.reshape(shape) + eps)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    empty = x.new_zeros((0,))
+    return out.to(x.dtype), empty, empty
+
+
+OURS = {
+    aten.layer_norm.default: _layer_norm,
+    aten.native_layer_norm.default: _native_layer_norm,
+    aten.rms_norm.default: _rms_norm,
+    aten.gelu.default: _gelu,
+    aten.silu.default: _silu,
+    aten.softmax.int: _softmax_int,
+    aten._softmax.default: _softmax,
+    aten.log_softmax.int: _log_softmax_int,
+    aten._log_softmax.default: _log_softmax,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
+}
+
+
+def decomposition_table() -> dict:
+    """The table handed to ExportedProgram.run_decompositions."""
+    table = torch.export.default_decompositions()
+    for op in KEEP_WHOLE:
+        if op in table:
+            del table[op]
+    for op, fn in OURS.items():
+        table[op] = fn
+    return table

@@ -1,0 +1,166 @@
+"""aotfuse.build: the one function that lists the pipeline's stages in order.
+
+export -> lower -> inline -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
+Each stage is a function from one value to the next; the pipeline records what each decided and
+how long it took, in the report stored in the archive.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable
+
+import msgpack
+import torch
+
+from . import __version__
+from .archive import save_archive, write_archive
+from .emit.compile import compile_all
+from .emit.kernel_src import generate
+from .emit.program import build_program
+from .errors import BuildError
+from .export import capture
+from .knobs import knobs
+from .schedule.fusion import fuse
+from .schedule.inline import inline_pointwise
+from .schedule.lower import lower
+from .schedule.memplan import plan_memory
+
+Progress = Callable[[str, dict], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    data: bytes
+    report: dict
+    timings: dict
+
+    def save(self, path) -> int:
+        import os
+        import tempfile
+
+        path = os.fspath(path)
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.data)
+        os.replace(tmp, path)
+        return len(self.data)
+
+
+class _Stages:
+    # Records timings and emits progress events around each stage.
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+        self.timings: dict[str, float] = {}
+
+    def run(self, name: str, fn, *args, **kwargs):
+        if self.progress:
+            self.progress("stage", {"name": name, "status": "start"})
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.timings[name] = round(time.perf_counter() - t0, 4)
+        if self.progress:
+            self.progress("stage", {"name": name, "status": "done", "seconds": self.timings[name]})
+        return out
+
+
+def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool = False, memory_budget: float = 1.0,
+          progress: Progress | None = None) -> BuildResult:
+    """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes)."""
+    if train:
+        from .errors import AotfuseError
+
+        raise AotfuseError("--train builds are not available in this version", remedy="build without --train")
+    targets = tuple(targets or knobs.targets)
+    st = _Stages(progress)
+    t_all = time.perf_counter()
+    cg = st.run("export", capture, model, tuple(example_inputs))
+    graph, lctx = st.run("lower", lower, cg)
+    n_lowered = len(graph.nodes)
+    graph, inlined = st.run("inline", inline_pointwise, graph)
+    sched = st.run("fuse", fuse, graph)
+    plan = st.run("memory_plan", plan_memory, graph, sched)
+    kernels = st.run("codegen", lambda: {g.name: generate(g, graph, sched.stored)
+                                         for g in sched.groups if g.kind != "extern"})
+    binaries = st.run("compile", compile_all, list(kernels.values()), targets, knobs.compile_workers, progress)
+    program = st.run("program", build_program, graph, sched, kernels, plan)
+    report = _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, st.timings)
+    manifest, parts, weights = st.run("archive", _pack, cg, graph, lctx, program, kernels, binaries, report,
+                                      targets)
+    data = write_archive(manifest, parts, weights)
+    st.timings["total"] = round(time.perf_counter() - t_all, 4)
+    report["timings"] = dict(st.timings)
+    return BuildResult(data, report, dict(st.timings))
+
+
+def _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, timings) -> dict:
+    refusals = collections.Counter(d.reason.split(":")[0] for d in sched.decisions if not d.fused)
+    launches = collections.Counter(k.name for k in kernels.values())
+    return {
+        "fusion_summary": {
+            "loop_ir_nodes": n_lowered,
+            "inlined": len(inlined),
+            "groups": len(sched.groups),
+            "kernel_launches": len(kernels),
+            "unique_kernels": len(launches),
+            "externs": sum(1 for g in sched.groups if g.kind == "extern"),
+            "fused_pairs": sum(1 for d in sched.decisions if d.fused),
+            "refusals": dict(refusals),
+        },
+        "fusion": [dataclasses.asdict(d) for d in sched.decisions],
+        "inline": [dataclasses.asdict(d) for d in inlined],
+        "lowering": lctx.decisions,
+        "groups": [{"name": g.name, "kind": g.kind, "nodes": list(g.nodes), "xnumel": g.xnumel, "rnumel": g.rnumel,
+                    "kernel": kernels[g.name].name if g.name in kernels else None} for g in sched.groups],
+        "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes,
+                   "buffers": len(plan.allocations), "bound_extern_results": len(plan.bound)},
+        "timings": dict(timings),
+    }
+
+
+def _pack(cg, graph, lctx, program, kernels, binaries, report, targets):
+    kpart, sources = {}, {}
+    for k in kernels.values():
+        entry = kpart.setdefault(k.name, {
+            "kind": k.kind, "nodes": list(k.nodes), "grid": list(k.grid), "num_warps": k.num_warps,
+            "xblock": k.xblock, "rblock": k.rblock,
+            "args": [{"name": a.name, "dtype": a.dtype, "role": a.role} for a in k.args],
+            "binaries": {arch: {"cubin": b.cubin, "name": b.name, "num_warps": b.num_warps, "shared": b.shared,
+                                "global_scratch": b.global_scratch, "profile_scratch": b.profile_scratch}
+                         for arch, b in binaries[k.name].items()},
+            "launches": 0,
+        })
+        entry["launches"] += 1
+        sources[k.name] = k.source
+    weights = {}
+    for buf, fqn in graph.weights:
+        if fqn.startswith("__const__."):
+            weights[fqn] = lctx.constants[buf]
+        else:
+            weights[fqn] = cg.weights[fqn]
+    bufs = graph.buffer_map
+    manifest = {
+        "format": "aotfuse",
+        "aotfuse_version": __version__,
+        "torch_version": torch.__version__.split("+")[0],
+        "targets": list(targets),
+        "programs": ["forward"],
+        "inputs": [s.to_dict() for s in cg.inputs],
+        "outputs": [{"shape": list(o.view.shape), "dtype": str(_torch_dtype(bufs[o.view.buf].dtype))}
+                    for o in graph.outputs],
+        "single_output": cg.single_output,
+        "kernels": sorted(kpart),
+    }
+    pack = lambda v: msgpack.packb(v, use_bin_type=True)  # noqa: E731
+    parts = {"kernels": pack(kpart), "sources": pack(sources), "program.forward": pack(program),
+             "report": pack(report)}
+    return manifest, parts, weights
+
+
+def _torch_dtype(name: str):
+    from .runtime.executor import torch_dtype
+
+    return torch_dtype(name)

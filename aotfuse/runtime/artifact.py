@@ -1,0 +1,138 @@
+"""aotfuse.load: an archive becomes a callable on a device.
+
+Load: read the archive, check the device guards (a cubin for this arch), move the weights, load the
+kernels. Call: check every input against its guard, run the program on the current stream; with
+static shapes on CUDA, capture the program into a CUDA graph on the first call and replay it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack
+import torch
+
+from ..archive import Archive, read_archive
+from ..errors import ArchiveError, GuardError
+from ..knobs import knobs
+from .executor import Executor, torch_dtype
+
+_UNPACK = dict(raw=False, strict_map_key=False)
+
+
+def _unpack(blob: bytes, what: str):
+    try:
+        return msgpack.unpackb(blob, **_UNPACK)
+    except Exception as exc:  # msgpack raises several types for bad data
+        raise ArchiveError(f"part {what!r} is not valid msgpack: {exc}") from None
+
+
+class Artifact:
+    """A loaded archive bound to one device. Call it like the model's forward."""
+
+    def __init__(self, archive: Archive, device: str | torch.device = "cuda", cuda_graphs: bool | None = None):
+        t0 = time.perf_counter()
+        self.archive = archive
+        self.manifest = archive.manifest
+        if self.manifest.get("format") != "aotfuse":
+            raise ArchiveError("archive manifest does not say format 'aotfuse'")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise GuardError("device cuda requested but CUDA is not available", remedy="use device='cpu'")
+        self.kernels = _unpack(archive.part("kernels"), "kernels")
+        self.programs = {name: _unpack(archive.part(f"program.{name}"), name) for name in self.manifest["programs"]}
+        self.input_specs = self.manifest["inputs"]
+        self.output_specs = self.manifest["outputs"]
+        self._modules: list = []
+        if self.device.type == "cuda":
+            from .gpu import make_launchers
+
+            launchers, self.arch, self._modules = make_launchers(self.kernels, self.device)
+        elif self.device.type == "cpu":
+            from .interpret import make_launchers as interp_launchers
+
+            sources = _unpack(archive.part("sources"), "sources")
+            launchers, self.arch = interp_launchers(self.kernels, sources), "interpreter"
+        else:
+            raise GuardError(f"device {self.device} is not supported", remedy="use cuda or cpu")
+        self.weights = {k: v.to(self.device, non_blocking=True) for k, v in archive.weights.items()}
+        self.executors = {name: Executor(p, self.weights, launchers, self.device) for name, p in self.programs.items()}
+        self.use_graphs = (knobs.cuda_graphs if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda"
+        self._graph = None
+        self.load_seconds = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- guards
+    def check_inputs(self, inputs: tuple) -> None:
+        if len(inputs) != len(self.input_specs):
+            raise GuardError(f"expected {len(self.input_specs)} inputs "
+                             f"({', '.join(s['name'] for s in self.input_specs)}), got {len(inputs)}")
+        for i, (x, spec) in enumerate(zip(inputs, self.input_specs)):
+            where = f"input {spec['name']!r} (#{i})"
+            if not isinstance(x, torch.Tensor):
+                raise GuardError(f"{where}: expected a tensor, got {type(x).__name__}")
+            if list(x.shape) != spec["shape"]:
+                raise GuardError(f"{where}: expected shape {tuple(spec['shape'])}, got {tuple(x.shape)}",
+                                 remedy="this archive was built for static shapes; rebuild for this shape")
+            if str(x.dtype) != spec["dtype"]:
+                raise GuardError(f"{where}: expected dtype {spec['dtype']}, got {x.dtype}")
+            if x.device != self.device:
+                raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
+                                 remedy=f"move it with .to('{self.device}')")
+            if not x.is_contiguous():
+                raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
+                                 remedy="pass x.contiguous()")
+            if x.numel() and x.data_ptr() % 16:
+                raise GuardError(f"{where}: expected 16-byte aligned data, got address {x.data_ptr():#x}",
+                                 remedy="pass x.clone()")
+
+    # ---------------------------------------------------------------- call
+    def __call__(self, *inputs):
+        return self.run("forward", *inputs)
+
+    def run(self, program: str, *inputs):
+        self.check_inputs(inputs)
+        if program == "forward" and self.use_graphs:
+            outs = self._replay(inputs)
+        else:
+            outs = self.executors[program].run(list(inputs))
+        return outs[0] if self.manifest.get("single_output", True) and len(outs) == 1 else tuple(outs)
+
+    def _replay(self, inputs):
+        if self._graph is None:
+            self._capture(inputs)
+        for dst, src in zip(self._static_in, inputs):
+            dst.copy_(src)
+        self._graph.replay()
+        return [o.clone() for o in self._static_out]
+
+    def _capture(self, inputs):
+        ex = self.executors["forward"]
+        self._static_in = [x.clone() for x in inputs]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            ex.run(self._static_in)  # warm-up: cuBLAS handles, allocator pools
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._static_out = ex.run(self._static_in)
+        self._graph = graph
+
+    # ---------------------------------------------------------------- info
+    def inspect(self) -> dict:
+        from .inspect import describe
+
+        return describe(self.archive)
+
+    def close(self):
+        for m in self._modules:
+            m.close()
+        self._modules = []
+
+
+def load(src: Any, device: str | torch.device = "cuda", *, cuda_graphs: bool | None = None,
+         verify: bool = True) -> Artifact:
+    """Load an .aotf archive (path or bytes) onto a device ('cuda', 'cuda:1' or 'cpu')."""
+    return Artifact(read_archive(src, verify=verify), device, cuda_graphs)

@@ -1,0 +1,71 @@
+"""CPU path: kernels run by Triton's interpreter from the archive's stored Triton source.
+
+The only runtime module that imports triton. Slow; for debugging and CI. Before executing a stored
+source it checks that the text has the shape aotfuse generates (imports of triton only, jit
+functions only), so an archive cannot smuggle other code through this path.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Callable
+
+from ..errors import ArchiveError
+from .kernel_source import load_source
+
+_ALLOWED_IMPORTS = {"triton", "triton.language", "triton.language.extra"}
+
+
+def check_source(name: str, source: str) -> None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise ArchiveError(f"kernel {name}: stored source does not parse ({exc.msg})") from None
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Import) and all(a.name in _ALLOWED_IMPORTS for a in stmt.names):
+            continue
+        if isinstance(stmt, ast.ImportFrom) and stmt.module in _ALLOWED_IMPORTS:
+            continue
+        if isinstance(stmt, ast.FunctionDef) and len(stmt.decorator_list) == 1 and \
+                ast.unparse(stmt.decorator_list[0]) == "triton.jit":
+            continue
+        raise ArchiveError(f"kernel {name}: stored source has an unexpected statement at line {stmt.lineno}",
+                           remedy="the archive was not written by aotfuse; rebuild it")
+    if not any(isinstance(s, ast.FunctionDef) and s.name == name for s in tree.body):
+        raise ArchiveError(f"kernel {name}: stored source does not define it")
+
+
+def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable]:
+    import triton
+
+    launchers = {}
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = True
+        for name in kernels:
+            src = sources.get(name)
+            if src is None:
+                raise ArchiveError(f"kernel {name} has no stored source for the CPU path")
+            check_source(name, src)
+            fn = getattr(load_source(name, src), name)
+            launchers[name] = _launcher(fn, triton.knobs.runtime)
+    return launchers
+
+
+def _launcher(fn, runtime_knobs) -> Callable:
+    from triton.runtime.jit import JITFunction
+
+    def call_python(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def launch(grid, tensors):
+        # triton.language's helpers (tl.sum, tl.max, ...) were decorated as compiled JIT functions
+        # when triton was imported without TRITON_INTERPRET; inside an interpreted kernel they must
+        # run as plain Python, which is what the interpreter does for them when the env var is set.
+        saved = JITFunction.__call__
+        JITFunction.__call__ = call_python
+        try:
+            with runtime_knobs.scope():
+                runtime_knobs.interpret = True
+                fn[tuple(grid)](*tensors)
+        finally:
+            JITFunction.__call__ = saved
+    return launch

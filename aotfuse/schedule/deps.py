@@ -1,0 +1,103 @@
+"""Dependency analysis: what each node reads and writes, and how a read lines up with a write.
+
+A MemoryDep is an element-wise read (buffer, index in the reader's loop variables); a StarDep is a
+whole-buffer use (externs). `classify_read` tells whether a read can be served from a value that a
+fused producer holds in registers at the same iteration point.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import sympy
+
+from .indexing import FloorDiv, flat_index, simplify
+from .ir import Extern, LoopGraph, Node, Pointwise, Reduction, TensorArg, expr_loads
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryDep:
+    buf: str
+    index: sympy.Expr
+
+
+@dataclasses.dataclass(frozen=True)
+class StarDep:
+    buf: str
+
+
+Dep = Union[MemoryDep, StarDep]
+
+
+def node_reads(node: Node) -> tuple[Dep, ...]:
+    if isinstance(node, Extern):
+        bufs = []
+        for a in _flatten(node.args):
+            if isinstance(a, TensorArg) and a.buf not in bufs:
+                bufs.append(a.buf)
+        return tuple(StarDep(b) for b in bufs)
+    return tuple(MemoryDep(ld.buf, ld.index) for ld in expr_loads(node.body))
+
+
+def _flatten(args):
+    for a in args:
+        if isinstance(a, (tuple, list)):
+            yield from _flatten(a)
+        else:
+            yield a
+
+
+def iteration(node: Node) -> tuple[tuple, tuple[int, ...]]:
+    """(loop variables, their ranges) in row-major order: outer then reduced."""
+    if isinstance(node, Reduction):
+        return tuple(node.pvars) + tuple(node.rvars), tuple(node.ranges) + tuple(node.rranges)
+    if isinstance(node, Pointwise):
+        return tuple(node.pvars), tuple(node.ranges)
+    return (), ()
+
+
+def space(node: Node) -> tuple[int, int]:
+    """(x numel, r numel): the iteration space a kernel for this node alone would have."""
+    if isinstance(node, Reduction):
+        return node.numel, node.rnumel
+    if isinstance(node, Pointwise):
+        return node.numel, 1
+    return 0, 0
+
+
+def classify_read(consumer: Node, index: sympy.Expr, producer_numel: int, rnumel: int) -> str:
+    """'point': reads the producer's value at the consumer's own iteration point;
+    'row': reads the producer's value for the consumer's outer index x = flat // rnumel;
+    'other': anything else (a shifted, transposed or gathered read)."""
+    vars_, ranges = iteration(consumer)
+    rng = dict(zip(vars_, ranges))
+    flat = flat_index(vars_, ranges)
+    total = 1
+    for r in ranges:
+        total *= r
+    if producer_numel == total and sympy.expand(simplify(index, rng) - simplify(flat, rng)) == 0:
+        return "point"
+    if rnumel > 1 and producer_numel * rnumel == total:
+        row = simplify(FloorDiv(flat, sympy.Integer(rnumel)), rng)
+        if sympy.expand(simplify(index, rng) - row) == 0:
+            return "row"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class DepGraph:
+    producer: dict  # buffer -> node name
+    consumers: dict  # buffer -> tuple of node names (in order)
+    reads: dict  # node name -> tuple[Dep]
+
+
+def analyze(graph: LoopGraph) -> DepGraph:
+    producer, consumers, reads = {}, {}, {}
+    for n in graph.nodes:
+        producer[n.name] = n.name
+        reads[n.name] = node_reads(n)
+        for d in reads[n.name]:
+            lst = consumers.setdefault(d.buf, [])
+            if n.name not in lst:
+                lst.append(n.name)
+    return DepGraph(producer, {k: tuple(v) for k, v in consumers.items()}, reads)

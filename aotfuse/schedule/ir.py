@@ -1,0 +1,297 @@
+"""Loop IR: buffers, and nodes whose bodies are small expression DAGs (never closures).
+
+Every node writes one buffer. A Pointwise node over `ranges` computes `body` at each point of the
+iteration space, with loop variables p0..p{n-1}. A Reduction node has outer `ranges` (p-vars) and
+`rranges` (r-vars) and reduces `body` over the r-vars. Loads name a buffer and a flat offset
+expression into it (buffers are contiguous; views are index math, see lower.py). An Extern node
+calls an allow-listed aten op on views of buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import sympy
+
+from .indexing import syms
+
+# dtype names used in the IR and the archive; storage dtypes map to torch dtypes in one place.
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+def compute_dtype(dtype: str) -> str:
+    """Arithmetic happens in float32 for half types (as Inductor does)."""
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    buf: str
+    index: sympy.Expr
+    dtype: str  # storage dtype of buf; codegen upcasts half types on load
+
+
+@dataclasses.dataclass(frozen=True)
+class Const:
+    value: Any  # int | float | bool
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexValue:
+    """The integer value of an index expression (arange, iota, masks built from positions)."""
+
+    expr: sympy.Expr
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    op: str
+    args: tuple["Expr", ...]
+    dtype: str
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"unknown loop-IR op {self.op!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    arg: "Expr"
+    dtype: str
+
+
+Expr = Union[Load, Const, IndexValue, Op, Cast]
+
+# op name -> arity. Codegen has one line per op (emit/triton_ops.py).
+OPS = {
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "floordiv": 2, "truncdiv": 2, "mod": 2, "maximum": 2, "minimum": 2,
+    "pow": 2, "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2, "xor": 2,
+    "neg": 1, "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "erf": 1, "tanh": 1, "sigmoid": 1, "abs": 1,
+    "sin": 1, "cos": 1, "log1p": 1, "expm1": 1, "floor": 1, "ceil": 1, "not": 1, "reciprocal": 1,
+    "relu": 1, "sign": 1, "isnan": 1,
+    "where": 3,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str  # "input" | "weight" | "node" | "extern"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * ITEMSIZE[self.dtype]
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+            "int8": 1, "uint8": 1, "bool": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pointwise:
+    name: str  # also the name of the buffer it writes
+    ranges: tuple[int, ...]
+    body: Expr
+
+    @property
+    def pvars(self):
+        return syms("p", len(self.ranges))
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.ranges)
+
+
+REDUCTIONS = ("sum", "max", "min", "prod", "any")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    name: str
+    ranges: tuple[int, ...]  # outer (kept) ranges: p-vars
+    rranges: tuple[int, ...]  # reduced ranges: r-vars
+    body: Expr
+    rtype: str
+    acc_dtype: str
+
+    def __post_init__(self):
+        if self.rtype not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {self.rtype!r}")
+
+    @property
+    def pvars(self):
+        return syms("p", len(self.ranges))
+
+    @property
+    def rvars(self):
+        return syms("r", len(self.rranges))
+
+    @property
+    def numel(self) -> int:
+        return _prod(self.ranges)
+
+    @property
+    def rnumel(self) -> int:
+        return _prod(self.rranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorArg:
+    """A strided view of a buffer handed to an extern: as_strided(buf, shape, stride, offset)."""
+
+    buf: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Extern:
+    name: str  # the buffer it writes
+    target: str  # allow-listed aten overload, e.g. "aten.mm.out" or "aten.scaled_dot_product_attention.default"
+    args: tuple  # TensorArg | int | float | bool | None | str | tuple of those
+    kwargs: tuple[tuple[str, Any], ...]
+    out_variant: bool  # True: the runtime passes the planned buffer as out=; False: op returns a new tensor
+    out: "TensorArg"  # the op's result as a strided view of this node's buffer
+
+
+Node = Union[Pointwise, Reduction, Extern]
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputRef:
+    """A graph output: a strided view of a buffer (or of an input/weight)."""
+
+    view: TensorArg
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopGraph:
+    buffers: tuple[Buffer, ...]
+    nodes: tuple[Node, ...]  # topological order
+    inputs: tuple[str, ...]  # buffer names of the user inputs, in call order
+    weights: tuple[tuple[str, str], ...]  # (buffer name, weight fqn)
+    outputs: tuple[OutputRef, ...]
+
+    def buffer(self, name: str) -> Buffer:
+        return self.buffer_map[name]
+
+    @property
+    def buffer_map(self) -> dict[str, Buffer]:
+        return {b.name: b for b in self.buffers}
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def expr_loads(e: Expr) -> list[Load]:
+    """All loads in an expression DAG (with repeats removed, order of first appearance)."""
+    seen: dict[Load, None] = {}
+
+    def walk(x):
+        if isinstance(x, Load):
+            seen.setdefault(x, None)
+        elif isinstance(x, Op):
+            for a in x.args:
+                walk(a)
+        elif isinstance(x, Cast):
+            walk(x.arg)
+
+    walk(e)
+    return list(seen)
+
+
+def expr_op_count(e: Expr) -> int:
+    if isinstance(e, Op):
+        return 1 + sum(expr_op_count(a) for a in e.args)
+    if isinstance(e, Cast):
+        return expr_op_count(e.arg)
+    return 0
+
+
+def map_loads(e: Expr, fn) -> Expr:
+    """Rebuild e with each Load replaced by fn(load) (an Expr)."""
+    memo: dict[int, Expr] = {}
+
+    def walk(x):
+        key = id(x)
+        if key in memo:
+            return memo[key]
+        if isinstance(x, Load):
+            out = fn(x)
+        elif isinstance(x, Op):
+            out = Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
+        elif isinstance(x, Cast):
+            out = Cast(walk(x.arg), x.dtype)
+        else:
+            out = x
+        memo[key] = out
+        return out
+
+    return walk(e)
+
+
+def subs_expr(e: Expr, mapping: dict) -> Expr:
+    """Substitute loop variables in every index of e."""
+    if not mapping:
+        return e
+
+    def sub_load(ld: Load) -> Expr:
+        return Load(ld.buf, sympy.sympify(ld.index).xreplace(mapping), ld.dtype)
+
+    memo: dict[int, Expr] = {}
+
+    def walk(x):
+        key = id(x)
+        if key in memo:
+            return memo[key]
+        if isinstance(x, Load):
+            out = sub_load(x)
+        elif isinstance(x, IndexValue):
+            out = IndexValue(sympy.sympify(x.expr).xreplace(mapping), x.dtype)
+        elif isinstance(x, Op):
+            out = Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
+        elif isinstance(x, Cast):
+            out = Cast(walk(x.arg), x.dtype)
+        else:
+            out = x
+        memo[key] = out
+        return out
+
+    return walk(e)
+
+
+def format_expr(e: Expr) -> str:
+    if isinstance(e, Load):
+        return f"{e.buf}[{e.index}]"
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, IndexValue):
+        return f"index({e.expr})"
+    if isinstance(e, Cast):
+        return f"{e.dtype}({format_expr(e.arg)})"
+    return f"{e.op}(" + ", ".join(format_expr(a) for a in e.args) + ")"
+
+
+def format_node(n: Node) -> str:
+    if isinstance(n, Pointwise):
+        return f"{n.name} = pointwise{list(n.ranges)}: {format_expr(n.body)}"
+    if isinstance(n, Reduction):
+        return f"{n.name} = {n.rtype}{list(n.ranges)}x{list(n.rranges)}: {format_expr(n.body)}"
+    return f"{n.name} = extern {n.target}({', '.join(map(str, n.args))})"

@@ -1,0 +1,118 @@
+"""lower: the captured FX graph -> LoopGraph (one node per computing op; views are index math)."""
+from __future__ import annotations
+
+import operator
+import time
+
+import torch
+import torch.fx
+
+from ..errors import UnsupportedOpError
+from ..export import CapturedGraph
+from .ir import LoopGraph, OutputRef
+from .lowering_ctx import LoweringCtx, dtype_name
+from .lowerings import REGISTRY
+from . import lowerings_more  # noqa: F401  (registers reductions, externs, pooling)
+from .views import View
+
+
+def _map_args(x, env):
+    if isinstance(x, torch.fx.Node):
+        return env[x]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_args(a, env) for a in x)
+    return x
+
+
+def _is_const(x, consts) -> bool:
+    if isinstance(x, torch.fx.Node):
+        return x in consts
+    if isinstance(x, (list, tuple)):
+        return all(_is_const(a, consts) for a in x)
+    return True
+
+
+def _const_value(x, consts):
+    if isinstance(x, torch.fx.Node):
+        return consts[x]
+    if isinstance(x, (list, tuple)):
+        return type(x)(_const_value(a, consts) for a in x)
+    return x
+
+
+def lower(cg: CapturedGraph) -> tuple[LoopGraph, LoweringCtx]:
+    ctx = LoweringCtx()
+    env: dict[torch.fx.Node, object] = {}
+    consts: dict[torch.fx.Node, torch.Tensor] = {}
+    inputs, weights = [], []
+    ph = {name: (kind, ref) for name, kind, ref in cg.placeholders}
+    outputs = []
+    const_id = 0
+    for node in cg.gm.graph.nodes:
+        if node.op == "placeholder":
+            kind, ref = ph[node.name]
+            val = node.meta["val"]
+            dt = dtype_name(val.dtype, node.name)
+            if kind == "weight":
+                name = f"w{len(weights)}"
+                ctx.add_buffer(name, val.shape, dt, "weight")
+                weights.append((name, ref))
+            else:
+                name = f"in{ref}"
+                ctx.add_buffer(name, val.shape, dt, "input")
+                inputs.append((ref, name))
+            env[node] = View.of_buffer(name, val.shape, dt)
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                env[node] = env[node.args[0]][node.args[1]]
+                if node.args[0] in consts:
+                    consts[node] = consts[node.args[0]][node.args[1]]
+                continue
+            info = REGISTRY.get(node.target)
+            if info is None:
+                raise UnsupportedOpError(str(node.target), node.name, _where(node))
+            if info.category == "constant" or (
+                    info.category in ("pointwise", "view") and node.all_input_nodes
+                    and all(_is_const(a, consts) for a in node.args)):
+                # Depends on no input or weight: fold at build time into a stored constant.
+                val = node.target(*_const_value(node.args, consts), **_const_value(node.kwargs, consts))
+                consts[node] = val
+                if isinstance(val, torch.Tensor):
+                    name = f"c{const_id}"
+                    const_id += 1
+                    val = val.detach().contiguous()
+                    ctx.add_buffer(name, val.shape, dtype_name(val.dtype, node.name), "weight")
+                    ctx.constants[name] = val
+                    weights.append((name, f"__const__.{name}"))
+                    env[node] = View.of_buffer(name, val.shape, dtype_name(val.dtype, node.name))
+                    ctx.decisions.append({"folded": node.name, "into": name})
+                    continue
+            args = _map_args(node.args, env)
+            kwargs = _map_args(dict(node.kwargs), env)
+            try:
+                env[node] = info.fn(ctx, node, args, kwargs)
+            except UnsupportedOpError:
+                raise
+            except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+                raise UnsupportedOpError(str(node.target), node.name,
+                                         f"this form of the op cannot be lowered ({type(exc).__name__}: {exc})") from exc
+        elif node.op == "output":
+            for out in node.args[0]:
+                v = env[out]
+                if not isinstance(v, View):
+                    raise UnsupportedOpError("output", str(out), "model outputs must be tensors")
+                outputs.append(OutputRef(ctx.tensor_arg(v, "output is not strided")))
+        elif node.op == "get_attr":
+            raise UnsupportedOpError("get_attr", node.name, "unlifted module attribute")
+    inputs.sort()
+    graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
+                      tuple(weights), tuple(outputs))
+    return graph, ctx
+
+
+def _where(node) -> str:
+    stack = node.meta.get("stack_trace")
+    if stack:
+        last = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
+        return f"from {last[-2] if len(last) > 1 else last[-1]}"
+    return "no lowering registered"

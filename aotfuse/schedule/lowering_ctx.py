@@ -1,0 +1,116 @@
+"""The state a lowering pass threads through: buffers, nodes, and helpers to build them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import sympy
+import torch
+
+from .indexing import simplify, syms
+from .ir import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
+from .views import View
+
+TORCH_TO_NAME = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
+    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+NAME_TO_TORCH = {v: k for k, v in TORCH_TO_NAME.items()}
+
+
+def dtype_name(dt: torch.dtype, where: str = "") -> str:
+    from ..errors import UnsupportedOpError
+
+    if dt not in TORCH_TO_NAME:
+        raise UnsupportedOpError(f"dtype {dt}", where or "?", "this dtype has no kernel support")
+    return TORCH_TO_NAME[dt]
+
+
+def expr_dtype(e: Expr) -> str:
+    return e.dtype
+
+
+def as_dtype(e: Expr, dtype: str) -> Expr:
+    if isinstance(e, Const):
+        v = e.value
+        if dtype == "bool":
+            v = bool(v)
+        elif dtype.startswith(("int", "uint")):
+            v = int(v)
+        else:
+            v = float(v)
+        return Const(v, dtype)
+    return e if expr_dtype(e) == dtype else Cast(e, dtype)
+
+
+@dataclasses.dataclass
+class LoweringCtx:
+    # Mutable while one graph lowers; the result is frozen into a LoopGraph.
+    buffers: dict[str, Buffer] = dataclasses.field(default_factory=dict)
+    nodes: list = dataclasses.field(default_factory=list)
+    constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    decisions: list = dataclasses.field(default_factory=list)
+    _counter: int = 0
+
+    def fresh(self, prefix: str = "buf") -> str:
+        self._counter += 1
+        return f"{prefix}{self._counter}"
+
+    def add_buffer(self, name: str, shape: Sequence[int], dtype: str, kind: str) -> Buffer:
+        b = Buffer(name, tuple(int(s) for s in shape), dtype, kind)
+        self.buffers[name] = b
+        return b
+
+    def load(self, view: View, idx: Sequence[sympy.Expr], ranges: dict) -> Load:
+        return Load(view.buf, simplify(view.at(idx), ranges), view.dtype)
+
+    def load_compute(self, view: View, idx, ranges) -> Expr:
+        ld = self.load(view, idx, ranges)
+        return as_dtype(ld, compute_dtype(view.dtype))
+
+    def pointwise(self, shape: Sequence[int], dtype: str, body: Expr, hint: str = "pw") -> View:
+        name = self.fresh(hint)
+        shape = tuple(int(s) for s in shape)
+        self.add_buffer(name, shape, dtype, "node")
+        self.nodes.append(Pointwise(name, shape, as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")))
+        return View.of_buffer(name, shape, dtype)
+
+    def reduction(self, out_shape, ranges, rranges, body: Expr, rtype: str, acc: str, dtype: str, hint="red") -> View:
+        name = self.fresh(hint)
+        self.add_buffer(name, out_shape, dtype, "node")
+        self.nodes.append(Reduction(name, tuple(ranges), tuple(rranges), as_dtype(body, acc), rtype, acc))
+        return View.of_buffer(name, out_shape, dtype)
+
+    def extern(self, target: str, args: tuple, kwargs: dict, out_shape, dtype: str, out_variant: bool,
+               storage_perm: Sequence[int] | None = None) -> View:
+        """An extern writing a fresh buffer. storage_perm: the buffer holds the result permuted
+        (result.permute(storage_perm) is contiguous), so the logical view is the inverse permute."""
+        name = self.fresh("ext")
+        out_shape = tuple(int(s) for s in out_shape)
+        if storage_perm is None:
+            self.add_buffer(name, out_shape, dtype, "extern")
+            view = View.of_buffer(name, out_shape, dtype)
+        else:
+            stored = tuple(out_shape[p] for p in storage_perm)
+            self.add_buffer(name, stored, dtype, "extern")
+            inverse = [storage_perm.index(i) for i in range(len(storage_perm))]
+            view = View.of_buffer(name, stored, dtype).permute(inverse)
+        out = view.as_strided()
+        self.nodes.append(Extern(name, target, tuple(args), tuple(sorted(kwargs.items())), out_variant, out))
+        return view
+
+    def realize(self, view: View, why: str) -> View:
+        """A contiguous copy of a view that is not strided (e.g. reshape of a permute)."""
+        pv = syms("p", len(view.shape))
+        ranges = dict(zip(pv, view.shape))
+        body = self.load(view, pv, ranges)
+        out = self.pointwise(view.shape, view.dtype, body, hint="copy")
+        self.decisions.append({"realize": out.buf, "of": view.buf, "why": why})
+        return out
+
+    def tensor_arg(self, view: View, why: str) -> TensorArg:
+        t = view.as_strided()
+        if t is None:
+            t = self.realize(view, why).as_strided()
+        return t

@@ -1,0 +1,279 @@
+"""Reductions, externs and pooling: the lowerings that are not single pointwise ops."""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ..errors import UnsupportedOpError
+from .indexing import syms
+from .ir import Const, Op, TensorArg, compute_dtype
+from .lowering_ctx import as_dtype
+from .lowerings import meta, out_dtype, out_shape, register
+from .views import View
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------- reductions
+
+def _reduce(ctx, node, src: View, dims, keepdim: bool, rtype: str, *, scale: float | None = None):
+    nd = len(src.shape)
+    dims = sorted({d % nd for d in (range(nd) if dims in (None, []) else dims)})
+    outer = [i for i in range(nd) if i not in dims]
+    pv = syms("p", len(outer))
+    rv = syms("r", len(dims))
+    idx = [None] * nd
+    for j, i in enumerate(outer):
+        idx[i] = pv[j]
+    for j, i in enumerate(dims):
+        idx[i] = rv[j]
+    ranges = {**dict(zip(pv, [src.shape[i] for i in outer])), **dict(zip(rv, [src.shape[i] for i in dims]))}
+    dt = out_dtype(node)
+    if rtype in ("sum", "prod"):
+        acc = compute_dtype(dt) if dt.startswith("float") else "int64"
+    elif rtype == "any":
+        acc = "bool"
+    else:
+        acc = compute_dtype(src.dtype) if src.dtype != "bool" else "bool"
+    body = as_dtype(ctx.load_compute(src, idx, ranges), acc)
+    out_sh = out_shape(node)
+    ranges_out = [src.shape[i] for i in outer]
+    rranges = [src.shape[i] for i in dims]
+    if scale is None:
+        return ctx.reduction(out_sh, ranges_out, rranges, body, rtype, acc, dt)
+    red = ctx.reduction(out_sh, ranges_out, rranges, body, rtype, acc, compute_dtype(dt))
+    opv = syms("p", len(out_sh))
+    oranges = dict(zip(opv, out_sh))
+    x = ctx.load_compute(red, opv, oranges)
+    return ctx.pointwise(out_sh, dt, Op("mul", (x, Const(scale, compute_dtype(dt))), compute_dtype(dt)), hint="mean")
+
+
+@register(aten.sum.dim_IntList, aten.sum.default, category="reduction")
+def _sum(ctx, node, args, kwargs):
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return _reduce(ctx, node, args[0], dims, keep, "sum")
+
+
+@register(aten.mean.dim, aten.mean.default, category="reduction")
+def _mean(ctx, node, args, kwargs):
+    src = args[0]
+    dims = args[1] if len(args) > 1 else None
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    nd = len(src.shape)
+    ds = range(nd) if dims in (None, []) else [d % nd for d in dims]
+    n = 1
+    for d in set(ds):
+        n *= src.shape[d]
+    return _reduce(ctx, node, src, dims, keep, "sum", scale=1.0 / n)
+
+
+@register(aten.amax.default, category="reduction")
+def _amax(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], args[1] if len(args) > 1 else None, False, "max")
+
+
+@register(aten.amin.default, category="reduction")
+def _amin(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], args[1] if len(args) > 1 else None, False, "min")
+
+
+@register(aten.prod.dim_int, category="reduction")
+def _prod(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], [args[1]], False, "prod")
+
+
+@register(aten.any.dim, aten.any.dims, aten.any.default, category="reduction")
+def _any(ctx, node, args, kwargs):
+    dims = args[1] if len(args) > 1 else None
+    if isinstance(dims, int):
+        dims = [dims]
+    return _reduce(ctx, node, args[0], dims, False, "any")
+
+
+@register(aten.max.dim, aten.min.dim, category="reduction", note="values only; the indices output is refused")
+def _max_dim(ctx, node, args, kwargs):
+    for user in node.users:
+        if user.args[1] != 0:
+            raise UnsupportedOpError(str(node.target), node.name, "the indices output (argmax) is not supported")
+    rtype = "max" if node.target is aten.max.dim else "min"
+    val = _reduce_values(ctx, node, args[0], [args[1]], rtype)
+    return (val, None)
+
+
+def _reduce_values(ctx, node, src, dims, rtype):
+    class _N:  # the values output's meta stands in for the node's
+        name = node.name
+        meta = {"val": meta(node)[0]}
+        target = node.target
+    return _reduce(ctx, _N, src, dims, False, rtype)
+
+
+# ---------------------------------------------------------------- pooling as pointwise windows
+
+@register(aten.max_pool2d_with_indices.default, aten.max_pool2d.default, category="pointwise",
+          note="each output reads its k x k window; indices output refused")
+def _max_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    k = _pair(args[1])
+    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
+    pad = _pair(args[3] if len(args) > 3 else 0)
+    dil = _pair(args[4] if len(args) > 4 else 1)
+    ceil_mode = args[5] if len(args) > 5 else False
+    if node.target is aten.max_pool2d_with_indices.default:
+        for user in node.users:
+            if user.args[1] != 0:
+                raise UnsupportedOpError(str(node.target), node.name, "pooling indices are not supported")
+    if pad != (0, 0) or ceil_mode:
+        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode",
+                                 remedy="use padding=0 and ceil_mode=False")
+    m = meta(node)[0] if isinstance(meta(node), (tuple, list)) else meta(node)
+    shape = tuple(int(s) for s in m.shape)
+    dt = x.dtype
+    cdt = compute_dtype(dt)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    lead = pv[:-2]
+    acc = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            idx = list(lead) + [pv[-2] * stride[0] + i * dil[0], pv[-1] * stride[1] + j * dil[1]]
+            v = ctx.load_compute(x, idx, ranges)
+            acc = v if acc is None else Op("maximum", (acc, v), cdt)
+    out = ctx.pointwise(shape, dt, acc, hint="pool")
+    return (out, None) if node.target is aten.max_pool2d_with_indices.default else out
+
+
+@register(aten.avg_pool2d.default, category="pointwise", note="no padding")
+def _avg_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    k = _pair(args[1])
+    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
+    pad = _pair(args[3] if len(args) > 3 else 0)
+    if pad != (0, 0) or (len(args) > 4 and args[4]):
+        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode")
+    shape = out_shape(node)
+    cdt = compute_dtype(x.dtype)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    acc = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            idx = list(pv[:-2]) + [pv[-2] * stride[0] + i, pv[-1] * stride[1] + j]
+            v = ctx.load_compute(x, idx, ranges)
+            acc = v if acc is None else Op("add", (acc, v), cdt)
+    return ctx.pointwise(shape, x.dtype, Op("mul", (acc, Const(1.0 / (k[0] * k[1]), cdt)), cdt), hint="pool")
+
+
+def _pair(v):
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return v if len(v) == 2 else (v[0], v[0])
+
+
+# ---------------------------------------------------------------- externs
+
+def _targ(ctx, v, node, what):
+    if not isinstance(v, View):
+        raise UnsupportedOpError(str(node.target), node.name, f"{what} is not a tensor")
+    return ctx.tensor_arg(v, f"{what} of {node.name} is not strided")
+
+
+@register(aten.mm.default, category="extern")
+def _mm(ctx, node, args, kwargs):
+    a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
+    return ctx.extern("aten.mm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
+
+
+@register(aten.bmm.default, category="extern")
+def _bmm(ctx, node, args, kwargs):
+    a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
+    return ctx.extern("aten.bmm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
+
+
+@register(aten.addmm.default, category="extern",
+          note="kept whole when only externs consume it; else mm + a bias add that fuses with its consumers")
+def _addmm(ctx, node, args, kwargs):
+    bias, a, b = args[:3]
+    beta = kwargs.get("beta", 1)
+    alpha = kwargs.get("alpha", 1)
+    consumers_fusible = _feeds_fusible(node)
+    ta, tb = _targ(ctx, a, node, "lhs"), _targ(ctx, b, node, "rhs")
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    if not consumers_fusible and beta == 1 and alpha == 1:
+        tbias = _targ(ctx, bias, node, "bias")
+        ctx.decisions.append({"addmm": node.name, "kept": True, "why": "no fusible consumer: cuBLAS adds the bias"})
+        return ctx.extern("aten.addmm.out", (tbias, ta, tb), {}, shape, dt, True)
+    ctx.decisions.append({"addmm": node.name, "kept": False, "why": "bias add fuses into the consumer"})
+    mm = ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    cdt = compute_dtype(dt)
+    lead = len(shape) - len(bias.shape)
+    bidx = [sympy.Integer(0) if bias.shape[j] == 1 else pv[j + lead] for j in range(len(bias.shape))]
+    prod = ctx.load_compute(mm, pv, ranges)
+    badd = ctx.load_compute(bias, bidx, ranges)
+    if alpha != 1:
+        prod = Op("mul", (prod, Const(alpha, cdt)), cdt)
+    if beta != 1:
+        badd = Op("mul", (badd, Const(beta, cdt)), cdt)
+    return ctx.pointwise(shape, dt, Op("add", (prod, badd), cdt), hint="bias")
+
+
+def _feeds_fusible(node) -> bool:
+    """Does a pointwise or reduction op consume node, directly or through views?"""
+    from .lowerings import REGISTRY
+
+    for user in node.users:
+        info = REGISTRY.get(user.target)
+        if info is None:
+            continue
+        if info.category in ("pointwise", "reduction"):
+            return True
+        if info.category == "view" and _feeds_fusible(user):
+            return True
+    return False
+
+
+@register(aten.embedding.default, category="extern")
+def _embedding(ctx, node, args, kwargs):
+    w, idx = args[0], args[1]
+    tw, ti = _targ(ctx, w, node, "weight"), _targ(ctx, idx, node, "indices")
+    pad = args[2] if len(args) > 2 else -1
+    return ctx.extern("aten.embedding.out", (tw, ti, pad), {}, out_shape(node), out_dtype(node), True)
+
+
+@register(aten.convolution.default, category="extern")
+def _convolution(ctx, node, args, kwargs):
+    x, w, b = args[:3]
+    rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
+    tx, tw = _targ(ctx, x, node, "input"), _targ(ctx, w, node, "weight")
+    tb = None if b is None else _targ(ctx, b, node, "bias")
+    return ctx.extern("aten.convolution.out", (tx, tw, tb) + rest, {}, out_shape(node), out_dtype(node), True)
+
+
+@register(aten.scaled_dot_product_attention.default, category="extern",
+          note="dropout_p must be 0; the result buffer is laid out [B, T, H, D] as the flash kernels write it")
+def _sdpa(ctx, node, args, kwargs):
+    q, k, v = args[:3]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
+    gqa = kwargs.get("enable_gqa", False)
+    if dropout:
+        raise UnsupportedOpError(str(node.target), node.name, "attention dropout",
+                                 remedy="set dropout_p=0 (or put dropout after the attention)")
+    tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
+    tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    shape = out_shape(node)
+    perm = [0, 2, 1, 3] if len(shape) == 4 else None
+    kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
+    return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),
+                      False, storage_perm=perm)
+
+
+EXTERN_TARGETS = ("aten.mm.out", "aten.bmm.out", "aten.addmm.out", "aten.embedding.out", "aten.convolution.out",
+                  "aten.scaled_dot_product_attention.default")

@@ -1,0 +1,138 @@
+"""Views as index math: a View maps its logical index (v0..v{n-1}) to an offset in a base buffer."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import sympy
+
+from .indexing import flat_index, linear_strides, simplify, syms, unravel
+from .ir import TensorArg
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    buf: str
+    shape: tuple[int, ...]
+    index: sympy.Expr  # offset into buf, in terms of v0..v{n-1}
+    dtype: str
+
+    @staticmethod
+    def of_buffer(buf: str, shape: Sequence[int], dtype: str) -> "View":
+        shape = tuple(int(s) for s in shape)
+        return View(buf, shape, flat_index(syms("v", len(shape)), shape), dtype)
+
+    @property
+    def vars(self):
+        return syms("v", len(self.shape))
+
+    def at(self, idx: Sequence[sympy.Expr]) -> sympy.Expr:
+        """Offset of the element at logical index idx (unsimplified)."""
+        return sympy.sympify(self.index).xreplace(dict(zip(self.vars, idx)))
+
+    def _remap(self, new_shape: Sequence[int], idx_of_old: Sequence[sympy.Expr]) -> "View":
+        new_shape = tuple(int(s) for s in new_shape)
+        ranges = dict(zip(syms("v", len(new_shape)), new_shape))
+        # Old var names and new var names overlap (both v*): xreplace is simultaneous, so this is safe.
+        expr = simplify(self.at(idx_of_old), ranges)
+        return View(self.buf, new_shape, expr, self.dtype)
+
+    def reshape(self, new_shape: Sequence[int]) -> "View":
+        new_shape = _resolve_shape(new_shape, self.numel)
+        if tuple(new_shape) == self.shape:
+            return self
+        nv = syms("v", len(new_shape))
+        old_idx = unravel(flat_index(nv, new_shape), self.shape)
+        return self._remap(new_shape, old_idx)
+
+    def permute(self, dims: Sequence[int]) -> "View":
+        dims = [d % len(self.shape) for d in dims]
+        nv = syms("v", len(dims))
+        old_idx = [None] * len(dims)
+        for new_pos, old_pos in enumerate(dims):
+            old_idx[old_pos] = nv[new_pos]
+        return self._remap([self.shape[d] for d in dims], old_idx)
+
+    def expand(self, sizes: Sequence[int]) -> "View":
+        sizes = list(sizes)
+        lead = len(sizes) - len(self.shape)
+        nv = syms("v", len(sizes))
+        old_idx = []
+        new_shape = []
+        for i, s in enumerate(sizes):
+            if i < lead:
+                new_shape.append(int(s))
+                continue
+            old = self.shape[i - lead]
+            s = old if s == -1 else int(s)
+            new_shape.append(s)
+            old_idx.append(sympy.Integer(0) if old == 1 else nv[i])
+        return self._remap(new_shape, old_idx)
+
+    def unsqueeze(self, dim: int) -> "View":
+        dim = dim % (len(self.shape) + 1)
+        shape = list(self.shape)
+        shape.insert(dim, 1)
+        nv = syms("v", len(shape))
+        old_idx = [nv[i] for i in range(len(shape)) if i != dim]
+        return self._remap(shape, old_idx)
+
+    def squeeze(self, dims: Sequence[int] | None = None) -> "View":
+        nd = len(self.shape)
+        if dims is None:
+            dims = [i for i, s in enumerate(self.shape) if s == 1]
+        dims = {d % nd for d in dims if self.shape[d % nd] == 1}
+        keep = [i for i in range(nd) if i not in dims]
+        nv = syms("v", len(keep))
+        pos = {old: new for new, old in enumerate(keep)}
+        old_idx = [nv[pos[i]] if i in pos else sympy.Integer(0) for i in range(nd)]
+        return self._remap([self.shape[i] for i in keep], old_idx)
+
+    def slice(self, dim: int, start: int | None, end: int | None, step: int = 1) -> "View":
+        dim = dim % len(self.shape)
+        n = self.shape[dim]
+        start, end, step = slice(start, end, step).indices(n)
+        length = max(0, (end - start + step - 1) // step)
+        nv = syms("v", len(self.shape))
+        old_idx = list(nv)
+        old_idx[dim] = start + step * nv[dim]
+        shape = list(self.shape)
+        shape[dim] = length
+        return self._remap(shape, old_idx)
+
+    def select(self, dim: int, i: int) -> "View":
+        dim = dim % len(self.shape)
+        i = i % self.shape[dim]
+        nv = syms("v", len(self.shape) - 1)
+        old_idx = list(nv[:dim]) + [sympy.Integer(i)] + list(nv[dim:])
+        return self._remap(self.shape[:dim] + self.shape[dim + 1:], old_idx)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def as_strided(self) -> TensorArg | None:
+        """The view as (shape, stride, offset) if it is affine in its index, else None."""
+        lin = linear_strides(self.index, self.vars)
+        if lin is None:
+            return None
+        off, strides = lin
+        strides = tuple(0 if s == 1 and st == 0 else st for s, st in zip(self.shape, strides))
+        return TensorArg(self.buf, self.shape, strides, off)
+
+    def is_contiguous_whole(self, buf_numel: int) -> bool:
+        return self.numel == buf_numel and sympy.expand(self.index - flat_index(self.vars, self.shape)) == 0
+
+
+def _resolve_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+    shape = [int(s) for s in shape]
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            if s != -1:
+                known *= s
+        shape[shape.index(-1)] = numel // known if known else 0
+    return tuple(shape)
