@@ -117,7 +117,6 @@ def _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, timings) 
                     "kernel": kernels[g.name].name if g.name in kernels else None} for g in sched.groups],
         "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes,
                    "buffers": len(plan.allocations), "bound_extern_results": len(plan.bound)},
-        "timings": dict(timings),
     }
 
 
@@ -156,7 +155,7 @@ def _pack(cg, graph, lctx, program, kernels, binaries, report, targets):
     }
     pack = lambda v: msgpack.packb(v, use_bin_type=True)  # noqa: E731
     parts = {"kernels": pack(kpart), "sources": pack(sources), "program.forward": pack(program),
-             "report": pack(report)}
+             "report": pack(report)}  # no timings in the archive: builds are byte-for-byte reproducible
     return manifest, parts, weights
 
 

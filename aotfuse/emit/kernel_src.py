@@ -18,7 +18,7 @@ from ..errors import BuildError
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from ..schedule.indexing import flat_index, simplify, unravel
-from ..schedule.ir import (Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, compute_dtype,
+from ..schedule.ir import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, compute_dtype,
                            subs_expr)
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
@@ -129,7 +129,9 @@ class _Emitter:
         if isinstance(e, Cast):
             inner = self.emit(e.arg)
             src = e.arg.dtype
-            if e.dtype == "bool" and src != "bool":
+            if e.dtype == src:
+                return inner
+            if e.dtype == "bool":
                 return f"({inner} != 0)"
             return f"{inner}.to({TL_DTYPE[e.dtype]})"
         if isinstance(e, Op):
@@ -220,7 +222,7 @@ _RED_INIT = {"sum": "0", "prod": "1", "max": 'float("-inf")', "min": 'float("inf
 
 
 def _red_identity(rtype: str, dtype: str) -> str:
-    if dtype.startswith("float"):
+    if dtype in FLOATS:
         return _RED_INIT[rtype]
     if rtype == "max":
         return "-2147483648" if dtype != "bool" else "0"

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from .indexing import syms
-from .ir import Const, IndexValue, Op, compute_dtype
+from .ir import FLOATS, Const, IndexValue, Op, compute_dtype
 from .lowering_ctx import LoweringCtx, as_dtype, dtype_name
 from .views import View
 
@@ -144,7 +144,7 @@ def _div(ctx, node, args, kwargs):
     mode = kwargs.get("rounding_mode", args[2] if len(args) > 2 else None)
     name = {None: "div", "floor": "floordiv", "trunc": "truncdiv"}[mode]
     dt = out_dtype(node)
-    if mode is None and not dt.startswith("float"):
+    if mode is None and dt not in FLOATS:
         raise UnsupportedOpError(str(node.target), node.name, f"true division producing {dt}")
     return _pointwise(ctx, node, [args[0], args[1]], lambda x, y, t: Op(name, (x, y), t))
 

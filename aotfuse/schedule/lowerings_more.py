@@ -6,7 +6,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from .indexing import syms
-from .ir import Const, Op, TensorArg, compute_dtype
+from .ir import FLOATS, Const, Op, TensorArg, compute_dtype
 from .lowering_ctx import as_dtype
 from .lowerings import meta, out_dtype, out_shape, register
 from .views import View
@@ -30,7 +30,7 @@ def _reduce(ctx, node, src: View, dims, keepdim: bool, rtype: str, *, scale: flo
     ranges = {**dict(zip(pv, [src.shape[i] for i in outer])), **dict(zip(rv, [src.shape[i] for i in dims]))}
     dt = out_dtype(node)
     if rtype in ("sum", "prod"):
-        acc = compute_dtype(dt) if dt.startswith("float") else "int64"
+        acc = compute_dtype(dt) if dt in FLOATS else "int64"
     elif rtype == "any":
         acc = "bool"
     else:
