@@ -1,0 +1,123 @@
+"""Unit tier: index simplification, views, inlining, fusion decisions with reasons, memory plan."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from aotfuse.export import capture
+from aotfuse.knobs import override
+from aotfuse.schedule.fusion import fuse
+from aotfuse.schedule.indexing import FloorDiv, ModIdx, flat_index, simplify, sym, unravel
+from aotfuse.schedule.inline import inline_pointwise
+from aotfuse.schedule.lower import lower
+from aotfuse.schedule.memplan import plan_memory
+from aotfuse.schedule.views import View
+
+
+def test_reshape_roundtrip_simplifies_to_identity():
+    x = sym("x", 0)
+    idx = [simplify(i, {x: 2 * 64 * 512}) for i in unravel(x, (2, 64, 512))]
+    assert simplify(flat_index(idx, (2, 64, 512)), {x: 65536}) == x
+
+
+def test_floordiv_and_mod_use_ranges():
+    a, b = sym("a", 0), sym("b", 1)
+    rng = {a: 100, b: 16}
+    assert simplify(FloorDiv(16 * a + b, 16), rng) == a
+    assert simplify(ModIdx(16 * a + b, 16), rng) == b
+    assert simplify(FloorDiv(16 * a + b, 1024), rng) == FloorDiv(a, 64)
+    # without a range bound nothing may be dropped
+    assert simplify(FloorDiv(a + b, 16), {a: 100, b: 100}) != a
+
+
+def test_views_are_index_math():
+    v = View.of_buffer("buf", (2, 64, 384), "float32")
+    q = v.slice(2, 128, 256).reshape((2, 64, 4, 32)).permute((0, 2, 1, 3))
+    t = q.as_strided()
+    assert (t.shape, t.stride, t.offset) == ((2, 4, 64, 32), (24576, 32, 384, 1), 128)
+    # reshape of a transpose is not strided: the lowering must realize a copy
+    assert View.of_buffer("b", (4, 6), "float32").permute((1, 0)).reshape((24,)).as_strided() is None
+
+
+class _LN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(48)
+
+    def forward(self, x):
+        return self.ln(x + 1.0)
+
+
+def _schedule(model, *inputs):
+    graph, _ = lower(capture(model, inputs))
+    graph, inl = inline_pointwise(graph)
+    return graph, inl, fuse(graph)
+
+
+def test_layernorm_is_one_group():
+    graph, inl, sched = _schedule(_LN().eval(), torch.randn(4, 10, 48))
+    assert len(sched.groups) == 1 and sched.groups[0].kind == "reduction"
+    assert (sched.groups[0].xnumel, sched.groups[0].rnumel) == (40, 48)
+    assert any(i.reason == "only consumer" for i in inl)
+
+
+class _Transposed(nn.Module):
+    def forward(self, x):
+        y = torch.exp(x)
+        return y, y.t() * 2.0 + 1.0
+
+
+def test_refusals_carry_reasons():
+    with override(inline_max_ops=0):  # keep y realized so the scheduler must judge the shifted read
+        graph, _, sched = _schedule(_Transposed().eval(), torch.randn(6, 9))
+    refused = {d.reason.split(":")[0] for d in sched.decisions if not d.fused}
+    assert "memory deps don't match" in refused
+    assert all(d.reason for d in sched.decisions)
+    why = [d.reason for d in sched.decisions if d.reason.startswith("memory deps")][0]
+    assert "reads" in why and "[" in why  # names the buffer and the index
+
+
+def test_fusion_fuel_caps_fusions():
+    with override(fusion_fuel=0):
+        _, _, sched = _schedule(_LN().eval(), torch.randn(4, 10, 48))
+    assert len(sched.groups) > 1
+    assert any("fuel" in d.reason for d in sched.decisions)
+
+
+class _Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+def test_memory_plan_reuses_freed_buffers():
+    graph, _, sched = _schedule(_Chain().eval(), torch.randn(16, 32))
+    plan = plan_memory(graph, sched)
+    assert plan.arena_bytes < plan.naive_bytes
+    offsets = {}
+    for a in plan.allocations:  # two buffers sharing a slot must not be live at once
+        for b in offsets.get(a.slot, []):
+            assert a.define > b.last_use or b.define > a.last_use
+        offsets.setdefault(a.slot, []).append(a)
+
+
+def test_load_imports_no_compiler_stack(tmp_path):
+    from aotfuse.examples.llama import block
+    import aotfuse
+
+    model, inputs = block()
+    path = tmp_path / "m.aotf"
+    aotfuse.build(model, inputs, targets=("sm_90",)).save(path)
+    code = (f"import sys, aotfuse; from aotfuse.archive import read_archive; a = aotfuse.inspect_archive({str(path)!r});"
+            "import aotfuse.runtime.artifact, aotfuse.runtime.gpu, aotfuse.runtime.executor;"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'triton' or m.startswith(('torch._dynamo', 'torch._inductor'))];"
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
