@@ -30,6 +30,9 @@ def print_index(e: sympy.Expr, names: dict) -> str:
         return f"({print_index(e.args[0], names)} // {print_index(e.args[1], names)})"
     if isinstance(e, ModIdx):
         return f"({print_index(e.args[0], names)} % {print_index(e.args[1], names)})"
+    if isinstance(e, sympy.Min):
+        a, b = e.args[0], sympy.Min(*e.args[1:])
+        return f"tl.minimum({print_index(a, names)}, {print_index(b, names)})"
     raise ValueError(f"cannot print index expression {e}")
 
 
@@ -61,6 +64,8 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
         "ceil": "tl.ceil({0})", "not": "({0} == 0)", "reciprocal": "(1.0 / {0})",
         "relu": "tl.maximum({0}, 0)", "isnan": "({0} != {0})", "pow": "libdevice.pow({0}, {1})",
         "where": "tl.where({0}, {1}, {2})",
+        "shr": "({0} >> {1})", "shl": "({0} << {1})", "bitand": "({0} & {1})", "bitor": "({0} | {1})",
+        "rand": "tl.rand({0}, {1})",
     }
     if op in simple:
         return simple[op].format(*a)

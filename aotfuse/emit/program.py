@@ -1,7 +1,7 @@
 """The execution program: a flat list of instructions, as plain data (msgpack), never code.
 
 Instructions (all fields are data):
-  alloc  {buf, offset, shape, dtype}          view of the per-call arena
+  alloc  {buf, offset, shape, dtype}          view of the per-call arena (offset -1: its own allocation)
   launch {kernel, grid, args: [buf...]}       one fused kernel
   extern {target, args, kwargs, out, out_view, out_variant, shape, dtype}
   free   {bufs: [...]}                        drop references after their last use
@@ -31,6 +31,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
     bufs = graph.buffer_map
     nodes = {n.name: n for n in graph.nodes}
     alloc_of = {a.buf: a for a in plan.allocations}
+    separate = set(plan.separate)
     frees = dict(plan.frees)
     instrs = []
     for step, g in enumerate(sched.groups):
@@ -39,6 +40,8 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
             b = bufs[ext.name]
             if ext.name in alloc_of:
                 instrs.append(_alloc(alloc_of[ext.name], b))
+            elif ext.name in separate:
+                instrs.append(_alloc_separate(ext.name, b))
             instrs.append({"op": "extern", "target": ext.target, "args": encode_arg(ext.args),
                            "kwargs": {k: encode_arg(v) for k, v in ext.kwargs}, "out": ext.name,
                            "out_view": encode_arg(ext.out), "out_variant": ext.out_variant,
@@ -47,7 +50,8 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
             k = kernels[g.name]
             for a in k.args:
                 if a.role == "out":
-                    instrs.append(_alloc(alloc_of[a.buf], bufs[a.buf]))
+                    instrs.append(_alloc_separate(a.buf, bufs[a.buf]) if a.buf in separate
+                                  else _alloc(alloc_of[a.buf], bufs[a.buf]))
             instrs.append({"op": "launch", "kernel": k.name, "grid": list(k.grid), "args": [a.buf for a in k.args]})
         if step in frees:
             instrs.append({"op": "free", "bufs": list(frees[step])})
@@ -57,8 +61,13 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         "inputs": [{"buf": name, "shape": list(bufs[name].shape), "dtype": bufs[name].dtype} for name in graph.inputs],
         "weights": {buf: fqn for buf, fqn in graph.weights},
         "arena_bytes": plan.arena_bytes,
+        "rng": graph.rng,
         "instructions": instrs,
     }
+
+
+def _alloc_separate(name, b) -> dict:
+    return {"op": "alloc", "buf": name, "offset": -1, "shape": list(b.shape), "dtype": b.dtype}
 
 
 def _alloc(a, b) -> dict:

@@ -15,7 +15,7 @@ import torch
 from ..archive import Archive, read_archive
 from ..errors import ArchiveError, GuardError
 from ..knobs import knobs
-from .executor import Executor, torch_dtype
+from .executor import Executor, new_seed, torch_dtype
 
 _UNPACK = dict(raw=False, strict_map_key=False)
 
@@ -104,20 +104,23 @@ class Artifact:
             self._capture(inputs)
         for dst, src in zip(self._static_in, inputs):
             dst.copy_(src)
+        if self._static_seed is not None:
+            self._static_seed.copy_(new_seed(self.device))
         self._graph.replay()
         return [o.clone() for o in self._static_out]
 
     def _capture(self, inputs):
         ex = self.executors["forward"]
         self._static_in = [x.clone() for x in inputs]
+        self._static_seed = new_seed(self.device) if ex.program.get("rng") else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            ex.run(self._static_in)  # warm-up: cuBLAS handles, allocator pools
+            ex.run(self._static_in, self._static_seed)  # warm-up: cuBLAS handles, allocator pools
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._static_out = ex.run(self._static_in)
+            self._static_out = ex.run(self._static_in, self._static_seed)
         self._graph = graph
 
     # ---------------------------------------------------------------- info

@@ -24,6 +24,11 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ArchiveError(f"program names unknown dtype {name!r}") from None
 
 
+def new_seed(device) -> torch.Tensor:
+    """A Philox seed for one call, drawn from torch's default generator (so torch.manual_seed applies)."""
+    return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).to(device, non_blocking=True)
+
+
 def _contig_strides(shape):
     out, acc = [], 1
     for d in reversed(shape):
@@ -59,10 +64,12 @@ class Executor:
             return ("return", ins["outputs"])
         raise ArchiveError(f"unknown program instruction {op!r}")
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor], seed: torch.Tensor | None = None) -> list[torch.Tensor]:
         env = dict(self.weight_env)
         for spec, t in zip(self.program["inputs"], inputs):
             env[spec["buf"]] = t
+        if self.program.get("rng"):
+            env[self.program["rng"]] = seed if seed is not None else new_seed(self.device)
         arena = torch.empty(self.program["arena_bytes"], dtype=torch.uint8, device=self.device)
         for step in self.steps:
             kind = step[0]
@@ -71,6 +78,9 @@ class Executor:
                 launch(grid, [env[b] for b in args])
             elif kind == "alloc":
                 _, buf, off, shape, dt = step
+                if off < 0:
+                    env[buf] = torch.empty(shape, dtype=dt, device=self.device)
+                    continue
                 n = 1
                 for d in shape:
                     n *= d

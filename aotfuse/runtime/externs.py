@@ -14,6 +14,7 @@ ALLOWED = {
     "aten.embedding.out": aten.embedding.out,
     "aten.convolution.out": aten.convolution.out,
     "aten.scaled_dot_product_attention.default": aten.scaled_dot_product_attention.default,
+    "aten.embedding_dense_backward.out": aten.embedding_dense_backward.out,
 }
 
 

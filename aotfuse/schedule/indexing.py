@@ -109,6 +109,9 @@ def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
         l, h = bounds(e.args[0], ranges)
         d = int(e.args[1])
         return (l, h) if 0 <= l and h < d else (0, d - 1)
+    if isinstance(e, sympy.Min):
+        bs = [bounds(a, ranges) for a in e.args]
+        return min(b[0] for b in bs), min(b[1] for b in bs)
     return -_INF_GUARD, _INF_GUARD
 
 

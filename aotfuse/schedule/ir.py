@@ -72,6 +72,8 @@ OPS = {
     "neg": 1, "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "erf": 1, "tanh": 1, "sigmoid": 1, "abs": 1,
     "sin": 1, "cos": 1, "log1p": 1, "expm1": 1, "floor": 1, "ceil": 1, "not": 1, "reciprocal": 1,
     "relu": 1, "sign": 1, "isnan": 1,
+    "shr": 2, "shl": 2, "bitand": 2, "bitor": 2,
+    "rand": 2,  # rand(seed, offset): Philox uniform [0, 1) at this offset of this seed's stream
     "where": 3,
 }
 
@@ -184,6 +186,7 @@ class LoopGraph:
     inputs: tuple[str, ...]  # buffer names of the user inputs, in call order
     weights: tuple[tuple[str, str], ...]  # (buffer name, weight fqn)
     outputs: tuple[OutputRef, ...]
+    rng: str | None = None  # buffer holding this call's Philox seed (int64[1]) when the graph draws randoms
 
     def buffer(self, name: str) -> Buffer:
         return self.buffer_map[name]

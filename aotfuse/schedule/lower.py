@@ -106,7 +106,7 @@ def lower(cg: CapturedGraph) -> tuple[LoopGraph, LoweringCtx]:
             raise UnsupportedOpError("get_attr", node.name, "unlifted module attribute")
     inputs.sort()
     graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
-                      tuple(weights), tuple(outputs))
+                      tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
 
 

@@ -52,6 +52,15 @@ class LoweringCtx:
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     decisions: list = dataclasses.field(default_factory=list)
     _counter: int = 0
+    rng: str | None = None
+    rand_streams: int = 0
+
+    def rng_seed(self) -> View:
+        """The per-call seed buffer; each rand op draws from its own stream (seed + stream id)."""
+        if self.rng is None:
+            self.rng = "rng_seed"
+            self.add_buffer(self.rng, (1,), "int64", "input")
+        return View.of_buffer(self.rng, (1,), "int64")
 
     def fresh(self, prefix: str = "buf") -> str:
         self._counter += 1

@@ -276,4 +276,33 @@ def _sdpa(ctx, node, args, kwargs):
 
 
 EXTERN_TARGETS = ("aten.mm.out", "aten.bmm.out", "aten.addmm.out", "aten.embedding.out", "aten.convolution.out",
-                  "aten.scaled_dot_product_attention.default")
+                  "aten.scaled_dot_product_attention.default", "aten.embedding_dense_backward.out")
+
+
+# ---------------------------------------------------------------- randomness
+
+@register(aten.rand_like.default, aten.rand.default, category="random",
+          note="Philox stream per op from the call's seed; never recomputed (the partition saves its result)")
+def _rand(ctx, node, args, kwargs):
+    from .indexing import flat_index
+    from .ir import IndexValue, Load
+
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    if dt not in FLOATS:
+        raise UnsupportedOpError(str(node.target), node.name, f"rand of dtype {dt}")
+    seed_view = ctx.rng_seed()
+    stream = ctx.rand_streams
+    ctx.rand_streams += 1
+    pv = syms("p", len(shape))
+    seed = Op("add", (Load(seed_view.buf, sympy.Integer(0), "int64"), Const(stream * 1000003, "int64")), "int64")
+    offset = IndexValue(flat_index(pv, shape), "int32")
+    return ctx.pointwise(shape, dt, Op("rand", (seed, offset), "float32"), hint="rand")
+
+
+@register(aten.embedding_dense_backward.default, category="extern")
+def _embedding_backward(ctx, node, args, kwargs):
+    grad, idx, num_weights, padding_idx, scale = args[:5]
+    tg, ti = _targ(ctx, grad, node, "grad"), _targ(ctx, idx, node, "indices")
+    return ctx.extern("aten.embedding_dense_backward.out", (tg, ti, num_weights, padding_idx, scale), {},
+                      out_shape(node), out_dtype(node), True)

@@ -31,6 +31,7 @@ class MemoryPlan:
     naive_bytes: int  # without reuse
     bound: tuple[str, ...]  # extern results bound as returned (no arena space)
     frees: tuple[tuple[int, tuple[str, ...]], ...]  # (step, buffers whose last use is that step)
+    separate: tuple[str, ...] = ()  # output buffers allocated on their own, outside the arena
 
 
 def _align(n: int) -> int:
@@ -60,8 +61,8 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
     frees = []
     for step in range(end):
         for b in by_step.get(step, []):
-            if b in bound:
-                continue
+            if b in bound or b in outputs:
+                continue  # outputs get their own allocation: they outlive the call (and the arena)
             need = _align(bufs[b].nbytes)
             fits = [s for s in free if slots[s] >= need] if b not in outputs else []
             if fits:
@@ -83,8 +84,9 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
         acc += cap
     allocs = tuple(Allocation(b, s, offsets[s], bufs[b].nbytes, defined_at[b], last_use.get(b, end))
                    for b, s in slot_of.items())
-    naive = sum(_align(bufs[b].nbytes) for b in defined_at)
-    return MemoryPlan(allocs, acc, naive, bound, tuple(frees))
+    naive = sum(_align(bufs[b].nbytes) for b in defined_at if b not in outputs)
+    return MemoryPlan(allocs, acc, naive, bound, tuple(frees),
+                      tuple(b for b in defined_at if b in outputs and b not in bound))
 
 
 def _reads(node) -> list[str]:
