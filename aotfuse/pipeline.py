@@ -67,42 +67,80 @@ class _Stages:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """One program's compiler state between stages (forward, or backward for --train)."""
+
+    name: str
+    cg: object
+    graph: object
+    lctx: object
+    n_lowered: int
+    inlined: tuple
+    sched: object
+    plan: object
+    kernels: dict
+
+
+def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
+    sfx = "" if name == "forward" else f"[{name}]"
+    graph, lctx = st.run("lower" + sfx, lower, cg)
+    n_lowered = len(graph.nodes)
+    graph, inlined = st.run("inline" + sfx, inline_pointwise, graph)
+    sched = st.run("fuse" + sfx, fuse, graph)
+    plan = st.run("memory_plan" + sfx, plan_memory, graph, sched)
+    kernels = st.run("codegen" + sfx, lambda: {g.name: generate(g, graph, sched.stored)
+                                               for g in sched.groups if g.kind != "extern"})
+    return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels)
+
+
 def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool = False, memory_budget: float = 1.0,
           progress: Progress | None = None) -> BuildResult:
-    """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes)."""
-    if train:
-        from .errors import AotfuseError
+    """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
-        raise AotfuseError("--train builds are not available in this version", remedy="build without --train")
+    train=True: the model's forward returns the loss; the archive holds a forward program (loss and
+    the tensors saved for the backward) and a backward program (gradients), split by our min-cut.
+    """
     targets = tuple(targets or knobs.targets)
     st = _Stages(progress)
     t_all = time.perf_counter()
-    cg = st.run("export", capture, model, tuple(example_inputs))
-    graph, lctx = st.run("lower", lower, cg)
-    n_lowered = len(graph.nodes)
-    graph, inlined = st.run("inline", inline_pointwise, graph)
-    sched = st.run("fuse", fuse, graph)
-    plan = st.run("memory_plan", plan_memory, graph, sched)
-    kernels = st.run("codegen", lambda: {g.name: generate(g, graph, sched.stored)
-                                         for g in sched.groups if g.kind != "extern"})
-    binaries = st.run("compile", compile_all, list(kernels.values()), targets, knobs.compile_workers, progress)
-    program = st.run("program", build_program, graph, sched, kernels, plan)
-    report = _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, st.timings)
-    manifest, parts, weights = st.run("archive", _pack, cg, graph, lctx, program, kernels, binaries, report,
-                                      targets)
+    example_inputs = tuple(example_inputs)
+    train_info = None
+    if train:
+        from .joint import trace_joint
+        from .partition import partition
+        from .pipeline_train import train_graphs as _train_graphs
+
+        joint = st.run("joint", trace_joint, model, example_inputs)
+        part = st.run("partition", partition, joint, memory_budget)
+        fwd_cg, bwd_cg, train_info = _train_graphs(joint, part)
+        progs = [_schedule_program(st, "forward", fwd_cg), _schedule_program(st, "backward", bwd_cg)]
+    else:
+        cg = st.run("export", capture, model, example_inputs)
+        progs = [_schedule_program(st, "forward", cg)]
+    all_kernels = [k for p in progs for k in p.kernels.values()]
+    binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
+    programs = {p.name: st.run("program" + ("" if p.name == "forward" else f"[{p.name}]"), build_program,
+                               p.graph, p.sched, p.kernels, p.plan) for p in progs}
+    report = _report(progs[0])
+    if len(progs) > 1:
+        report["backward"] = _report(progs[1])
+        report["partition"] = part.report()
+    manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info)
     data = write_archive(manifest, parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)
     report["timings"] = dict(st.timings)
     return BuildResult(data, report, dict(st.timings))
 
 
-def _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, timings) -> dict:
+def _report(p: _Compiled) -> dict:
+    sched, plan, kernels = p.sched, p.plan, p.kernels
     refusals = collections.Counter(d.reason.split(":")[0] for d in sched.decisions if not d.fused)
     launches = collections.Counter(k.name for k in kernels.values())
     return {
         "fusion_summary": {
-            "loop_ir_nodes": n_lowered,
-            "inlined": len(inlined),
+            "loop_ir_nodes": p.n_lowered,
+            "inlined": len(p.inlined),
             "groups": len(sched.groups),
             "kernel_launches": len(kernels),
             "unique_kernels": len(launches),
@@ -111,8 +149,8 @@ def _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, timings) 
             "refusals": dict(refusals),
         },
         "fusion": [dataclasses.asdict(d) for d in sched.decisions],
-        "inline": [dataclasses.asdict(d) for d in inlined],
-        "lowering": lctx.decisions,
+        "inline": [dataclasses.asdict(d) for d in p.inlined],
+        "lowering": p.lctx.decisions,
         "groups": [{"name": g.name, "kind": g.kind, "nodes": list(g.nodes), "xnumel": g.xnumel, "rnumel": g.rnumel,
                     "kernel": kernels[g.name].name if g.name in kernels else None} for g in sched.groups],
         "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes,
@@ -120,42 +158,50 @@ def _report(cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, timings) 
     }
 
 
-def _pack(cg, graph, lctx, program, kernels, binaries, report, targets):
+def _pack(progs, programs, binaries, report, targets, train_info):
     kpart, sources = {}, {}
-    for k in kernels.values():
-        entry = kpart.setdefault(k.name, {
-            "kind": k.kind, "nodes": list(k.nodes), "grid": list(k.grid), "num_warps": k.num_warps,
-            "xblock": k.xblock, "rblock": k.rblock,
-            "args": [{"name": a.name, "dtype": a.dtype, "role": a.role} for a in k.args],
-            "binaries": {arch: {"cubin": b.cubin, "name": b.name, "num_warps": b.num_warps, "shared": b.shared,
-                                "global_scratch": b.global_scratch, "profile_scratch": b.profile_scratch}
-                         for arch, b in binaries[k.name].items()},
-            "launches": 0,
-        })
-        entry["launches"] += 1
-        sources[k.name] = k.source
+    for p in progs:
+        for k in p.kernels.values():
+            entry = kpart.setdefault(k.name, {
+                "kind": k.kind, "nodes": list(k.nodes), "grid": list(k.grid), "num_warps": k.num_warps,
+                "xblock": k.xblock, "rblock": k.rblock,
+                "args": [{"name": a.name, "dtype": a.dtype, "role": a.role} for a in k.args],
+                "binaries": {arch: {"cubin": b.cubin, "name": b.name, "num_warps": b.num_warps, "shared": b.shared,
+                                    "global_scratch": b.global_scratch, "profile_scratch": b.profile_scratch}
+                             for arch, b in binaries[k.name].items()},
+                "launches": 0,
+            })
+            entry["launches"] += 1
+            sources[k.name] = k.source
     weights = {}
-    for buf, fqn in graph.weights:
-        if fqn.startswith("__const__."):
-            weights[fqn] = lctx.constants[buf]
-        else:
-            weights[fqn] = cg.weights[fqn]
-    bufs = graph.buffer_map
+    for p in progs:
+        for buf, fqn in p.graph.weights:
+            weights[fqn] = p.lctx.constants[buf] if fqn.startswith("__const__.") else p.cg.weights[fqn]
+    if train_info:
+        weights.update(train_info.pop("param_tensors"))
+    fwd = progs[0]
+    bufs = fwd.graph.buffer_map
     manifest = {
         "format": "aotfuse",
         "aotfuse_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
         "targets": list(targets),
-        "programs": ["forward"],
-        "inputs": [s.to_dict() for s in cg.inputs],
+        "programs": [p.name for p in progs],
+        "inputs": [s.to_dict() for s in fwd.cg.inputs],
         "outputs": [{"shape": list(o.view.shape), "dtype": str(_torch_dtype(bufs[o.view.buf].dtype))}
-                    for o in graph.outputs],
-        "single_output": cg.single_output,
+                    for o in fwd.graph.outputs],
+        "single_output": fwd.cg.single_output,
         "kernels": sorted(kpart),
     }
+    if train_info:
+        manifest["inputs"] = train_info["user_inputs"]
+        manifest["outputs"] = manifest["outputs"][:1]  # the loss; the rest are saved for the backward
+        manifest["single_output"] = True
+        manifest["train"] = train_info
     pack = lambda v: msgpack.packb(v, use_bin_type=True)  # noqa: E731
-    parts = {"kernels": pack(kpart), "sources": pack(sources), "program.forward": pack(program),
-             "report": pack(report)}  # no timings in the archive: builds are byte-for-byte reproducible
+    parts = {"kernels": pack(kpart), "sources": pack(sources), "report": pack(report)}
+    for name, prog in programs.items():
+        parts[f"program.{name}"] = pack(prog)  # no timings in the archive: builds are byte-for-byte reproducible
     return manifest, parts, weights
 
 

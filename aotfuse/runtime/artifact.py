@@ -93,6 +93,10 @@ class Artifact:
 
     def run(self, program: str, *inputs):
         self.check_inputs(inputs)
+        train = self.manifest.get("train")
+        if train:  # forward of a train archive: parameters are program inputs; return the loss
+            params = [self.weights[n] for n in train["params"]]
+            return self.executors["forward"].run(params + list(inputs))[0]
         if program == "forward" and self.use_graphs:
             outs = self._replay(inputs)
         else:
@@ -122,6 +126,12 @@ class Artifact:
         with torch.cuda.graph(graph):
             self._static_out = ex.run(self._static_in, self._static_seed)
         self._graph = graph
+
+    def as_module(self):
+        """An nn.Module whose forward/backward run the packaged programs (train archives)."""
+        from .training import PackagedModule
+
+        return PackagedModule(self)
 
     # ---------------------------------------------------------------- info
     def inspect(self) -> dict:

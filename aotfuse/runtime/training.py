@@ -1,0 +1,72 @@
+"""as_module(): a train archive as an nn.Module whose forward and backward run packaged programs.
+
+The module's parameters are the archive's weights (on the artifact's device). forward(*inputs) runs
+the forward program (loss + saved tensors) inside a torch.autograd.Function; backward runs the
+backward program on the saved tensors and the incoming gradient and hands gradients to autograd,
+so `.grad` fills and any torch.optim optimizer works. Each forward keeps its own saved tensors,
+so several forwards may be live before their backwards; they are freed once the backward ran.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import AotfuseError
+
+
+class _Packaged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, module, *args):
+        n_p = len(module._param_list)
+        outs = module._art.executors["forward"].run(list(args))
+        loss, saved = outs[0], outs[1:]
+        ctx.module = module
+        ctx.n_inputs = len(args) - n_p
+        ctx.save_for_backward(*saved)
+        return loss.clone() if loss._base is not None else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        module = ctx.module
+        saved = ctx.saved_tensors
+        tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
+        grads = module._art.executors["backward"].run(list(saved) + [tangent])
+        n_p = len(module._param_list)
+        out_param = [None] * n_p
+        out_input = [None] * ctx.n_inputs
+        for (kind, ref), g in zip(module._grad_map, grads):
+            if kind == "param":
+                out_param[module._param_index[ref]] = g
+            else:
+                out_input[int(ref)] = g
+        return (None, *out_param, *out_input)
+
+
+class PackagedModule(nn.Module):
+    """An nn.Module over a train archive. Parameter names follow the original module's (dots kept)."""
+
+    def __init__(self, art):
+        super().__init__()
+        info = art.manifest.get("train")
+        if not info:
+            raise AotfuseError("this archive has no backward program", remedy="build it with --train")
+        self._art = art
+        self._names = list(info["params"])
+        self._params = nn.ParameterDict()
+        self._param_list = []
+        for name in self._names:
+            p = nn.Parameter(art.weights[name])
+            self._params[name.replace(".", "__")] = p
+            self._param_list.append(p)
+        self._param_index = {n: i for i, n in enumerate(self._names)}
+        self._grad_map = [tuple(g) for g in info["grads"]]
+        self._loss_dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
+                            "torch.float16": torch.float16}.get(art.output_specs[0]["dtype"], torch.float32)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in zip(self._names, self._param_list):
+            yield (prefix + name, p)
+
+    def forward(self, *inputs):
+        self._art.check_inputs(inputs)
+        return _Packaged.apply(self, *self._param_list, *inputs)
