@@ -107,3 +107,11 @@ def demo_train(batch: int = 2, dropout: float = 0.1, dtype: torch.dtype = torch.
     tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
     targets = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
     return model, (tokens, targets)
+
+
+MEDIUM = GPTConfig(vocab=8192, seq=256, dim=768, heads=12, layers=4)
+
+
+def medium(batch: int = 8, dtype: torch.dtype = torch.bfloat16):
+    """A GPT-2-small-width model (4 layers) for benchmarks where kernels, not launches, dominate."""
+    return demo(batch=batch, dtype=dtype, cfg=MEDIUM)
