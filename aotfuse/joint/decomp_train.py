@@ -1,0 +1,382 @@
+"""Decompositions for training: backward ops become primitives the scheduler can lower and fuse.
+
+`training_decompositions()` is the table handed to aot_autograd when it traces the joint
+forward/backward graph. It is torch.export's core-ATen table, minus the ops we keep whole
+(externs: mm, addmm, bmm, convolution, embedding, and embedding_dense_backward, which becomes
+an allow-listed extern), plus our inference composites (`aotfuse.export.decomp.OURS`), plus the
+backward decompositions below. Every one of them produces pointwise ops, reductions
+(sum/amax/amin/mean), views, comparisons, `where`, casts, `arange`/`full` constants and the
+externs; none uses gather/scatter/index ops.
+
+Conventions (as in export/decomp.py): half inputs are upcast to fp32 for the math and the result is
+cast back to the dtype the op would return.
+
+Notes
+- nll_loss uses the one-hot form `arange(C) == target[:, None]`; `ignore_index` rows get zero loss
+  and zero gradient; reduction='mean' divides by the (weighted) count of non-ignored targets.
+  A `joint.trace` pass recognises `eq(arange(C), target)` to record the target range [0, C).
+- scaled_dot_product_attention becomes its math form (bmm, scale, causal mask from an `arange`
+  comparison + `where`, softmax, bmm) so its backward is bmm + softmax-backward. The flash kernels
+  stay inference-only for now. dropout_p must be 0. The table entry exists, but aot_autograd
+  dispatches sdpa's CompositeImplicitAutograd kernel in C++ above autograd (it never reaches the
+  table); `sdpa_math_mode()` is the TorchFunctionMode that `trace_joint` uses to apply it.
+- native_dropout(x, p, train) -> (x * mask * 1/(1-p), mask) with mask = `aten.rand(x.shape) >= p`
+  (fp32 uniforms). The lowering implements `aten.rand.default` from a Philox seed input; the
+  partitioner never recomputes it, so the mask drawn in the forward is the one the backward uses.
+- max_pool2d_with_indices_backward is decomposed (without the indices) when windows do not overlap
+  (stride == kernel, no padding, dilation 1, floor mode, sizes divisible by the kernel): the
+  gradient goes to the first maximum of each window, as ATen does (NaN windows excepted); other
+  configurations keep the op.
+- convolution_backward becomes convolutions: grad_input is a transposed convolution of the
+  gradient, grad_weight a convolution of the input with the gradient (stride and dilation swap),
+  grad_bias a sum. grad_weight needs groups == 1 (else the op is kept).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..export.decomp import KEEP_WHOLE, OURS
+
+aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _up(x):
+    return x.float() if x.dtype in _HALF else x
+
+
+def _sum(x, dims, keepdim=False):
+    return aten.sum.dim_IntList(x, list(dims), keepdim)
+
+
+# ---------------------------------------------------------------- normalization
+
+def _native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    n_norm = len(normalized_shape)
+    axes = list(range(x.dim() - n_norm, x.dim()))
+    outer = list(range(x.dim() - n_norm))
+    g, xf = _up(grad_out), _up(x)
+    xhat = (xf - mean) * rstd
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * _up(weight) if weight is not None else g
+        a = torch.mean(gx, axes, keepdim=True)
+        b = torch.mean(gx * xhat, axes, keepdim=True)
+        gi = (rstd * (gx - a - xhat * b)).to(x.dtype)
+    if output_mask[1] and weight is not None:
+        gw = (_sum(g * xhat, outer) if outer else g * xhat).to(weight.dtype)
+    if output_mask[2] and bias is not None:
+        gb = (_sum(g, outer) if outer else g).to(bias.dtype)
+    return gi, gw, gb
+
+
+def _native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                                output_mask):
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    axes = [0] + list(range(2, x.dim()))
+    g, xf = _up(grad_out), _up(x)
+    if train:
+        mean, invstd = _up(save_mean), _up(save_invstd)
+    else:
+        mean, invstd = _up(running_mean), torch.rsqrt(_up(running_var) + eps)
+    mean, invstd = mean.reshape(shape), invstd.reshape(shape)
+    xhat = (xf - mean) * invstd
+    w = _up(weight).reshape(shape) if weight is not None else None
+    gi = gw = gb = None
+    if output_mask[0]:
+        scale = invstd * w if w is not None else invstd
+        if train:
+            a = torch.mean(g, axes, keepdim=True)
+            b = torch.mean(g * xhat, axes, keepdim=True)
+            gi = (scale * (g - a - xhat * b)).to(x.dtype)
+        else:
+            gi = (g * scale).to(x.dtype)
+    if output_mask[1] and weight is not None:
+        gw = _sum(g * xhat, axes).to(weight.dtype)
+    if output_mask[2]:
+        gb = _sum(g, axes).to(weight.dtype if weight is not None else x.dtype)
+    return gi, gw, gb
+
+
+# ---------------------------------------------------------------- activations
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_K_TANH = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_backward(grad, x, approximate="none"):
+    g, xf = _up(grad), _up(x)
+    if approximate == "tanh":
+        x2 = xf * xf
+        t = torch.tanh(_K_TANH * (xf + 0.044715 * x2 * xf))
+        d_inner = _K_TANH * (1.0 + 3.0 * 0.044715 * x2)
+        d = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * d_inner
+    else:
+        cdf = 0.5 * (1.0 + torch.erf(xf * _SQRT1_2))
+        pdf = torch.exp(-0.5 * xf * xf) * _INV_SQRT_2PI
+        d = cdf + xf * pdf
+    return (g * d).to(grad.dtype)
+
+
+def _threshold_backward(grad, x, threshold):
+    return torch.where(x <= threshold, 0.0, grad)
+
+
+def _sigmoid_backward(grad, y):
+    yf = _up(y)
+    return (_up(grad) * (yf * (1.0 - yf))).to(grad.dtype)
+
+
+def _tanh_backward(grad, y):
+    yf = _up(y)
+    return (_up(grad) * (1.0 - yf * yf)).to(grad.dtype)
+
+
+def _silu_backward(grad, x):
+    xf = _up(x)
+    s = torch.sigmoid(xf)
+    return (_up(grad) * (s * (1.0 + xf * (1.0 - s)))).to(grad.dtype)
+
+
+def _softmax_backward_data(grad, out, dim, input_dtype):
+    g, y = _up(grad), _up(out)
+    gy = g * y
+    return (gy - y * _sum(gy, [dim], True)).to(input_dtype)
+
+
+def _log_softmax_backward_data(grad, out, dim, input_dtype):
+    g = _up(grad)
+    return (g - torch.exp(_up(out)) * _sum(g, [dim], True)).to(input_dtype)
+
+
+# ---------------------------------------------------------------- dropout
+
+def _native_dropout(x, p, train):
+    if train is not None and not train:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    if p >= 1.0:
+        return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
+    u = aten.rand.default(list(x.shape), dtype=torch.float32, device=x.device)
+    mask = u >= p
+    out = (_up(x) * mask * (1.0 / (1.0 - p))).to(x.dtype)
+    return out, mask
+
+
+def _native_dropout_backward(grad, mask, scale):
+    return (_up(grad) * mask * scale).to(grad.dtype)
+
+
+# ---------------------------------------------------------------- losses
+
+_REDUCTION_NONE, _REDUCTION_MEAN, _REDUCTION_SUM = 0, 1, 2
+
+
+def _nll_rows(self, target, weight, ignore_index):
+    """One-hot selection for nll_loss: (x [N, C] upcast, onehot [N, C] bool, w [N] row weight, valid [N])."""
+    x = _up(self)
+    if self.dim() == 1:
+        x, target = x.unsqueeze(0), target.unsqueeze(0)
+    c = x.shape[1]
+    classes = aten.arange.default(c, dtype=target.dtype, device=self.device)
+    onehot = classes.unsqueeze(0) == target.unsqueeze(1)
+    valid = target != ignore_index
+    if weight is not None:
+        w = _sum(torch.where(onehot, _up(weight).unsqueeze(0), 0.0), [1])
+        w = torch.where(valid, w, 0.0)
+    else:
+        w = valid.to(x.dtype)
+    return x, onehot, w, valid
+
+
+def _nll_loss_forward(self, target, weight, reduction, ignore_index):
+    x, onehot, w, valid = _nll_rows(self, target, weight, ignore_index)
+    picked = _sum(torch.where(onehot, x, 0.0), [1])
+    losses = torch.where(valid, -picked * w, 0.0)
+    if reduction == _REDUCTION_NONE:
+        out = losses if self.dim() == 2 else losses.squeeze(0)
+        return out.to(self.dtype), torch.zeros((), dtype=self.dtype, device=self.device)
+    total = _sum(w, [0])
+    s = _sum(losses, [0])
+    out = s / total if reduction == _REDUCTION_MEAN else s
+    return out.to(self.dtype), total.to(self.dtype)
+
+
+def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    x, onehot, w, valid = _nll_rows(self, target, weight, ignore_index)
+    g = _up(grad_output)
+    if reduction == _REDUCTION_MEAN:
+        g = g / _up(total_weight)
+    if reduction == _REDUCTION_NONE and self.dim() == 1:
+        g = g.unsqueeze(0)
+    row = -(w * g)  # [N]
+    keep = torch.logical_and(onehot, valid.unsqueeze(1))
+    gi = torch.where(keep, row.unsqueeze(1), 0.0)
+    if self.dim() == 1:
+        gi = gi.squeeze(0)
+    return gi.to(self.dtype)
+
+
+def _mse_loss(x, target, reduction=_REDUCTION_MEAN):
+    d = _up(x) - _up(target)
+    sq = d * d
+    if reduction == _REDUCTION_MEAN:
+        sq = torch.mean(sq)
+    elif reduction == _REDUCTION_SUM:
+        sq = _sum(sq, list(range(sq.dim())))
+    return sq.to(x.dtype)
+
+
+def _mse_loss_backward(grad, x, target, reduction):
+    norm = 2.0 / x.numel() if reduction == _REDUCTION_MEAN else 2.0
+    return (_up(grad) * norm * (_up(x) - _up(target))).to(x.dtype)
+
+
+# ---------------------------------------------------------------- attention (math form)
+
+def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """scaled_dot_product_attention as bmm -> scale -> mask -> softmax -> bmm."""
+    if dropout_p:
+        from ..errors import UnsupportedOpError
+
+        raise UnsupportedOpError("aten.scaled_dot_product_attention", "sdpa", "attention dropout in training",
+                                 remedy="set dropout_p=0 (or put dropout after the attention)")
+    L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    if enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+
+        def widen(t):
+            lead = list(t.shape[:-3])
+            h = t.shape[-3]
+            t = t.unsqueeze(-3).expand(*lead, h, rep, t.shape[-2], t.shape[-1])
+            return t.reshape(*lead, h * rep, t.shape[-2], t.shape[-1])
+        k, v = widen(k), widen(v)
+    batch = list(q.shape[:-2])
+    nb = 1
+    for d in batch:
+        nb *= d
+    q3, k3, v3 = q.reshape(nb, L, E), k.reshape(nb, S, E), v.reshape(nb, S, Ev)
+    scores = _up(aten.bmm.default(q3, k3.transpose(1, 2)))
+    scores = scores * (scale if scale is not None else 1.0 / math.sqrt(E))
+    if is_causal:
+        rows = aten.arange.default(L, device=q.device).unsqueeze(1)
+        cols = aten.arange.default(S, device=q.device).unsqueeze(0)
+        scores = torch.where(rows >= cols, scores, float("-inf"))
+    if attn_mask is not None:
+        m = attn_mask.expand(*batch, L, S).reshape(nb, L, S)
+        scores = torch.where(m, scores, float("-inf")) if m.dtype == torch.bool else scores + _up(m)
+    p = torch.softmax(scores, -1)
+    out = aten.bmm.default(p.to(v.dtype), v3)
+    return out.reshape(*batch, L, Ev)
+
+
+class sdpa_math_mode(TorchFunctionMode):
+    """Redirects F.scaled_dot_product_attention to `sdpa_math` while the joint graph is traced.
+
+    sdpa's CompositeImplicitAutograd kernel picks a flash kernel above autograd, so a decomposition
+    table entry alone never sees it; this mode intercepts it at the torch-function level."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention or \
+                func is torch._C._nn.scaled_dot_product_attention:
+            return sdpa_math(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- pooling / convolution
+
+def _max_pool2d_with_indices_backward(grad_out, x, kernel, stride, padding, dilation, ceil_mode, indices):
+    kh, kw = (kernel[0], kernel[-1]) if len(kernel) else (1, 1)
+    sh, sw = (stride[0], stride[-1]) if stride else (kh, kw)
+    pads = list(padding) if isinstance(padding, (list, tuple)) else [padding]
+    dils = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation]
+    H, W = x.shape[-2], x.shape[-1]
+    if (sh, sw) != (kh, kw) or any(pads) or any(d != 1 for d in dils) or ceil_mode or H % kh or W % kw:
+        return NotImplemented
+    lead = list(x.shape[:-2])
+    ho, wo = H // kh, W // kw
+    xw = x.reshape(*lead, ho, kh, wo, kw)
+    mx = aten.amax.default(xw, [-3, -1], True)
+    hit = xw == mx
+    pos = (aten.arange.default(kh, dtype=torch.float32, device=x.device).reshape(kh, 1, 1) * kw
+           + aten.arange.default(kw, dtype=torch.float32, device=x.device).reshape(1, 1, kw))
+    first = aten.amin.default(torch.where(hit, pos, float(kh * kw)), [-3, -1], True)
+    sel = pos == first
+    g = grad_out.reshape(*lead, ho, 1, wo, 1)
+    return torch.where(sel, g, 0.0).to(grad_out.dtype).reshape(x.shape)
+
+
+def _convolution_backward(grad_output, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask):
+    if transposed:
+        return NotImplemented
+    if output_mask[1] and groups != 1:
+        return NotImplemented
+    nsp = x.dim() - 2
+    stride, padding, dilation = (list(v) * (nsp if len(v) == 1 else 1) for v in (stride, padding, dilation))
+    ksz = list(weight.shape[2:])
+    gi = gw = gb = None
+    if output_mask[0]:
+        opad = [x.shape[2 + i] - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
+                                  + dilation[i] * (ksz[i] - 1) + 1) for i in range(nsp)]
+        gi = aten.convolution.default(grad_output, weight, None, stride, padding, dilation, True, opad, groups)
+    if output_mask[1]:
+        r = aten.convolution.default(x.transpose(0, 1), grad_output.transpose(0, 1), None, dilation, padding,
+                                     stride, False, [0] * nsp, 1)
+        r = r.transpose(0, 1)
+        for i in range(nsp):
+            if r.shape[2 + i] != ksz[i]:
+                r = aten.slice.Tensor(r, 2 + i, 0, ksz[i])
+        gw = r
+    if output_mask[2]:
+        gb = _sum(_up(grad_output), [0] + list(range(2, grad_output.dim()))).to(grad_output.dtype)
+    return gi, gw, gb
+
+
+# ---------------------------------------------------------------- the table
+
+TRAIN: dict = {
+    aten.native_layer_norm_backward.default: _native_layer_norm_backward,
+    aten.native_batch_norm_backward.default: _native_batch_norm_backward,
+    aten.gelu_backward.default: _gelu_backward,
+    aten.threshold_backward.default: _threshold_backward,
+    aten.sigmoid_backward.default: _sigmoid_backward,
+    aten.tanh_backward.default: _tanh_backward,
+    aten.silu_backward.default: _silu_backward,
+    aten._softmax_backward_data.default: _softmax_backward_data,
+    aten._log_softmax_backward_data.default: _log_softmax_backward_data,
+    aten.native_dropout.default: _native_dropout,
+    aten.native_dropout_backward.default: _native_dropout_backward,
+    aten.nll_loss_forward.default: _nll_loss_forward,
+    aten.nll_loss_backward.default: _nll_loss_backward,
+    aten.mse_loss.default: _mse_loss,
+    aten.mse_loss_backward.default: _mse_loss_backward,
+    aten.scaled_dot_product_attention.default: sdpa_math,
+    aten.max_pool2d_with_indices_backward.default: _max_pool2d_with_indices_backward,
+    aten.convolution_backward.default: _convolution_backward,
+}
+
+# Kept whole in training graphs: the inference externs (minus sdpa, which training decomposes)
+# and embedding_dense_backward (an allow-listed extern).
+KEEP_WHOLE_TRAIN: tuple = tuple(op for op in KEEP_WHOLE if op is not aten.scaled_dot_product_attention.default) + (
+    aten.embedding_dense_backward.default,)
+
+
+def training_decompositions() -> dict:
+    """op -> decomposition for aot_autograd's joint trace (core ATen + OURS + TRAIN)."""
+    table = dict(torch.export.default_decompositions())
+    for op in KEEP_WHOLE_TRAIN:
+        table.pop(op, None)
+    table.update(OURS)
+    table.update(TRAIN)
+    return table
+
+
+def train_ops() -> Sequence:
+    """The ops this module decomposes itself (for docs and tests)."""
+    return tuple(TRAIN)

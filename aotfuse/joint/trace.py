@@ -1,0 +1,401 @@
+"""The joint forward+backward graph: aot_autograd's joint trace with our training decompositions.
+
+`trace_joint(model, example_inputs)` returns a `JointGraph` whose FX graph takes
+`(*params, *buffers, *user_inputs, tangent)` and returns `(*user_outputs, *grads)`:
+- the model's forward returns the scalar loss, alone or first of several outputs
+  (`loss_index` says which; other outputs must not require grad);
+- `tangent` is a 0-d placeholder (the loss's dtype and shape) standing for d(out)/d(loss): it
+  REPLACES the `ones_like(loss)` seed aot_autograd creates, so `loss.backward(gradient=g)` and loss
+  scaling cost no extra kernel. If no seed can be identified (a future torch), every gradient
+  output is multiplied by the tangent instead (correct by linearity) and `tangent_mode` says
+  "multiply";
+- `grads[i]` says what gradient output i is: ("param", fqn) or ("input", user input index).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..errors import AotfuseError, BuildError
+from ..export.capture import InputSpec, _kind
+from .decomp_train import sdpa_math_mode, training_decompositions
+
+aten = torch.ops.aten
+
+_PREFIX = "model."
+
+
+@dataclasses.dataclass(frozen=True)
+class JointGraph:
+    gm: torch.fx.GraphModule
+    param_names: tuple[str, ...]  # fqn per parameter placeholder, in placeholder order
+    buffer_names: tuple[str, ...]  # fqn per buffer placeholder, in placeholder order
+    weights: dict[str, torch.Tensor]  # fqn -> detached contiguous CPU tensor (params and buffers)
+    inputs: tuple[InputSpec, ...]  # the user inputs
+    grads: tuple[tuple[str, Any], ...]  # per gradient output: ("param", fqn) | ("input", index)
+    # placeholder name -> ("param", fqn) | ("buffer", fqn) | ("input", index) | ("tangent", None), in order
+    placeholders: tuple[tuple[str, str, Any], ...]
+    num_user_outputs: int  # gm outputs are (*user_outputs, *grads)
+    loss_index: int
+    tangent: str  # the tangent placeholder's name
+    tangent_mode: str  # "seed" (replaced aot_autograd's ones_like seed) | "multiply" (fallback)
+    seconds: float
+
+    @property
+    def user_output_nodes(self) -> list:
+        return list(_output_args(self.gm)[: self.num_user_outputs])
+
+    @property
+    def grad_output_nodes(self) -> list:
+        return list(_output_args(self.gm)[self.num_user_outputs:])
+
+    def placeholder_kinds(self) -> dict[str, tuple[str, Any]]:
+        return {name: (kind, ref) for name, kind, ref in self.placeholders}
+
+    def flat_args(self, example_inputs, tangent: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
+        """The gm's arguments: weights by fqn, then the user inputs, then the tangent."""
+        args = [self.weights[f] for f in self.param_names] + [self.weights[f] for f in self.buffer_names]
+        args += list(example_inputs)
+        loss_val = self.user_output_nodes[self.loss_index].meta["val"]
+        if not isinstance(tangent, torch.Tensor):
+            tangent = torch.full(tuple(loss_val.shape), float(tangent), dtype=loss_val.dtype)
+        return args + [tangent]
+
+
+def _output_args(gm: torch.fx.GraphModule):
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return out.args[0]
+
+
+class _TupleOut(torch.nn.Module):
+    """aot_export_module wants tuple outputs; the model is kept under `model.`."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        out = self.model(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(_PREFIX):] if fqn.startswith(_PREFIX) else fqn
+
+
+# ---------------------------------------------------------------- input ranges
+
+_PASS_THROUGH = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.clone.default, aten.detach.default,
+    aten.alias.default, aten.permute.default, aten.t.default, aten.transpose.int, aten.slice.Tensor,
+    aten.select.int, aten._to_copy.default, torch.ops.prims.convert_element_type.default,
+}
+
+
+def _through_views(node):
+    """node and every node reachable from it through index-preserving view-like ops."""
+    seen, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.append(n)
+        todo.extend(u for u in n.users if u.op == "call_function" and u.target in _PASS_THROUGH and u.args[0] is n)
+    return seen
+
+
+def _arange_len(node):
+    """If node is (a view of) aten.arange(n) or arange(0, n), return n."""
+    while node is not None and hasattr(node, "target") and node.op == "call_function":
+        if node.target is aten.arange.default:
+            return int(node.args[0])
+        if node.target in (aten.arange.start, aten.arange.start_step) and int(node.args[0]) == 0 and \
+                (len(node.args) < 3 or int(node.args[2]) == 1) and node.kwargs.get("step", 1) == 1:
+            return int(node.args[1])
+        if node.target in _PASS_THROUGH:
+            node = node.args[0]
+            continue
+        return None
+    return None
+
+
+def _int_range(ph, t: torch.Tensor):
+    """[low, high) of an integer input: embedding indices are in [0, num_embeddings), class targets
+    (the one-hot `arange(C) == target` of our nll_loss decomposition) in [0, C)."""
+    for n in _through_views(ph):
+        for user in n.users:
+            if user.op != "call_function":
+                continue
+            if user.target is aten.embedding.default and len(user.args) > 1 and user.args[1] is n:
+                return 0, int(user.args[0].meta["val"].shape[0])
+            if user.target is aten.embedding_dense_backward.default and user.args[1] is n:
+                return 0, int(user.args[2])
+            if user.target in (aten.eq.Tensor, aten.ne.Tensor):
+                other = user.args[1] if user.args[0] is n else user.args[0]
+                c = _arange_len(other)
+                if c is not None:
+                    return 0, c
+    if t.numel() == 0:
+        return 0, 1
+    return int(t.min()), int(t.max()) + 1
+
+
+# ---------------------------------------------------------------- the tangent
+
+_SEEDS = {aten.ones_like.default, aten.full_like.default, aten.full.default, aten.ones.default,
+          aten.new_ones.default, aten.scalar_tensor.default, aten.new_full.default}
+
+
+def _is_one(node) -> bool:
+    t = node.target
+    if t in (aten.ones_like.default, aten.ones.default, aten.new_ones.default):
+        return True
+    if t in (aten.full_like.default, aten.new_full.default):
+        return len(node.args) > 1 and node.args[1] == 1
+    if t is aten.full.default:
+        return len(node.args) > 1 and node.args[1] == 1
+    if t is aten.scalar_tensor.default:
+        return node.args[0] == 1
+    return False
+
+
+def _ancestors(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _find_seed(gm, loss, user_outputs):
+    fwd = _ancestors(user_outputs)
+    lv = loss.meta["val"]
+    cands = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _SEEDS or n in fwd or not _is_one(n):
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(lv.shape) or v.dtype != lv.dtype:
+            continue
+        if any(a is not loss for a in n.all_input_nodes):
+            continue
+        cands.append(n)
+    direct = [n for n in cands if n.args and n.args[0] is loss]
+    if len(direct) == 1:
+        return direct[0]
+    return cands[0] if len(cands) == 1 else None
+
+
+def _insert_tangent(gm, loss, user_outputs, grad_outputs):
+    graph = gm.graph
+    last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    seed = _find_seed(gm, loss, user_outputs)
+    with graph.inserting_after(last_ph):
+        tangent = graph.placeholder("tangent")
+    lv = loss.meta["val"]
+    if seed is not None:
+        tangent.meta["val"] = seed.meta["val"]
+        if "tensor_meta" in seed.meta:
+            tangent.meta["tensor_meta"] = seed.meta["tensor_meta"]
+        seed.replace_all_uses_with(tangent)
+        graph.erase_node(seed)
+        return tangent, "seed"
+    # Fallback: scale every gradient (linear in the seed).
+    tangent.meta["val"] = lv  # same shape and dtype as the loss
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    new = list(out.args[0])
+    k = len(new) - len(grad_outputs)
+    for i, g in enumerate(grad_outputs):
+        if g is None:
+            continue
+        with graph.inserting_before(out):
+            m = graph.call_function(aten.mul.Tensor, (g, tangent))
+        m.meta["val"] = g.meta["val"]
+        new[k + i] = m
+    out.args = (tuple(new),)
+    return tangent, "multiply"
+
+
+# ---------------------------------------------------------------- CSE
+
+def _key(v):
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__,) + tuple(_key(x) for x in v)
+    if isinstance(v, dict):
+        return ("dict",) + tuple(sorted((k, _key(x)) for k, x in v.items()))
+    if isinstance(v, float):
+        return ("float", repr(v))  # nan == nan, -0.0 != 0.0
+    if isinstance(v, (torch.fx.Node, int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format)):
+        return (type(v).__name__, v)
+    raise TypeError(type(v).__name__)
+
+
+def _cse(graph: torch.fx.Graph) -> int:
+    """Merge identical pure call_function nodes (the backward's decompositions recompute forward
+    values such as the nll one-hot or silu's sigmoid; the partitioner decides where they live).
+    Random and mutating ops are never merged."""
+    import operator
+
+    seen: dict = {}
+    merged = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        t = n.target
+        if isinstance(t, torch._ops.OpOverload):
+            schema = t._schema
+            if torch.Tag.nondeterministic_seeded in t.tags or schema.is_mutable or not schema.returns:
+                continue
+        elif t is not operator.getitem:
+            continue
+        try:
+            key = (t, _key(n.args), _key(n.kwargs))
+            hash(key)
+        except TypeError:
+            continue
+        if key in seen:
+            n.replace_all_uses_with(seen[key])
+            graph.erase_node(n)
+            merged += 1
+        else:
+            seen[key] = n
+    return merged
+
+
+# ---------------------------------------------------------------- names
+
+def _input_names(model, n: int) -> list[str]:
+    """The forward's parameter names for the user inputs (as torch.export names them), else argN."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:n]]
+    return names + [f"arg{i}" for i in range(len(names), n)]
+
+
+def _ident(s: str) -> str:
+    out = "".join(c if c.isalnum() or c == "_" else "_" for c in s)
+    return out if out and not out[0].isdigit() else "_" + out
+
+
+def _rename_placeholders(phs, placeholders, input_names):
+    """Readable placeholder names: p_<fqn> for parameters, b_<fqn> for buffers, the forward's
+    argument names for inputs (FX keeps names unique)."""
+    out = []
+    for node, (_, kind, ref) in zip(phs, placeholders):
+        want = {"param": lambda: "p_" + _ident(ref), "buffer": lambda: "b_" + _ident(ref),
+                "input": lambda: _ident(input_names[ref])}[kind]()
+        try:
+            node._rename(want)
+            node.target = node.name  # the generated forward's argument name
+        except Exception:  # a private FX helper: keep aot_autograd's names if it is gone
+            pass
+        out.append((node.name, kind, ref))
+    return out
+
+
+# ---------------------------------------------------------------- trace
+
+def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) -> JointGraph:
+    """Trace `model` (forward returns the loss) into a joint forward/backward FX graph."""
+    from torch._functorch.aot_autograd import aot_export_module
+
+    t0 = time.perf_counter()
+    example_inputs = tuple(example_inputs)
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise BuildError(f"example input {i} is a {type(x).__name__}; only tensors are supported",
+                             remedy="wrap scalars and structures in the model's forward")
+    wrapped = _TupleOut(model)
+    try:
+        with sdpa_math_mode():
+            gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=loss_index,
+                                        decompositions=training_decompositions())
+    except AotfuseError:
+        raise
+    except Exception as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        raise BuildError(f"joint (forward+backward) trace failed: {type(exc).__name__}: {msg}",
+                         remedy="the model's forward must return the scalar loss (first output); "
+                                "check that loss.backward() works eagerly") from exc
+    if sig.buffers_to_mutate or sig.user_inputs_to_mutate or getattr(sig, "parameters_to_mutate", None):
+        raise BuildError("the training graph mutates buffers or inputs "
+                         f"({sorted(sig.buffers_to_mutate) + sorted(sig.user_inputs_to_mutate)})",
+                         remedy="keep BatchNorm in eval mode (frozen statistics) for --train builds")
+    graph = gm.graph
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    placeholders = []
+    param_names, buffer_names = [], []
+    for n in phs:
+        if n.name in sig.inputs_to_parameters:
+            fqn = _strip(sig.inputs_to_parameters[n.name])
+            param_names.append(fqn)
+            placeholders.append((n.name, "param", fqn))
+        elif n.name in sig.inputs_to_buffers:
+            fqn = _strip(sig.inputs_to_buffers[n.name])
+            buffer_names.append(fqn)
+            placeholders.append((n.name, "buffer", fqn))
+        elif n.name in sig.user_inputs:
+            placeholders.append((n.name, "input", sig.user_inputs.index(n.name)))
+        else:
+            raise BuildError(f"joint graph placeholder {n.name} is neither a parameter, a buffer nor an input")
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    weights = {f: state[f].detach().contiguous().cpu() for f in param_names + buffer_names}
+
+    outs = list(_output_args(gm))
+    n_user = len(sig.user_outputs)
+    user_outputs, grad_nodes = outs[:n_user], outs[n_user:]
+    bw = sig.backward_signature
+    grads = []
+    p_order = [f for f in param_names if f in {_strip(v) for v in bw.gradients_to_parameters.values()}]
+    i_order = sorted(set(bw.gradients_to_user_inputs.values()), key=lambda nm: sig.user_inputs.index(nm))
+    expected = [("param", f) for f in p_order] + [("input", sig.user_inputs.index(nm)) for nm in i_order]
+    if len(expected) != len(grad_nodes):
+        raise BuildError(f"joint graph has {len(grad_nodes)} gradient outputs, expected {len(expected)}")
+    for g, exp in zip(grad_nodes, expected):
+        name = getattr(g, "name", None)
+        if name in bw.gradients_to_parameters and exp[0] == "param" and \
+                list(bw.gradients_to_parameters).count(name) == 1:
+            got = _strip(bw.gradients_to_parameters[name])
+            if got != exp[1]:
+                raise BuildError(f"gradient output {name} is for {got}, expected {exp[1]}")
+        grads.append(exp)
+    input_names = _input_names(model, len(example_inputs))
+    placeholders = _rename_placeholders(phs, placeholders, input_names)
+    loss = user_outputs[loss_index]
+    tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
+    placeholders.append((tangent.name, "tangent", None))
+    graph.eliminate_dead_code()
+    _cse(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+    specs = []
+    ph_by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    input_ph = {ref: name for name, kind, ref in placeholders if kind == "input"}
+    for idx, t in enumerate(example_inputs):
+        name = input_ph[idx]
+        kind = _kind(t.dtype)
+        lo = hi = None
+        if kind == "int":
+            lo, hi = _int_range(ph_by_name[name], t)
+        specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
+    return JointGraph(gm=gm, param_names=tuple(param_names), buffer_names=tuple(buffer_names), weights=weights,
+                      inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
+                      num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
+                      seconds=time.perf_counter() - t0)

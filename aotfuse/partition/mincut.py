@@ -1,0 +1,551 @@
+"""Our min-cut partition of the joint graph into forward and backward graphs, with recompute.
+
+The flow network (networkx max-flow / min-cut). Every joint node v the forward or the backward
+needs is split into v_in -> v_out:
+- v_in -> v_out has the cost of SAVING v: its bytes (bit-packed size for bool tensors of two or
+  more elements), 0 for parameters, buffers and user inputs (the backward gets them anyway),
+  infinite for views (view/permute/expand/slice/clone/...; a view costs nothing to recompute but
+  saving it would keep its base alive, so the base is saved instead) and for tuple-valued nodes
+  (their getitems are the tensors);
+- u_out -> v_in is infinite for every data edge u -> v: a node on the backward side needs all of
+  its inputs on the backward side (saved, or recomputed there);
+- source -> v_in is infinite for what must be computed in the forward: parameters, buffers, user
+  inputs, and ops banned from recompute: externs (mm, addmm, bmm, convolution, attention,
+  embedding, embedding_dense_backward), random ops (rand, rand_like, native_dropout, ...), and ops
+  this module does not know (conservative);
+- source -> v_in has capacity B * r(v) for the other forward nodes: r(v) is the runtime cost of
+  recomputing v in the backward (B is `memory_budget`), paid when v lands on the backward side;
+- v_in -> sink is infinite for backward nodes (those that depend on the tangent, or that only the
+  gradients need), and v_out -> sink for every gradient output.
+The source side of the min cut is what the forward computes and the backward does not touch; a
+node with v_in on the source side and v_out on the sink side is SAVED (a forward output); forward
+nodes with v_in on the sink side are RECOMPUTED in the backward.
+
+Costs (one unit = one byte of memory traffic, halved: saving a tensor costs a write in the
+forward plus a read in the backward, and its save edge counts its bytes once):
+- views and constants (arange, full, ...): r = 0;
+- pointwise ops: r = numel / 128, transcendental ones (exp, log, erf, tanh, sigmoid, rsqrt, pow,
+  div, ...) numel / 32: a recomputed pointwise chain fuses into the backward kernel that consumes
+  it, so it costs a few flops per element (about 20 flops cost as much as one byte on an H100),
+  not memory traffic; the small r also breaks ties toward saving the tensor the backward reads
+  rather than its inputs;
+- reductions (sum, mean, amax, ...) and windowed ops (pooling): r = bytes(inputs) / 2: recomputing
+  one re-reads its whole input in a separate reduction pass;
+- copies (cat, ...): r = bytes(out).
+So at B = 1 the cut minimizes saved bytes + recompute cost (the runtime-optimal split in this
+model): small statistics (LayerNorm mean and rstd, softmax max/sum) are saved, pointwise chains
+are recomputed. At B = 0 only bytes count (minimum memory: everything recomputable is recomputed
+unless saving it is strictly smaller). Capacities are integers: with B = p/q exactly and M larger
+than the node count, the objective is q * M * bytes + q * (#recomputed) + p * (N + 1) * R (the
+node count only breaks ties), linear in B, so the saved bytes of the optimal cut are
+non-decreasing in B (parametric min cut).
+
+Deviation from the textbook network, on purpose: a node only the backward needs that does NOT
+depend on the tangent (the backward's own recomputations of forward values, e.g. a pooling
+backward's window max) is not tied to the sink: computing it once costs the same in either pass,
+so it floats and the cut may compute it in the forward and save it when that is cheaper (an edge
+v_in -> u_in keeps its floating inputs in the forward with it). The joint graph is CSE'd by
+`trace_joint`, so such duplicates of forward values are mostly merged already.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from fractions import Fraction
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+
+from ..errors import BuildError
+from .packing import PACK, UNPACK, packed_nbytes
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+# ---------------------------------------------------------------- op classes
+
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.transpose.int,
+    aten.t.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default,
+    aten.clone.default, aten.contiguous.default, aten.lift_fresh_copy.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten._reshape_alias.default,
+    aten.view_as.default, aten.expand_as.default, aten.squeeze_copy.dim, aten.view_copy.default,
+    aten.permute_copy.default, aten.unsqueeze_copy.default, aten.expand_copy.default, aten.t_copy.default,
+    aten.transpose_copy.int, aten.slice_copy.Tensor, aten.select_copy.int, aten.alias_copy.default,
+}
+CONSTANT_OPS = {
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.full_like.default,
+    aten.zeros.default, aten.zeros_like.default, aten.ones.default, aten.ones_like.default,
+    aten.scalar_tensor.default, aten.empty.memory_format, aten.empty_like.default, aten.new_zeros.default,
+    aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+}
+EXTERN_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+    aten.convolution_backward.default, aten._convolution.default, aten.embedding.default,
+    aten.embedding_dense_backward.default, aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default, aten._flash_attention_forward.default,
+    aten._efficient_attention_forward.default,
+}
+RANDOM_OPS = {
+    aten.rand.default, aten.rand_like.default, aten.randn.default, aten.randn_like.default, aten.randint.default,
+    aten.randint_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.native_dropout.default,
+    aten.normal.Tensor_float, aten.uniform.default, aten.randperm.default, aten.rand.generator,
+}
+REDUCTION_OPS = {
+    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
+    aten.max.dim, aten.min.dim, aten.max.default, aten.min.default, aten.any.dim, aten.any.dims, aten.any.default,
+    aten.all.dim, aten.all.default, aten.prod.dim_int, aten.prod.default, aten.argmax.default, aten.argmin.default,
+    aten.var.correction, aten.var_mean.correction, aten.logsumexp.default, aten.max_pool2d_with_indices.default,
+    aten.max_pool2d.default, aten.avg_pool2d.default, aten.cumsum.default, aten.norm.ScalarOpt_dim,
+}
+TRANSCENDENTAL = {
+    aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log1p.default,
+    aten.log2.default, aten.erf.default, aten.erfc.default, aten.tanh.default, aten.sigmoid.default,
+    aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.reciprocal.default, aten.sin.default,
+    aten.cos.default, aten.atan2.default, aten.gelu.default, aten.silu.default,
+}
+POINTWISE_EXTRA = {
+    aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype, aten.where.self,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.clamp.default, aten.clamp_min.default,
+    aten.clamp_max.default, aten.hardtanh.default, aten.relu.default,
+}
+COPY_OPS = {aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.flip.default,
+            aten.repeat.default, aten.index_select.default}
+TUPLE_VIEW_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+
+
+def op_class(node: torch.fx.Node) -> str:
+    """view | constant | pointwise | transcendental | reduction | copy | extern | random | item | unknown."""
+    t = node.target
+    if t is operator.getitem:
+        parent = node.args[0]
+        return "view" if getattr(parent, "target", None) in TUPLE_VIEW_OPS else "item"
+    if t in VIEW_OPS:
+        return "view"
+    if t in CONSTANT_OPS:
+        return "constant"
+    if t in EXTERN_OPS:
+        return "extern"
+    tags = getattr(t, "tags", ())
+    if t in RANDOM_OPS or torch.Tag.nondeterministic_seeded in tags:
+        return "random"
+    if t in REDUCTION_OPS or torch.Tag.reduction in tags:
+        return "reduction"
+    if t in TRANSCENDENTAL:
+        return "transcendental"
+    if t in POINTWISE_EXTRA or torch.Tag.pointwise in tags:
+        return "pointwise"
+    if t in COPY_OPS:
+        return "copy"
+    return "unknown"
+
+
+BANNED_CLASSES = ("extern", "random", "unknown")
+
+
+def is_banned(node: torch.fx.Node) -> bool:
+    """May this node NOT be recomputed in the backward?"""
+    return node.op == "call_function" and op_class(node) in BANNED_CLASSES
+
+
+# ---------------------------------------------------------------- sizes
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def tensor_nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return int(val.numel()) * val.element_size()
+    return 0
+
+
+def _packable(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool and packed_nbytes(val.numel()) < val.numel()
+
+
+def save_nbytes(val) -> int:
+    """Bytes to keep `val` for the backward (bit-packed when it is a bool tensor that packing shrinks)."""
+    if _packable(val):
+        return packed_nbytes(val.numel())
+    return tensor_nbytes(val)
+
+
+COST_UNIT = 256  # recompute costs are integers in 1/256 byte
+
+
+def recompute_cost(node: torch.fx.Node) -> int | None:
+    """The cost of recomputing `node` in the backward, in 1/256 byte of memory traffic (halved, like
+    the save cost it competes with: saving costs a write in the forward plus a read in the backward,
+    and a save edge counts the bytes once); None if the node may not be recomputed."""
+    cls = op_class(node)
+    if cls in BANNED_CLASSES:
+        return None
+    val = _val(node)
+    numel = int(val.numel()) if isinstance(val, torch.Tensor) else 0
+    if cls in ("view", "constant", "item"):
+        return 0
+    if cls == "pointwise":  # ~1 flop/element, fused into the consumer: 1/128 byte per element
+        return 2 * numel
+    if cls == "transcendental":  # a few flops/element: 1/32 byte per element
+        return 8 * numel
+    if cls == "reduction":  # re-reads its whole input in a separate pass
+        return COST_UNIT // 2 * sum(tensor_nbytes(_val(a)) for a in node.all_input_nodes)
+    return COST_UNIT * tensor_nbytes(val)  # copy: read + write its output
+
+
+# ---------------------------------------------------------------- result
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    name: str  # the joint node's name
+    nbytes: int  # bytes kept (packed size when packed)
+    producer_op: str  # the op that produces it ("placeholder" for params/buffers/inputs)
+    why: str
+    packed: bool = False  # stored as aotfuse::pack_bits (1 bit per element)
+    kind: str = "activation"  # activation | param | buffer | input
+    shape: tuple[int, ...] = ()
+    dtype: str = ""  # dtype of the tensor before packing
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """fwd_gm(*params, *buffers, *user_inputs) -> (*user_outputs, *saved);
+    bwd_gm(*saved, tangent) -> grads (in `grads` order). The loss is user output `loss_index` (0)."""
+
+    fwd_gm: torch.fx.GraphModule
+    bwd_gm: torch.fx.GraphModule
+    saved: tuple[SavedTensor, ...]
+    recomputed: tuple[str, ...]  # joint node names recomputed in the backward
+    saved_bytes: int  # forward-produced tensors kept for the backward (packed size), not params/inputs
+    memory_budget: float
+    num_user_outputs: int
+    loss_index: int
+    grads: tuple[tuple[str, Any], ...]  # as JointGraph.grads
+    recompute_ops: tuple[str, ...] = ()  # op of each recomputed node (parallel to `recomputed`)
+    cut_cost: int = 0  # the min cut's value (internal units)
+
+    def report(self) -> dict:
+        acts = [s for s in self.saved if s.kind == "activation"]
+        others = [s for s in self.saved if s.kind != "activation"]
+        unpacked = sum(s.nbytes if not s.packed else s.nbytes * 8 for s in acts)
+        return {
+            "memory_budget": self.memory_budget,
+            "saved_bytes": self.saved_bytes,
+            "saved_tensors": len(acts),
+            "packed_tensors": sum(1 for s in acts if s.packed),
+            "bytes_saved_by_packing": max(0, unpacked - self.saved_bytes),
+            "passed_through": {"count": len(others), "bytes": sum(s.nbytes for s in others),
+                               "note": "params/buffers/inputs the backward reads; not counted in saved_bytes"},
+            "recomputed_nodes": len(self.recomputed),
+            "saved": [s.to_dict() for s in self.saved],
+            "recomputed": [{"name": n, "op": op} for n, op in zip(self.recomputed, self.recompute_ops)],
+            "forward_nodes": sum(1 for n in self.fwd_gm.graph.nodes if n.op == "call_function"),
+            "backward_nodes": sum(1 for n in self.bwd_gm.graph.nodes if n.op == "call_function"),
+        }
+
+
+# ---------------------------------------------------------------- partition
+
+def _ancestors(nodes) -> set:
+    seen, todo = set(), [n for n in nodes if isinstance(n, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _descendants(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(n.users)
+    return seen
+
+
+def _fake_call(op, *args):
+    """meta['val'] of op(*args) from its fake kernel, under the fake mode of args' values."""
+    from torch._guards import detect_fake_mode
+
+    vals = [a for a in args if isinstance(a, torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    if mode is not None:
+        with mode:
+            return op(*args)
+    metas = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in args]
+    return op(*metas)
+
+
+def _opname(node) -> str:
+    if node.op == "placeholder":
+        return "placeholder"
+    t = node.target
+    return "getitem" if t is operator.getitem else str(t)
+
+
+def partition(joint, memory_budget: float = 1.0) -> Partition:
+    """Split `joint` (a JointGraph) into forward and backward graphs by min cut."""
+    if memory_budget < 0:
+        raise BuildError(f"memory_budget must be >= 0, got {memory_budget}")
+    gm = joint.gm
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    out_node = next(n for n in reversed(nodes) if n.op == "output")
+    outs = list(out_node.args[0])
+    user_outputs = outs[: joint.num_user_outputs]
+    grad_outputs = outs[joint.num_user_outputs:]
+    ph_kind = {name: kind for name, kind, _ in joint.placeholders}
+    tangent = next(n for n in nodes if n.op == "placeholder" and n.name == joint.tangent)
+
+    fwd = _ancestors(user_outputs)
+    if tangent in fwd:
+        raise BuildError("a forward output depends on the tangent")
+    need_bwd = _ancestors([g for g in grad_outputs if isinstance(g, torch.fx.Node)])
+    bwd_only = (need_bwd - fwd) - {tangent}
+    tangent_dep = _descendants(tangent)
+    floating = {n for n in bwd_only if n not in tangent_dep and n.op == "call_function"}
+    relevant = [n for n in nodes if (n in fwd or n in bwd_only) and n.op in ("placeholder", "call_function")]
+
+    # Integer capacities: objective = q*M*bytes + q*(#recomputed) + p*(N+1)*R, with B = p/q.
+    frac = Fraction(memory_budget).limit_denominator(10 ** 6)
+    p, q = frac.numerator, frac.denominator
+    n_nodes = len(relevant) + 1
+    M = COST_UNIT * n_nodes
+
+    G = nx.DiGraph()
+    G.add_node("source")
+    G.add_node("sink")
+    for n in relevant:
+        vin, vout = n.name + ".in", n.name + ".out"
+        val = _val(n)
+        is_tuple = isinstance(val, (tuple, list))
+        if n.op == "placeholder":
+            G.add_edge("source", vin)
+            G.add_edge(vin, vout, capacity=0)
+        elif n in floating:
+            # Only the backward needs it, but it does not depend on the tangent: computing it once in
+            # either pass costs the same, so it floats (in the forward it must be saved).
+            if op_class(n) == "view" or is_tuple:
+                G.add_edge(vin, vout)
+            else:
+                G.add_edge(vin, vout, capacity=q * M * save_nbytes(val))
+            for a in n.all_input_nodes:
+                if a in floating:  # computed in the forward => its floating inputs are too
+                    G.add_edge(vin, a.name + ".in")
+        elif n in bwd_only:
+            G.add_edge(vin, vout)
+            G.add_edge(vin, "sink")
+        else:
+            cls = op_class(n)
+            if cls == "view" or is_tuple:
+                G.add_edge(vin, vout)
+            else:
+                G.add_edge(vin, vout, capacity=q * M * save_nbytes(val))
+            r = recompute_cost(n)
+            if r is None:
+                G.add_edge("source", vin)
+            else:
+                G.add_edge("source", vin, capacity=q + p * n_nodes * r)
+        for a in n.all_input_nodes:
+            if a is tangent:
+                continue
+            G.add_edge(a.name + ".out", vin)
+    for g in grad_outputs:
+        if isinstance(g, torch.fx.Node) and g is not tangent:
+            G.add_edge(g.name + ".out", "sink")
+    try:
+        cut_value, (src_side, _) = nx.minimum_cut(G, "source", "sink")
+    except nx.NetworkXUnbounded as exc:
+        raise BuildError("partition: no finite cut (a backward value can only come from a banned op "
+                         "that the backward itself would have to recompute)") from exc
+
+    def in_src(n, half):
+        return (n.name + half) in src_side
+
+    # Saved: v_in on the source side, v_out on the sink side. Walk back from the gradients.
+    saved_nodes: set = set()
+    bwd_compute: set = set()
+    todo = [g for g in grad_outputs if isinstance(g, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n is tangent or n in saved_nodes or n in bwd_compute:
+            continue
+        if n.op == "placeholder" or ((n in fwd or n in floating) and in_src(n, ".in")):
+            if n.op != "placeholder" and (op_class(n) == "view" or isinstance(_val(n), (tuple, list))):
+                raise BuildError(f"partition: view/tuple node {n.name} ended up saved")
+            saved_nodes.add(n)
+            continue
+        if n in fwd and is_banned(n):
+            raise BuildError(f"partition: banned node {n.name} ({n.target}) would be recomputed")
+        bwd_compute.add(n)
+        todo.extend(n.all_input_nodes)
+    recomputed = sorted((n for n in bwd_compute if n in fwd), key=order.__getitem__)
+    saved_list = sorted(saved_nodes, key=order.__getitem__)
+
+    saved_infos = []
+    saved_bytes = 0
+    for n in saved_list:
+        val = _val(n)
+        users = sorted((u for u in n.users if u in bwd_compute), key=order.__getitem__)
+        uses = ", ".join(u.name for u in users[:4]) + (", ..." if len(users) > 4 else "")
+        if n.op == "placeholder":
+            kind = ph_kind.get(n.name, "input")
+            why = {"param": "parameter", "buffer": "buffer", "input": "user input"}.get(kind, kind) + \
+                f" read by the backward ({uses}); passed through, not counted"
+            packed = False
+            nbytes = tensor_nbytes(val)
+        else:
+            kind = "activation"
+            packed = _packable(val)
+            nbytes = save_nbytes(val)
+            cls = op_class(n)
+            if n in floating:
+                reason = (f"only the backward needs it, but it does not depend on the tangent: computed once "
+                          f"in the forward and saved ({nbytes} B), cheaper than keeping its inputs")
+            elif cls == "extern":
+                reason = f"{_opname(n)} is an extern: never recomputed"
+            elif cls == "random":
+                reason = f"{_opname(n)} is random: never recomputed (the backward must see the same draw)"
+            elif cls == "unknown":
+                reason = f"{_opname(n)} is not known to be cheap: never recomputed"
+            else:
+                r = recompute_cost(n) or 0
+                reason = (f"min cut: saving {nbytes} B costs less than recomputing it in the backward "
+                          f"(with what its recompute would need; its own recompute cost {r / COST_UNIT:.1f} B "
+                          f"x budget {float(memory_budget):g})")
+            why = reason + f"; backward uses: {uses}" + ("; bit-packed" if packed else "")
+            saved_bytes += nbytes
+        saved_infos.append(SavedTensor(
+            name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
+            shape=tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
+            dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else ""))
+
+    fwd_nodes = _ancestors(list(user_outputs) + saved_list)
+    fwd_gm = _build_forward(gm, nodes, fwd_nodes, tangent, user_outputs, saved_list, saved_infos)
+    bwd_gm = _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos)
+    return Partition(fwd_gm=fwd_gm, bwd_gm=bwd_gm, saved=tuple(saved_infos),
+                     recomputed=tuple(n.name for n in recomputed), saved_bytes=saved_bytes,
+                     memory_budget=float(memory_budget), num_user_outputs=joint.num_user_outputs,
+                     loss_index=joint.loss_index, grads=tuple(joint.grads),
+                     recompute_ops=tuple(_opname(n) for n in recomputed), cut_cost=int(cut_value))
+
+
+def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_infos):
+    g = torch.fx.Graph()
+    env: dict = {}
+    for n in nodes:
+        if n.op == "placeholder" and n is not tangent:
+            env[n] = g.node_copy(n)
+    for n in nodes:
+        if n.op == "call_function" and n in fwd:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    outs = [env[u] for u in user_outputs]
+    for n, info in zip(saved_list, saved_infos):
+        v = env[n]
+        if info.packed:
+            pk = g.create_node("call_function", PACK, (v,), {}, name=n.name + "_packed")
+            pk.meta["val"] = _fake_call(PACK, n.meta["val"])
+            v = pk
+        outs.append(v)
+    g.output(tuple(outs))
+    g.lint()
+    return torch.fx.GraphModule(gm, g, class_name="AotfuseForward")
+
+
+def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos):
+    g = torch.fx.Graph()
+    env: dict = {}
+    packed_ph = []
+    for n, info in zip(saved_list, saved_infos):
+        if info.packed:
+            ph = g.placeholder(n.name + "_packed")
+            ph.meta["val"] = _fake_call(PACK, n.meta["val"])
+            packed_ph.append((n, ph))
+        else:
+            ph = g.placeholder(n.name)
+            ph.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
+            env[n] = ph
+    tph = g.placeholder(tangent.name)
+    tph.meta.update({k: v for k, v in tangent.meta.items() if k in ("val", "tensor_meta")})
+    env[tangent] = tph
+    for n, ph in packed_ph:
+        shape = [int(s) for s in n.meta["val"].shape]
+        up = g.create_node("call_function", UNPACK, (ph, shape), {}, name=n.name)
+        up.meta["val"] = _fake_call(UNPACK, ph.meta["val"], shape)
+        env[n] = up
+    for n in nodes:
+        if n in bwd_compute and n.op == "call_function":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in grad_outputs))
+    g.lint()
+    return torch.fx.GraphModule(gm, g, class_name="AotfuseBackward")
+
+
+# ---------------------------------------------------------------- reference: torch's partitioner
+
+def torch_min_cut_saved(joint) -> list[dict]:
+    """What torch's own `min_cut_rematerialization_partition` saves on the same joint graph: one
+    dict per forward-produced tensor it keeps (params, buffers and inputs excluded): name, op, bytes
+    (from meta['val']), and `base`/`base_bytes`/`alias_of_input`: the tensor a view chain leads back
+    to (a saved view keeps its base alive; a view of a parameter or input costs nothing). For
+    comparisons; the joint graph is copied, not changed."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    g = torch.fx.Graph()
+    out = g.graph_copy(joint.gm.graph, {})
+    g.output(out)
+    gm = torch.fx.GraphModule(joint.gm, g)
+    i = 0
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        want = "tangents_1" if n.name == joint.tangent else f"primals_{i + 1}"
+        i += n.name != joint.tangent
+        n._rename(want)
+        n.target = n.name
+    gm.recompile()
+    fw, _ = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=joint.num_user_outputs)
+    fout = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    res = []
+    for n in fout[joint.num_user_outputs:]:
+        if not isinstance(n, torch.fx.Node) or n.op == "placeholder":
+            continue
+        base = n
+        while base.op == "call_function" and op_class(base) == "view":
+            base = base.args[0]
+            if base.op == "call_function" and base.target in TUPLE_VIEW_OPS:
+                base = base.args[0]
+        res.append({"name": n.name, "op": _opname(n), "bytes": tensor_nbytes(n.meta.get("val")),
+                    "base": base.name, "base_bytes": tensor_nbytes(base.meta.get("val")),
+                    "alias_of_input": base.op == "placeholder"})
+    return res
+
+
+def torch_saved_bytes(entries: list[dict]) -> tuple[int, int]:
+    """(raw, kept_alive) bytes of torch_min_cut_saved's entries: raw sums every saved tensor's own
+    bytes; kept_alive counts each distinct non-input base once (what the saved views keep alive)."""
+    raw = sum(e["bytes"] for e in entries)
+    bases = {e["base"]: e["base_bytes"] for e in entries if not e["alias_of_input"]}
+    return raw, sum(bases.values())
