@@ -84,7 +84,7 @@ class _Compiled:
 
 def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     sfx = "" if name == "forward" else f"[{name}]"
-    graph, lctx = st.run("lower" + sfx, lower, cg)
+    graph, lctx = st.run("lower" + sfx, lower, cg, name)
     n_lowered = len(graph.nodes)
     graph, inlined = st.run("inline" + sfx, inline_pointwise, graph)
     sched = st.run("fuse" + sfx, fuse, graph)

@@ -121,6 +121,8 @@ class _Emitter:
             if e.buf in self.members:
                 return self.node_value(e.buf, e.index)
             idx = print_index(e.index, {SX: "xindex", SR: "rindex"})
+            if not e.index.free_symbols:  # a scalar (e.g. the tangent, a seed): unmasked scalar load
+                return f"tl.load({self.args[e.buf]} + {idx})"
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0)"
         if isinstance(e, Const):
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
@@ -155,8 +157,6 @@ class _Emitter:
 
 
 def _store_index(node, kind: str):
-    if isinstance(node, Reduction):
-        return SX
     return node.store_index
 
 
@@ -174,6 +174,7 @@ def _kernelize(node, x: int, r: int):
         mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
         store = SX
     mapping = {k: simplify(v, rng) for k, v in mapping.items()}
+    store = simplify(store, rng)
     body = subs_expr(node.body, mapping)
     body = _simplify_loads(body, rng)
     out = dataclasses.replace(node, body=body)
@@ -267,6 +268,8 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
 
     def store(n, value: str, ctx: str):
         idx = print_index(n.store_index, {SX: "xindex", SR: "rindex"})
+        if not n.store_index.free_symbols:  # one element (x = 1): make the pointer a block like the value
+            idx = f"{idx} + 0 * xindex"
         m = "xmask & rmask" if ctx == "xr" else "xmask"
         em.line(f"tl.store({out_name[n.name]} + {idx}, {value}.to({TL_DTYPE[graph.buffer(n.name).dtype]}), {m})")
 

@@ -30,9 +30,10 @@ def print_index(e: sympy.Expr, names: dict) -> str:
         return f"({print_index(e.args[0], names)} // {print_index(e.args[1], names)})"
     if isinstance(e, ModIdx):
         return f"({print_index(e.args[0], names)} % {print_index(e.args[1], names)})"
-    if isinstance(e, sympy.Min):
-        a, b = e.args[0], sympy.Min(*e.args[1:])
-        return f"tl.minimum({print_index(a, names)}, {print_index(b, names)})"
+    if isinstance(e, (sympy.Min, sympy.Max)):
+        fn = "tl.minimum" if isinstance(e, sympy.Min) else "tl.maximum"
+        a, b = e.args[0], e.func(*e.args[1:])
+        return f"{fn}({print_index(a, names)}, {print_index(b, names)})"
     raise ValueError(f"cannot print index expression {e}")
 
 
@@ -58,11 +59,10 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
         "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
         "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
         "xor": "({0} ^ {1})", "neg": "(-{0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
-        "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "erf": "tl.erf({0})", "tanh": "libdevice.tanh({0})",
+        "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "erf": "tl.erf({0})",
         "sigmoid": "tl.sigmoid({0})", "abs": "tl.abs({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
-        "log1p": "libdevice.log1p({0})", "expm1": "libdevice.expm1({0})", "floor": "tl.floor({0})",
-        "ceil": "tl.ceil({0})", "not": "({0} == 0)", "reciprocal": "(1.0 / {0})",
-        "relu": "tl.maximum({0}, 0)", "isnan": "({0} != {0})", "pow": "libdevice.pow({0}, {1})",
+        "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "not": "({0} == 0)", "reciprocal": "(1.0 / {0})",
+        "relu": "tl.maximum({0}, 0)", "isnan": "({0} != {0})",
         "where": "tl.where({0}, {1}, {2})",
         "shr": "({0} >> {1})", "shl": "({0} << {1})", "bitand": "({0} & {1})", "bitor": "({0} | {1})",
         "rand": "tl.rand({0}, {1})",
@@ -77,8 +77,35 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
         q = f"({a[0]} // {a[1]})"
         return f"({q} - ((({a[0]} % {a[1]}) != 0) & (({a[0]} < 0) != ({a[1]} < 0))).to({TL_DTYPE[dtype]}))"
     if op == "truncdiv":
-        return f"libdevice.trunc({a[0]} / {a[1]})" if is_float else f"({a[0]} // {a[1]})"
+        return _trunc(f"({a[0]} / {a[1]})") if is_float else f"({a[0]} // {a[1]})"
+    # tanh, expm1, log1p and pow are written with triton.language alone, no libdevice: the CPU path
+    # runs kernels in Triton's interpreter, which cannot execute libdevice externs.
+    if op == "tanh":  # tanh|x| = -e / (e + 2) with e = expm1(-2|x|) in [-1, 0]: no overflow, no cancellation
+        e = _expm1(f"(-2.0 * tl.abs({a[0]}))")
+        return f"tl.where({a[0]} < 0, {e} / ({e} + 2.0), -{e} / ({e} + 2.0))"
+    if op == "expm1":
+        return _expm1(a[0])
+    if op == "log1p":  # log(u) * x / (u - 1) with u = 1 + x: the rounding error of u cancels (Goldberg)
+        u = f"(1.0 + {a[0]})"
+        return (f"tl.where({u} == 1.0, {a[0]}, tl.where({u} - 1.0 == {u}, tl.log({u}), "
+                f"tl.log({u}) * ({a[0]} / ({u} - 1.0))))")
+    if op == "pow":  # exp2(y * log2|x|) with C pow's rules: x < 0 needs an integer y, and odd y keeps the sign
+        x, y = a
+        r = f"tl.exp2({y} * tl.log2(tl.abs({x})))"
+        r = (f"tl.where(({x} < 0) & (tl.floor({y}) != {y}), float(\"nan\"), "
+             f"tl.where(({x} < 0) & (tl.floor({y} * 0.5) * 2.0 != {y}), -{r}, {r}))")
+        return f"tl.where(({y} == 0) | ({x} == 1), 1.0, {r})"
     if op == "mod":
         r = f"({a[0]} % {a[1]})"
         return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"
     raise ValueError(f"no Triton source for op {op!r}")
+
+
+def _trunc(x: str) -> str:
+    return f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"
+
+
+def _expm1(x: str) -> str:
+    # Kahan: for |x| < 0.5, (u - 1) * x / log(u) with u = exp(x) is accurate: the error in u cancels.
+    u = f"tl.exp({x})"
+    return f"tl.where(tl.abs({x}) < 0.5, tl.where({u} == 1.0, {x}, ({u} - 1.0) * ({x} / tl.log({u}))), {u} - 1.0)"

@@ -112,6 +112,9 @@ def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
     if isinstance(e, sympy.Min):
         bs = [bounds(a, ranges) for a in e.args]
         return min(b[0] for b in bs), min(b[1] for b in bs)
+    if isinstance(e, sympy.Max):
+        bs = [bounds(a, ranges) for a in e.args]
+        return max(b[0] for b in bs), max(b[1] for b in bs)
     return -_INF_GUARD, _INF_GUARD
 
 
@@ -214,6 +217,8 @@ def _recombine(e: sympy.Expr) -> sympy.Expr:
 
 def simplify(e: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     """Bottom-up simplification using the symbols' ranges; idempotent."""
+    if e.is_Symbol and ranges.get(e) == 1:
+        return sympy.Integer(0)  # a loop of one iteration: its variable is always 0
     if e.is_Atom:
         return e
     args = [simplify(a, ranges) for a in e.args]

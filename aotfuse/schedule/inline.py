@@ -58,9 +58,15 @@ def inline_pointwise(graph: LoopGraph) -> tuple[LoopGraph, tuple[InlineDecision,
         _inline_round(nodes, order, pinned, decisions)
         changed = (len(decisions), len(nodes)) != before
     kept = tuple(nodes[n] for n in order if n in nodes)
-    live = {n.name for n in kept} | {b.name for b in graph.buffers if b.kind in ("input", "weight")}
+    read = {o.view.buf for o in graph.outputs}
+    for n in kept:
+        read |= ({a.buf for a in _tensor_args(n.args)} if isinstance(n, Extern)
+                 else {ld.buf for ld in expr_loads(n.body)})
+    # Weights and folded constants nothing reads any more are not stored in the archive.
+    live = {n.name for n in kept} | {b.name for b in graph.buffers if b.kind == "input"} | read
     buffers = tuple(b for b in graph.buffers if b.name in live)
-    return dataclasses.replace(graph, nodes=kept, buffers=buffers), tuple(decisions)
+    weights = tuple((b, fqn) for b, fqn in graph.weights if b in read)
+    return dataclasses.replace(graph, nodes=kept, buffers=buffers, weights=weights), tuple(decisions)
 
 
 def _inline_round(nodes, order, pinned, decisions):

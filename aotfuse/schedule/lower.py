@@ -40,7 +40,8 @@ def _const_value(x, consts):
     return x
 
 
-def lower(cg: CapturedGraph) -> tuple[LoopGraph, LoweringCtx]:
+def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, LoweringCtx]:
+    """Lower one program's graph. Folded constants are named __const__.<program>.<buf> in the archive."""
     ctx = LoweringCtx()
     env: dict[torch.fx.Node, object] = {}
     consts: dict[torch.fx.Node, torch.Tensor] = {}
@@ -83,7 +84,7 @@ def lower(cg: CapturedGraph) -> tuple[LoopGraph, LoweringCtx]:
                     val = val.detach().contiguous()
                     ctx.add_buffer(name, val.shape, dtype_name(val.dtype, node.name), "weight")
                     ctx.constants[name] = val
-                    weights.append((name, f"__const__.{name}"))
+                    weights.append((name, f"__const__.{program}.{name}"))
                     env[node] = View.of_buffer(name, val.shape, dtype_name(val.dtype, node.name))
                     ctx.decisions.append({"folded": node.name, "into": name})
                     continue

@@ -306,3 +306,82 @@ def _embedding_backward(ctx, node, args, kwargs):
     tg, ti = _targ(ctx, grad, node, "grad"), _targ(ctx, idx, node, "indices")
     return ctx.extern("aten.embedding_dense_backward.out", (tg, ti, num_weights, padding_idx, scale), {},
                       out_shape(node), out_dtype(node), True)
+
+
+# ---------------------------------------------------------------- concatenation
+
+@register(aten.cat.default, category="pointwise", note="each output element selects its source; loads are clamped in bounds")
+def _cat(ctx, node, args, kwargs):
+    tensors = [t for t in args[0] if isinstance(t, View) and t.numel > 0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(out_shape(node))
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    cdt = compute_dtype(dt) if dt != "bool" else "bool"
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    offsets, acc = [], 0
+    for t in tensors:
+        offsets.append(acc)
+        acc += t.shape[dim]
+    body = None
+    for t, off in reversed(list(zip(tensors, offsets))):
+        local = pv[dim] - off
+        idx = list(pv)
+        idx[dim] = sympy.Max(sympy.Min(local, t.shape[dim] - 1), 0)  # clamped: never read out of bounds
+        val = as_dtype(ctx.load_compute(t, idx, ranges), cdt)
+        if body is None:
+            body = val
+        else:
+            from .ir import IndexValue
+            cond = Op("lt", (IndexValue(pv[dim], "int64"), Const(off + t.shape[dim], "int64")), "bool")
+            body = Op("where", (cond, val, body), cdt)
+    return ctx.pointwise(shape, dt, body, hint="cat")
+
+
+# ---------------------------------------------------------------- bit-packed masks (training)
+
+def _register_packing():
+    try:
+        from ..partition import packing  # noqa: F401  (defines torch.ops.aotfuse.*)
+    except ImportError:
+        return
+    ops = torch.ops.aotfuse
+
+    @register(ops.pack_bits.default, category="pointwise", note="bool -> uint8, element j is bit j%8 of byte j//8")
+    def _pack_bits(ctx, node, args, kwargs):
+        from .indexing import unravel
+        from .ir import IndexValue
+
+        src = args[0]
+        n = src.numel
+        nb = out_shape(node)[0]
+        pv = syms("p", 1)
+        ranges = {pv[0]: nb}
+        body = None
+        for k in range(8):
+            j = 8 * pv[0] + k
+            idx = unravel(sympy.Min(j, n - 1), src.shape)
+            bit = as_dtype(ctx.load_compute(src, idx, ranges), "int32")
+            valid = Op("lt", (IndexValue(j, "int64"), Const(n, "int64")), "bool")
+            bit = Op("where", (valid, bit, Const(0, "int32")), "int32")
+            term = Op("shl", (bit, Const(k, "int32")), "int32") if k else bit
+            body = term if body is None else Op("bitor", (body, term), "int32")
+        return ctx.pointwise((nb,), "uint8", as_dtype(body, "uint8"), hint="pack")
+
+    @register(ops.unpack_bits.default, category="pointwise", note="uint8 -> bool, inverse of pack_bits")
+    def _unpack_bits(ctx, node, args, kwargs):
+        from .indexing import FloorDiv, ModIdx, flat_index
+        from .ir import IndexValue
+
+        packed = args[0]
+        shape = out_shape(node)
+        pv = syms("p", len(shape))
+        ranges = dict(zip(pv, shape))
+        j = flat_index(pv, shape)
+        byte = as_dtype(ctx.load_compute(packed, [FloorDiv(j, 8)], ranges), "int32")
+        shift = as_dtype(IndexValue(ModIdx(j, 8), "int32"), "int32")
+        bit = Op("bitand", (Op("shr", (byte, shift), "int32"), Const(1, "int32")), "int32")
+        return ctx.pointwise(shape, "bool", Op("ne", (bit, Const(0, "int32")), "bool"), hint="unpack")
+
+
+_register_packing()
