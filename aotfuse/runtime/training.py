@@ -55,7 +55,10 @@ class PackagedModule(nn.Module):
         self._params = nn.ParameterDict()
         self._param_list = []
         for name in self._names:
-            p = nn.Parameter(art.weights[name])
+            t = art.weights[name]
+            if t.device.type == "cpu":  # on the CPU path weights are views of the archive's bytes: never write there
+                t = t.clone()
+            p = nn.Parameter(t)
             self._params[name.replace(".", "__")] = p
             self._param_list.append(p)
         self._param_index = {n: i for i, n in enumerate(self._names)}

@@ -1,0 +1,152 @@
+"""Training tier on the CPU path: packaged forward/backward programs vs eager autograd."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.examples.gpt import GPTConfig, GPTWithLoss, _init
+from aotfuse.specs import load_spec, random_inputs
+
+
+def small_gpt(dropout: float = 0.0):
+    cfg = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=1, dropout=dropout)
+    model = _init(GPTWithLoss(cfg), seed=0).train()
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+CASES = {
+    "gpt_small": small_gpt,
+    "llama_block": lambda: load_spec("aotfuse.examples.llama:block_train"),
+    "cnn": lambda: load_spec("aotfuse.examples.cnn:cnn_train"),
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, inputs = CASES[name]()
+            cache[name] = (model, aotfuse.build(model, inputs, train=True, targets=("sm_90",)))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_and_every_gradient_match_eager(built, name):
+    model, res = built(name)
+    art = aotfuse.load(res.data, device="cpu")
+    mod = art.as_module()
+    inputs = random_inputs(art.input_specs, device="cpu", seed=21)
+    loss = mod(*inputs)
+    loss.backward()
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(*inputs)
+    ref.backward()
+    assert rel(loss, ref) < 1e-5, (float(loss), float(ref))
+    ours = dict(mod.named_parameters())
+    assert set(ours) == {n for n, _ in ref_model.named_parameters()}
+    for n, p in ref_model.named_parameters():
+        assert ours[n].grad is not None, n
+        assert rel(ours[n].grad, p.grad) < 1e-4, f"{name}: grad of {n}: {rel(ours[n].grad, p.grad):.2e}"
+
+
+def test_optimizer_steps_follow_eager(built):
+    model, res = built("llama_block")
+    art = aotfuse.load(res.data, device="cpu")
+    mod = art.as_module()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (mod, ref))
+    for step in range(3):
+        inputs = random_inputs(art.input_specs, device="cpu", seed=100 + step)
+        for m, o in ((mod, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = m(*inputs)
+            loss.backward()
+            o.step()
+        assert rel(mod(*inputs), ref(*inputs)) < 1e-4
+
+
+def test_two_live_graphs_and_tangent_scaling(built):
+    model, res = built("llama_block")
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    a = random_inputs(mod._art.input_specs, device="cpu", seed=1)
+    b = random_inputs(mod._art.input_specs, device="cpu", seed=2)
+    la, lb = mod(*a), mod(*b)  # two forwards before either backward
+    (la + 2.0 * lb).backward()
+    ref = copy.deepcopy(model)
+    (ref(*a) + 2.0 * ref(*b)).backward()
+    ours = dict(mod.named_parameters())
+    for n, p in ref.named_parameters():
+        assert rel(ours[n].grad, p.grad) < 1e-4, n
+
+
+def test_saved_tensors_are_freed_after_backward(built):
+    import gc
+    import weakref
+
+    _, res = built("llama_block")
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    loss = mod(*random_inputs(mod._art.input_specs, device="cpu", seed=3))
+    saved = [weakref.ref(t) for t in loss.grad_fn.saved_tensors]
+    assert saved
+    loss.backward()
+    del loss
+    gc.collect()
+    assert all(r() is None for r in saved)
+
+
+class _Dropout(nn.Module):
+    def __init__(self, n: int, p: float):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n))
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(x * self.w, self.p, training=True).sum()
+
+
+def test_dropout_same_mask_in_backward_and_right_keep_rate():
+    p, n = 0.25, 1 << 16
+    model = _Dropout(n, p)
+    res = aotfuse.build(model, (torch.ones(n),), train=True, targets=("sm_90",))
+    part = res.report["partition"]
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    torch.manual_seed(0)
+    loss = mod(torch.ones(n))
+    loss.backward()
+    g = mod._param_list[0].grad
+    # d loss / d w = mask / (1 - p): summing it gives the loss only if the backward saw the forward's mask.
+    assert torch.allclose(g.sum(), loss.detach(), rtol=1e-5)
+    vals = torch.unique(g).tolist()
+    assert len(vals) == 2 and vals[0] == 0.0 and vals[1] == pytest.approx(1 / (1 - p))
+    keep = float((g != 0).float().mean())
+    assert abs(keep - (1 - p)) < 0.01, keep
+    # a fresh seed per call: another forward draws another mask
+    g2 = torch.autograd.grad(mod(torch.ones(n)), mod._param_list[0])[0]
+    assert not torch.equal(g2 != 0, g != 0)
+    # the mask is saved bit-packed
+    masks = [s for s in part["saved"] if s.get("packed")]
+    assert masks and all(s["nbytes"] == n // 8 for s in masks), part["saved"]
+
+
+def test_inspect_shows_partition(built, tmp_path):
+    _, res = built("gpt_small")
+    path = tmp_path / "t.aotf"
+    res.save(path)
+    info = aotfuse.inspect_archive(path)
+    assert set(info["programs"]) == {"forward", "backward"}
+    part = info["partition"]
+    assert part["saved_bytes"] > 0 and part["saved"] and "recomputed" in part
