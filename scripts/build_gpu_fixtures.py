@@ -21,16 +21,24 @@ FIXTURES = {
 }
 
 
-def main(out_dir: str = "build/gpu", only: list[str] | None = None) -> None:
+TRAIN_FIXTURES = {
+    "demo_train_fp32_drop": "aotfuse.examples.gpt:demo_train(dropout=0.1)",
+    "demo_train_fp32_nodrop": "aotfuse.examples.gpt:demo_train(dropout=0.0)",
+    "demo_train_bf16_drop": "aotfuse.examples.gpt:demo_train(dropout=0.1, dtype=torch.bfloat16)",
+    "demo_train_bf16_nodrop": "aotfuse.examples.gpt:demo_train(dropout=0.0, dtype=torch.bfloat16)",
+}
+
+
+def main(out_dir: str = "build/gpu", only: list[str] | None = None, train: bool = False) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     index = {}
-    for name, spec in FIXTURES.items():
+    for name, spec in (TRAIN_FIXTURES if train else FIXTURES).items():
         if only and name not in only:
             continue
         model, inputs = load_spec(spec)
         t0 = time.perf_counter()
-        res = aotfuse.build(model, inputs)
+        res = aotfuse.build(model, inputs, train=train)
         secs = time.perf_counter() - t0
         res.save(out / f"{name}.aotf")
         index[name] = {"spec": spec, "build_seconds": round(secs, 2), "bytes": len(res.data)}
@@ -39,4 +47,5 @@ def main(out_dir: str = "build/gpu", only: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2], only=sys.argv[2:] or None)
+    args = [a for a in sys.argv[1:] if a != "--train"]
+    main(*args[:1], only=args[1:] or None, train="--train" in sys.argv)

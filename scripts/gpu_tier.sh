@@ -13,11 +13,13 @@ run() { local name=$1; shift; "$@" >"$OUT/$name.log" 2>&1; local rc=$?; status+=
 run check    python3 scripts/gpu_check.py build/gpu
 run pytest   python3 -m pytest -q -m gpu tests
 run driver   python3 scripts/gpu_smoke_driver.py
+[ -d build/gpu_train ] && run train python3 scripts/gpu_train.py build/gpu_train
 : > "$OUT/benchmarks.md"
-for spec in aotfuse.examples.gpt:demo aotfuse.examples.gpt:demo_bf16 aotfuse.examples.llama:block_bf16; do
+for spec in ${BENCH_SPECS:-aotfuse.examples.gpt:demo aotfuse.examples.gpt:demo_bf16 aotfuse.examples.llama:block_bf16}; do
   run "bench_${spec##*:}" python3 -m aotfuse bench "$spec" --batch 1,8 --iters ${BENCH_ITERS:-200} --markdown "$OUT/benchmarks.md"
 done
 echo; echo "== GPU tier summary =="
 grep -h "PASS\|FAIL" "$OUT/check.log" | tail -20
 for s in "${status[@]}"; do echo "  $s"; done
-grep -h "^|" "$OUT/benchmarks.md" | head -40
+grep -h "^|" "$OUT/benchmarks.md" | head -60
+[ -f "$OUT/train.log" ] && sed -n '/== training/,$p' "$OUT/train.log"
