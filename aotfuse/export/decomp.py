@@ -116,6 +116,12 @@ def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum
     return out.to(x.dtype), empty, empty
 
 
+def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    # Shapes are static: a full of the known shape, which lowering folds into a constant. (Left as
+    # full_like it would name the input x, and constant folding cannot evaluate it.)
+    return torch.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
+
+
 OURS = {
     aten.layer_norm.default: _layer_norm,
     aten.native_layer_norm.default: _native_layer_norm,
@@ -127,6 +133,7 @@ OURS = {
     aten.log_softmax.int: _log_softmax_int,
     aten._log_softmax.default: _log_softmax,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
+    aten.full_like.default: _full_like,
 }
 
 

@@ -1,0 +1,471 @@
+"""The op table: one small module per lowering case, the source of tests/test_ops_cpu.py and docs/ops.md.
+
+Each OpCase builds a tiny model whose torch.export graph (after our decomposition table) contains
+every aten overload named in `aten_ops` (the test checks that), so together the cases exercise
+each entry of the lowering registry, or the op is listed in UNTESTED with the reason it cannot be
+reached from a model. `make(dtype)` returns (module, example inputs); floating inputs and
+parameters take `dtype`. Sizes are small and deliberately not powers of two; called twice under
+different seeds, `make` yields fresh inputs of the same shapes and value ranges.
+
+    python -m aotfuse.opcases            # list the cases
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+F32 = (torch.float32,)
+HALF = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCase:
+    name: str
+    make: Callable[[torch.dtype], tuple[nn.Module, tuple]]
+    aten_ops: tuple[str, ...]  # overloads the exported graph must contain, e.g. "aten.exp.default"
+    dtypes: tuple = F32
+    knobs: tuple[tuple[str, object], ...] = ()  # aotfuse.knobs.override(**dict(knobs)) around the build
+    known_issue: str = ""  # a bug (outside the lowerings) this case hits: the test expects it to fail, strictly
+
+
+class Fn(nn.Module):
+    """A stateless model whose forward is `fn(*inputs)`."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+# ---------------------------------------------------------------- inputs (never zeros)
+
+def randn(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(shape).to(dtype)
+
+
+def pos(*shape, dtype=torch.float32) -> torch.Tensor:
+    """Positive, at least 0.5: for log, sqrt, pow bases, divisors."""
+    return (torch.randn(shape).abs() + 0.5).to(dtype)
+
+
+def away(*shape, dtype=torch.float32) -> torch.Tensor:
+    """Random sign, magnitude at least 0.5: for reciprocals and signed divisors."""
+    x = torch.randn(shape)
+    return (x + torch.where(x >= 0, 0.5, -0.5)).to(dtype)
+
+
+def rounded(*shape, dtype=torch.float32) -> torch.Tensor:
+    """Normal values rounded to halves, so that comparisons see ties (zeros included, on purpose)."""
+    return ((torch.randn(shape) * 2).round() / 2).to(dtype)
+
+
+def ints(*shape, low=-9, high=10, dtype=torch.int32, nonzero=False) -> torch.Tensor:
+    x = torch.randint(low, high, shape)
+    if nonzero:
+        x = torch.where(x == 0, 1, x)
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------- constructors
+
+CASES: list[OpCase] = []
+
+
+def fn_case(name: str, fn: Callable, inputs: Callable[[torch.dtype], tuple], ops, dtypes=F32, knobs=(),
+            known_issue=""):
+    """A case for a stateless forward `fn` with `inputs(dtype)` as its inputs."""
+    def make(dtype):
+        return Fn(fn), tuple(inputs(dtype))
+    CASES.append(OpCase(name, make, tuple(ops), tuple(dtypes), tuple(knobs), known_issue))
+
+
+def module_case(name: str, build: Callable[[torch.dtype], nn.Module], inputs: Callable[[torch.dtype], tuple], ops,
+                dtypes=F32, knobs=(), known_issue=""):
+    """A case for an nn.Module built by `build(dtype)` (random parameters, eval mode)."""
+    def make(dtype):
+        return build(dtype).eval(), tuple(inputs(dtype))
+    CASES.append(OpCase(name, make, tuple(ops), tuple(dtypes), tuple(knobs), known_issue))
+
+
+def _x(*shape, kind=randn):
+    return lambda dt: (kind(*shape, dtype=dt),)
+
+
+def _xy(sx, sy, kx=randn, ky=randn):
+    return lambda dt: (kx(*sx, dtype=dt), ky(*sy, dtype=dt))
+
+
+S = (3, 5, 7)  # the default shape: nothing a power of two
+
+# ---------------------------------------------------------------- pointwise: unary
+
+for _name, _fn, _kind, _dt in [
+    ("exp", torch.exp, randn, HALF), ("log", torch.log, pos, F32), ("sqrt", torch.sqrt, pos, F32),
+    ("rsqrt", torch.rsqrt, pos, HALF), ("erf", torch.erf, randn, F32), ("tanh", torch.tanh, randn, HALF),
+    ("sigmoid", torch.sigmoid, randn, HALF), ("abs", torch.abs, randn, F32), ("sin", torch.sin, randn, F32),
+    ("cos", torch.cos, randn, F32), ("log1p", torch.log1p, pos, F32), ("expm1", torch.expm1, randn, F32),
+    ("reciprocal", torch.reciprocal, away, HALF), ("relu", torch.relu, randn, HALF),
+    ("sign", torch.sign, randn, F32), ("neg", torch.neg, randn, F32),
+]:
+    fn_case(_name, _fn, _x(*S, kind=_kind), [f"aten.{_name}.default"], _dt)
+
+fn_case("floor", lambda x: torch.floor(x * 3), _x(*S), ["aten.floor.default"])
+fn_case("ceil", lambda x: torch.ceil(x * 3), _x(*S), ["aten.ceil.default"])
+fn_case("logical_not", lambda x: torch.logical_not(x > 0), _x(*S), ["aten.logical_not.default", "aten.gt.Scalar"])
+fn_case("bitwise_not_bool", lambda x: ~(x > 0), _x(*S), ["aten.bitwise_not.default"])
+fn_case("isnan", lambda x: torch.isnan(torch.log(x)), _x(*S), ["aten.isnan.default"])
+fn_case("int_unary", lambda a: (torch.abs(a), -a, torch.sign(a), torch.relu(a)), lambda dt: (ints(*S),),
+        ["aten.abs.default", "aten.neg.default", "aten.sign.default", "aten.relu.default"])
+
+# ---------------------------------------------------------------- pointwise: binary
+
+fn_case("add_alpha", lambda x, y: torch.add(x, y, alpha=2), _xy(S, S), ["aten.add.Tensor"], HALF)
+fn_case("add_scalar", lambda x: aten.add.Scalar(x, 2.5), _x(*S), ["aten.add.Scalar"])
+fn_case("sub", lambda x, y: (x - y, 1.5 - x), _xy(S, S), ["aten.sub.Tensor"], HALF)
+fn_case("sub_scalar", lambda x: aten.sub.Scalar(x, 1.5), _x(*S), ["aten.sub.Scalar"])
+fn_case("mul", lambda x, y: x * y, _xy(S, S), ["aten.mul.Tensor"], HALF)
+fn_case("mul_scalar", lambda x: aten.mul.Scalar(x, -3.0), _x(*S), ["aten.mul.Scalar"])
+fn_case("maximum_minimum", lambda x, y: (torch.maximum(x, y), torch.minimum(x, y)), _xy(S, S),
+        ["aten.maximum.default", "aten.minimum.default"], HALF)
+fn_case("pow_tensor_tensor", lambda x, y: x ** y, _xy(S, S, kx=pos), ["aten.pow.Tensor_Tensor"])
+fn_case("pow_scalar", lambda x: (x ** 2, x ** 3, x ** 0.5, x ** -0.5, x ** -1, x ** 2.5, x ** -2, x ** 0),
+        _x(*S, kind=pos), ["aten.pow.Tensor_Scalar"], HALF)
+fn_case("remainder", lambda x, y: (torch.remainder(x, y), x % 1.5, x % -1.5), _xy(S, S, ky=away),
+        ["aten.remainder.Tensor", "aten.remainder.Scalar"])
+fn_case("div", lambda x, y: x / y, _xy(S, S, ky=away), ["aten.div.Tensor"], HALF)
+fn_case("div_scalar", lambda x: aten.div.Scalar(x, 3.0), _x(*S), ["aten.div.Scalar"])
+fn_case("div_modes", lambda x, y: (torch.div(x, y, rounding_mode="floor"), torch.div(x, y, rounding_mode="trunc")),
+        _xy(S, S, ky=away), ["aten.div.Tensor_mode"])
+fn_case("div_scalar_modes", lambda x: (aten.div.Scalar_mode(x, 0.7, rounding_mode="floor"),
+                                       aten.div.Scalar_mode(x, -0.7, rounding_mode="trunc")),
+        lambda dt: (randn(*S, dtype=dt) * 3,), ["aten.div.Scalar_mode"])
+fn_case("int_arith", lambda a, b: (a + b, a - 2 * b, a * b, a // b, torch.div(a, b, rounding_mode="trunc"),
+                                   a % b, torch.remainder(a, 4), a / b, torch.maximum(a, b)),
+        lambda dt: (ints(*S), ints(*S, nonzero=True)),
+        ["aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor_mode", "aten.remainder.Tensor",
+         "aten.remainder.Scalar", "aten.div.Tensor", "aten.maximum.default"])
+
+# ---------------------------------------------------------------- pointwise: compare, logical, where, clamp
+
+fn_case("compare_tensor", lambda x, y: (x == y, x != y, x < y, x <= y, x > y, x >= y), _xy(S, S, rounded, rounded),
+        ["aten.eq.Tensor", "aten.ne.Tensor", "aten.lt.Tensor", "aten.le.Tensor", "aten.gt.Tensor", "aten.ge.Tensor"],
+        HALF)
+fn_case("compare_scalar", lambda x: (x == 0.5, x != 0.5, x < 0.5, x <= 0.5, x > 0.5, x >= 0.5), _x(*S, kind=rounded),
+        ["aten.eq.Scalar", "aten.ne.Scalar", "aten.lt.Scalar", "aten.le.Scalar", "aten.gt.Scalar", "aten.ge.Scalar"])
+fn_case("compare_mixed_dtypes", lambda a, x: (a < x, a == x.floor(), a.float() >= x),
+        lambda dt: (ints(*S), randn(*S, dtype=dt) * 5),
+        ["aten.lt.Tensor", "aten.eq.Tensor", "aten.ge.Tensor"])
+fn_case("logical", lambda x, y: (torch.logical_and(x > 0, y > 0), torch.logical_or(x > 0, y > 0),
+                                 torch.logical_xor(x > 0, y > 0), torch.logical_and(x, y > 0.5)),
+        _xy(S, S, kx=rounded), ["aten.logical_and.default", "aten.logical_or.default", "aten.logical_xor.default"])
+fn_case("where", lambda x, y: torch.where(x > y, x, y * 2), _xy(S, S), ["aten.where.self"], HALF)
+fn_case("where_scalars", lambda x: (torch.where(x > 0, x, 0.5), torch.where(x > 0, -1.0, x),
+                                    torch.where(x > 0, 1.0, 0.0)), _x(*S),
+        ["aten.where.self", "aten.scalar_tensor.default"])
+fn_case("clamp", lambda x: (torch.clamp(x, -0.5, 0.5), torch.clamp(x, min=0.1), torch.clamp(x, max=-0.2)), _x(*S),
+        ["aten.clamp.default"], HALF)
+fn_case("hardtanh", lambda x: (F.hardtanh(x), F.relu6(x * 4)), _x(*S), ["aten.hardtanh.default"])
+
+# ---------------------------------------------------------------- pointwise: casts
+
+fn_case("to_dtypes", lambda x: ((x * 2).to(torch.float16), (x * 2).to(torch.bfloat16), (x * 3).to(torch.int32),
+                                torch.floor(x).to(torch.bool), (x * 1000).to(torch.int64)),
+        _x(*S), ["aten._to_copy.default", "aten._assert_tensor_metadata.default"])
+fn_case("to_float", lambda a, x: (a.to(torch.float32) * 0.5, (x > 0).to(x.dtype) + x, x.float() * 3),
+        lambda dt: (ints(*S), randn(*S, dtype=dt)), ["aten._to_copy.default"], HALF)
+fn_case("type_as", lambda a, y: a.type_as(y) + y, lambda dt: (ints(*S), randn(*S, dtype=dt)),
+        ["aten._to_copy.default"], HALF)
+fn_case("convert_element_type", lambda x: prims.convert_element_type(x * 2, torch.float16), _x(*S),
+        ["prims.convert_element_type.default"])
+
+# ---------------------------------------------------------------- constants (folded at build time)
+
+fn_case("full", lambda x: x + torch.full((5, 7), 2.5), _x(*S), ["aten.full.default"])
+fn_case("full_like", lambda x: (x * torch.full_like(x, 3.0), x + torch.ones_like(x), x - torch.zeros_like(x)),
+        _x(*S), ["aten.full.default"])
+fn_case("arange", lambda x: (x + torch.arange(7), x * torch.arange(1, 15, 2, dtype=torch.float32),
+                             x + torch.arange(0.5, 3.9, 0.5)), _x(*S), ["aten.arange.start_step"])
+
+# ---------------------------------------------------------------- random (its values differ from eager's: the
+# outputs are functions of them that do not: floor(u) = 0 and 0 <= u < 1)
+
+fn_case("rand", lambda x: (torch.floor(torch.rand_like(x)) + x,
+                           torch.logical_and(torch.rand(5, 7) >= 0, torch.rand(5, 7) < 1)),
+        _x(*S), ["aten.rand_like.default", "aten.rand.default"])
+
+# ---------------------------------------------------------------- views
+
+fn_case("view", lambda x: x.view(5, 21) * 2, _x(*S), ["aten.view.default"])
+fn_case("permute", lambda x: (x.permute(2, 0, 1) * 2, x.transpose(0, 1) + 1, x.permute(1, 2, 0)), _x(*S),
+        ["aten.permute.default"], HALF)
+fn_case("expand", lambda x, y: x[:, None, :].expand(3, 4, 7) * y, _xy((3, 7), (4, 1)),
+        ["aten.expand.default", "aten.unsqueeze.default"])
+fn_case("unsqueeze_squeeze", lambda x: ((x.unsqueeze(1) * 2).squeeze(1), x[None].squeeze() + 1,
+                                        x.unsqueeze(-1) * x.unsqueeze(-2)), _x(3, 5),
+        ["aten.unsqueeze.default", "aten.squeeze.dims"])
+fn_case("slice", lambda x: (x[:, 1:5:2, 2:] + 1, x[1:, :, -3:] * 2, x[..., ::3]), _x(*S), ["aten.slice.Tensor"])
+fn_case("select", lambda x: (x[:, 2] * 2, x.select(2, -1) + 1, x[1, 3]), _x(*S), ["aten.select.int"])
+fn_case("split", lambda x: tuple(t * (i + 1) for i, t in enumerate(torch.split(x, [2, 5], dim=2) + x.chunk(3, 1))),
+        _x(*S), ["aten.split_with_sizes.default"], HALF)
+fn_case("unbind", lambda x: x.unbind(0)[0] * x.unbind(0)[1] + x.unbind(0)[2], _x(*S),
+        ["aten.slice.Tensor", "aten.squeeze.dims"])
+fn_case("clone_alias", lambda x: (x.clone() * 2, x.detach() + 1, x.t().contiguous() - 1), _x(5, 7),
+        ["aten.clone.default", "aten.alias.default"])
+
+fn_case("cat", lambda x, y: (torch.cat([x, y], 1), torch.cat([y * 2, x[:, :2], y], -1), torch.cat([x, x + 1])),
+        _xy(S, (3, 2, 7)), ["aten.cat.default"], HALF)
+
+# ---------------------------------------------------------------- bit-packed bool masks (train builds save these)
+
+
+def _packing():
+    from .partition import packing  # registers torch.ops.aotfuse.pack_bits / unpack_bits
+
+    return packing
+
+
+fn_case("pack_bits", lambda x: (_packing().PACK(x > 0), _packing().UNPACK(_packing().PACK(x > 0.5), [3, 5, 7])),
+        _x(*S), ["aotfuse.pack_bits.default", "aotfuse.unpack_bits.default"])
+
+# ---------------------------------------------------------------- indexing stress
+
+fn_case("broadcast", lambda x, y, z: (x + y) * z, lambda dt: (randn(3, 1, 7, dtype=dt), randn(4, 1, dtype=dt),
+                                                            randn(7, dtype=dt)), ["aten.add.Tensor", "aten.mul.Tensor"],
+        HALF)
+fn_case("broadcast_0d", lambda x, s, t: (x * s - s, x + t),
+        lambda dt: (randn(*S, dtype=dt), randn(dtype=dt), randn(1, dtype=dt)),
+        ["aten.mul.Tensor"])
+fn_case("permute_reshape_out", lambda x: x.permute(0, 2, 1).reshape(3, 35), _x(*S),
+        ["aten.permute.default", "aten.view.default"])
+fn_case("permute_reshape_pointwise", lambda x: x.permute(2, 0, 1).reshape(7, 15) + 1, _x(*S),
+        ["aten.permute.default", "aten.view.default"], HALF)
+fn_case("permute_reshape_mm", lambda x, w: x.permute(0, 2, 1).reshape(21, 5) @ w, _xy(S, (5, 6)),
+        ["aten.permute.default", "aten.view.default", "aten.mm.default"])
+fn_case("reshape_chain", lambda x: (x * 2).reshape(15, 7).permute(1, 0).reshape(5, 3, 7).sum(1), _x(*S),
+        ["aten.view.default", "aten.permute.default", "aten.sum.dim_IntList"])
+fn_case("transpose_reduce", lambda x: torch.exp(x).transpose(0, 2).sum(1), _x(*S),
+        ["aten.permute.default", "aten.sum.dim_IntList"])
+
+# ---------------------------------------------------------------- reductions
+
+fn_case("sum_last", lambda x: x.sum(-1), _x(*S), ["aten.sum.dim_IntList"], HALF)
+fn_case("sum_middle", lambda x: x.sum(1), _x(*S), ["aten.sum.dim_IntList"], HALF)
+fn_case("sum_first", lambda x: x.sum(0, keepdim=True), _x(*S), ["aten.sum.dim_IntList"])
+fn_case("sum_dims", lambda x: (x.sum((0, 2)), x.sum((1, 2), keepdim=True)), _x(*S), ["aten.sum.dim_IntList"])
+fn_case("sum_all", lambda x: x.sum(), _x(*S), ["aten.sum.dim_IntList"])
+fn_case("sum_int_bool", lambda a, x: (a.sum(1), (x > 0).sum(-1), a.sum()), lambda dt: (ints(*S), randn(*S, dtype=dt)),
+        ["aten.sum.dim_IntList"])
+fn_case("mean", lambda x: (x.mean(-1), x.mean(1), x.mean((0, 2), keepdim=True)), _x(*S), ["aten.mean.dim"], HALF)
+fn_case("mean_all", lambda x: x.mean(), _x(*S), ["aten.mean.default"])
+fn_case("amax_amin", lambda x: (x.amax(-1), x.amin(1), x.amax((0, 2)), x.amin(0, keepdim=True)), _x(*S),
+        ["aten.amax.default", "aten.amin.default"], HALF)
+fn_case("max_min_dim", lambda x: (torch.max(x, 1).values, torch.min(x, -1)[0], torch.max(x, 0, keepdim=True)[0]),
+        _x(*S), ["aten.max.dim", "aten.min.dim"], HALF)
+fn_case("int_max_min", lambda a: (a.amax(1), a.amin(-1), torch.max(a, 0).values), lambda dt: (ints(*S),),
+        ["aten.amax.default", "aten.amin.default", "aten.max.dim"])
+fn_case("any", lambda x: ((x > 1).any(1), torch.any(x > 1.5, dim=(0, 2)), (x > 2).any(), x.any(-1)), _x(*S),
+        ["aten.any.dim", "aten.any.dims", "aten.any.default"])
+fn_case("prod", lambda x: (x.prod(1), x.prod(-1, keepdim=True)), _x(*S), ["aten.prod.dim_int"])
+_LOOP = (("persistent_rblock_max", 64),)  # rows longer than 64 loop: the path rows > 4096 take by default
+fn_case("looped_sum", lambda x: (x.sum(-1), x.amax(-1), (x * x).mean(-1)), _x(4, 150), ["aten.sum.dim_IntList",
+        "aten.amax.default", "aten.mean.dim"], HALF, knobs=_LOOP)
+fn_case("looped_softmax", lambda x: F.softmax(x * 2, dim=-1), _x(3, 137), ["aten.amax.default", "aten.exp.default",
+        "aten.sum.dim_IntList", "aten.div.Tensor"], HALF, knobs=_LOOP)
+fn_case("looped_middle", lambda x: x.sum(1), _x(3, 90, 5), ["aten.sum.dim_IntList"], knobs=_LOOP)
+
+# ---------------------------------------------------------------- pooling
+
+_IMG = (2, 3, 7, 9)
+fn_case("max_pool2d", lambda x: F.max_pool2d(x, 2), _x(*_IMG), ["aten.max_pool2d_with_indices.default"], HALF)
+fn_case("max_pool2d_stride_dilation", lambda x: (F.max_pool2d(x, 3, stride=2), F.max_pool2d(x, 2, 1, dilation=2)),
+        _x(*_IMG), ["aten.max_pool2d_with_indices.default"])
+fn_case("avg_pool2d", lambda x: (F.avg_pool2d(x, 2), F.avg_pool2d(x, (3, 2), stride=(2, 3))), _x(*_IMG),
+        ["aten.avg_pool2d.default"], HALF)
+
+# ---------------------------------------------------------------- externs
+
+
+def _linear(dt, relu=False):
+    lin = nn.Linear(7, 6).to(dt)
+    return nn.Sequential(lin, nn.ReLU()) if relu else lin
+
+
+fn_case("mm", lambda x, w: x @ w, _xy((5, 7), (7, 6)), ["aten.mm.default"], HALF)
+fn_case("bmm", lambda x, w: torch.bmm(x, w), _xy((3, 5, 7), (3, 7, 6)), ["aten.bmm.default"], HALF)
+module_case("addmm_kept", lambda dt: _linear(dt), _x(5, 7), ["aten.addmm.default"], HALF)
+module_case("addmm_split", lambda dt: _linear(dt, relu=True), _x(5, 7), ["aten.addmm.default", "aten.relu.default"],
+            HALF)
+module_case("linear_3d", lambda dt: _linear(dt), _x(2, 5, 7), ["aten.addmm.default", "aten.view.default"])
+
+
+def _embedding(dt):
+    return nn.Embedding(11, 6).to(dt)
+
+
+module_case("embedding", _embedding, lambda dt: (torch.randint(0, 11, (3, 4)),), ["aten.embedding.default"], HALF)
+
+
+def _conv(dt, **kw):
+    return nn.Conv2d(**{"in_channels": 3, "out_channels": 4, "kernel_size": 3, "padding": 1, **kw}).to(dt)
+
+
+module_case("conv2d", _conv, _x(*_IMG), ["aten.convolution.default"], HALF)
+module_case("conv2d_strided_grouped", lambda dt: _conv(dt, in_channels=4, out_channels=6, stride=2, groups=2,
+                                                       bias=False, padding=0), _x(2, 4, 7, 9),
+            ["aten.convolution.default"])
+fn_case("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+        lambda dt: tuple(randn(2, 3, 5, 8, dtype=dt) for _ in range(3)), ["aten.scaled_dot_product_attention.default"],
+        HALF)
+fn_case("sdpa_causal_mask", lambda q, k, v, m: (F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                                F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.3)),
+        lambda dt: tuple(randn(1, 2, 6, 8, dtype=dt) for _ in range(3)) + (randn(6, 6, dtype=dt),),
+        ["aten.scaled_dot_product_attention.default"])
+fn_case("sdpa_output_permuted", lambda q: F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, 5, 24) * 2,
+        lambda dt: (randn(2, 3, 5, 8, dtype=dt),), ["aten.scaled_dot_product_attention.default", "aten.view.default"])
+
+# ---------------------------------------------------------------- composites (decomposed by aotfuse.export.decomp)
+
+
+def _randomize(m: nn.Module) -> nn.Module:
+    """Random affine parameters and running statistics, so that identity defaults hide nothing."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.5 + (1.0 if name == "weight" else 0.0))
+        for name, b in m.named_buffers():
+            if name == "running_mean":
+                b.copy_(torch.randn(b.shape))
+            elif name == "running_var":
+                b.copy_(torch.rand(b.shape) + 0.5)
+    return m
+
+
+_NORM_OPS = ["aten.mean.dim", "aten.rsqrt.default"]
+module_case("layer_norm", lambda dt: _randomize(nn.LayerNorm(7)).to(dt), _x(*S), _NORM_OPS + ["aten.sub.Tensor"], HALF)
+module_case("layer_norm_2d", lambda dt: _randomize(nn.LayerNorm((5, 7), bias=False)).to(dt), _x(*S), _NORM_OPS)
+module_case("layer_norm_looped", lambda dt: _randomize(nn.LayerNorm(130)).to(dt), _x(3, 130), _NORM_OPS, HALF,
+            knobs=_LOOP)
+fn_case("gelu", F.gelu, _x(*S), ["aten.erf.default"], HALF)
+fn_case("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _x(*S), ["aten.tanh.default"], HALF)
+fn_case("softmax", lambda x: F.softmax(x, dim=-1), _x(*S), ["aten.amax.default", "aten.exp.default",
+        "aten.sum.dim_IntList", "aten.div.Tensor"], HALF)
+fn_case("softmax_middle_dim", lambda x: torch.softmax(x * 3, dim=1), _x(*S), ["aten.amax.default", "aten.div.Tensor"])
+fn_case("softmax_to_float", lambda x: F.softmax(x, dim=-1, dtype=torch.float32), _x(*S), ["aten.amax.default"], HALF)
+fn_case("log_softmax", lambda x: F.log_softmax(x, dim=-1), _x(*S), ["aten.amax.default", "aten.log.default"], HALF)
+fn_case("silu", F.silu, _x(*S), ["aten.sigmoid.default", "aten.mul.Tensor"], HALF)
+module_case("rms_norm", lambda dt: _randomize(nn.RMSNorm(7, eps=1e-6)).to(dt), _x(*S), _NORM_OPS, HALF)
+fn_case("rms_norm_default_eps", lambda x: F.rms_norm(x, (5, 7)), _x(*S), _NORM_OPS)
+module_case("batch_norm_eval", lambda dt: _randomize(nn.BatchNorm2d(3)).to(dt), _x(*_IMG),
+            ["aten.rsqrt.default", "aten.sub.Tensor"], HALF)
+
+# ---------------------------------------------------------------- registry ops no model reaches
+
+DECOMPOSED = "decomposed"  # torch.export's core-ATen table or ours rewrites it before lowering
+IMPLICIT = "implicit"  # CompositeImplicitAutograd: traced into other ops before the graph exists
+REWRITTEN = "rewritten"  # export's functionalization replaces it (checked by exporting op(x))
+BACKWARD = "backward"  # only in the backward graphs of train builds, which the op table does not build
+
+UNTESTED: dict[str, tuple[str, str]] = {
+    # op -> (kind, reason). tests/test_ops_cpu.py checks each kind against torch.
+    "aten.rsub.Scalar": (DECOMPOSED, "core-ATen table: becomes aten.sub.Tensor"),
+    "aten.rsub.Tensor": (DECOMPOSED, "core-ATen table: becomes aten.sub.Tensor"),
+    "aten.where.ScalarOther": (DECOMPOSED, "core-ATen table: becomes scalar_tensor + where.self"),
+    "aten.where.ScalarSelf": (DECOMPOSED, "core-ATen table: becomes scalar_tensor + where.self"),
+    "aten.where.Scalar": (DECOMPOSED, "core-ATen table: becomes scalar_tensor + where.self"),
+    "aten.clamp_min.default": (DECOMPOSED, "core-ATen table: becomes aten.clamp"),
+    "aten.clamp_max.default": (DECOMPOSED, "core-ATen table: becomes aten.clamp"),
+    "aten.zeros.default": (DECOMPOSED, "core-ATen table: becomes aten.full"),
+    "aten.ones.default": (DECOMPOSED, "core-ATen table: becomes aten.full"),
+    "aten.full_like.default": (DECOMPOSED, "our table: becomes aten.full of the static shape"),
+    "aten.zeros_like.default": (DECOMPOSED, "becomes full_like, then aten.full"),
+    "aten.ones_like.default": (DECOMPOSED, "becomes full_like, then aten.full"),
+    "aten.empty_like.default": (DECOMPOSED, "core-ATen table: becomes aten.empty_permuted (unsupported)"),
+    "aten.arange.default": (DECOMPOSED, "core-ATen table: becomes aten.arange.start_step"),
+    "aten.arange.start": (DECOMPOSED, "core-ATen table: becomes aten.arange.start_step"),
+    "aten._unsafe_view.default": (DECOMPOSED, "core-ATen table: becomes aten.view"),
+    "aten.transpose.int": (DECOMPOSED, "core-ATen table: becomes aten.permute"),
+    "aten.t.default": (DECOMPOSED, "core-ATen table: becomes aten.permute"),
+    "aten.squeeze.dim": (DECOMPOSED, "core-ATen table: becomes aten.squeeze.dims"),
+    "aten.squeeze.default": (DECOMPOSED, "core-ATen table: becomes aten.squeeze.dims"),
+    "aten.detach.default": (DECOMPOSED, "core-ATen table: becomes aten.alias"),
+    "aten.split.Tensor": (DECOMPOSED, "core-ATen table: becomes aten.split_with_sizes"),
+    "aten.unbind.int": (DECOMPOSED, "core-ATen table: becomes slice + squeeze"),
+    "aten.sum.default": (DECOMPOSED, "core-ATen table: becomes aten.sum.dim_IntList"),
+    "aten.max_pool2d.default": (DECOMPOSED, "core-ATen table: becomes aten.max_pool2d_with_indices"),
+    "aten.to.dtype": (IMPLICIT, "traced into aten._to_copy"),
+    "aten.reshape.default": (IMPLICIT, "traced into aten.view (or clone + view)"),
+    "aten.contiguous.default": (IMPLICIT, "traced into aten.clone (or nothing)"),
+    "aten.lift_fresh_copy.default": (REWRITTEN, "export functionalizes it into aten.clone"),
+    "aten.embedding_dense_backward.default": (BACKWARD, "the gradient of aten.embedding"),
+}
+
+
+# ---------------------------------------------------------------- what fails, and how
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A forward of one input x (4 x 6) whose build raises UnsupportedOpError(op, node)."""
+
+    name: str
+    fn: Callable
+    op: str  # the aten overload the error names
+    node: str  # the FX node the error names
+    instead: str  # what to write instead, for docs/ops.md
+
+
+UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the registry fails the same way)
+    Unsupported("cumsum", lambda x: torch.cumsum(x, 1), "aten.cumsum.default", "cumsum", "no scans yet"),
+    Unsupported("sort", lambda x: torch.sort(x, 1).values, "aten.sort.default", "sort", "no sorting or top-k yet"),
+    Unsupported("flip", lambda x: torch.flip(x, [1]), "aten.flip.default", "flip", "no flip yet"),
+    Unsupported("max_all", lambda x: x.max(), "aten.max.default", "max_1", "x.amax() (all dims) lowers"),
+    Unsupported("bool_and", lambda x: (x > 0) & (x < 1), "aten.bitwise_and.Tensor", "bitwise_and",
+                "torch.logical_and lowers"),
+]
+
+REFUSED = [  # registered ops that refuse one form of themselves
+    Unsupported("max_indices", lambda x: torch.max(x, 1).indices, "aten.max.dim", "max_1",
+                "values only: use .values (argmax is not supported)"),
+    Unsupported("pool_indices", lambda x: F.max_pool2d(x[None], 2, return_indices=True)[1],
+                "aten.max_pool2d_with_indices.default", "max_pool2d_with_indices", "pooled values only"),
+    Unsupported("avg_pool_padding", lambda x: F.avg_pool2d(x[None], 2, padding=1), "aten.avg_pool2d.default",
+                "avg_pool2d", "padding=0 (pad explicitly before)"),
+    Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
+                                                                         dropout_p=0.5),
+                "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),
+    Unsupported("int_bitwise_not", lambda x: ~(x * 4).to(torch.int32), "aten.bitwise_not.default", "bitwise_not",
+                "bitwise_not of bool tensors lowers"),
+]
+
+
+def covered_ops() -> dict[str, tuple]:
+    """op -> the dtypes some case runs it with."""
+    out: dict[str, set] = {}
+    for c in CASES:
+        for op in c.aten_ops:
+            out.setdefault(op, set()).update(c.dtypes)
+    order = {d: i for i, d in enumerate(HALF)}
+    return {op: tuple(sorted(ds, key=lambda d: order.get(d, 99))) for op, ds in out.items()}
+
+
+def by_name(name: str) -> OpCase:
+    for c in CASES:
+        if c.name == name:
+            return c
+    raise KeyError(f"no op case named {name!r}")
+
+
+_names = [c.name for c in CASES]
+assert len(_names) == len(set(_names)), "op case names must be unique"
+del _names
+
+if __name__ == "__main__":
+    for c in CASES:
+        print(f"{c.name:28s} {','.join(str(d).replace('torch.', '') for d in c.dtypes):26s} {' '.join(c.aten_ops)}")
