@@ -9,7 +9,6 @@ import zlib
 
 import pytest
 import torch
-import triton.language as tl
 
 import aotfuse
 from aotfuse import opcases, pipeline
@@ -22,30 +21,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = ("sm_90",)
 # Relative-norm error (or allclose with rtol = atol = this) against eager, by dtype.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-
-
-# Workaround, to be removed once aotfuse/runtime/interpret.py restores what it patches: interpreting a
-# kernel that calls a triton.language @jit helper (tl.sigmoid, tl.sum, ...) runs it through Triton's
-# InterpretedFunction, which patches triton.language.core for the interpreter and never undoes it;
-# every later cubin compile in the same process then fails ("'ir.value' object has no attribute
-# 'dtype'"). Each test here starts and ends with triton.language as it was when this file was imported.
-_LANG = (tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype, tl.core.tensor_descriptor_base)
-_PRISTINE = [(obj, dict(vars(obj))) for obj in _LANG]
-
-
-def _restore_triton_language():
-    for obj, attrs in _PRISTINE:
-        now = vars(obj)
-        for k, v in attrs.items():
-            if now.get(k) is not v:
-                setattr(obj, k, v)
-
-
-@pytest.fixture(autouse=True)
-def _pristine_triton_language():
-    _restore_triton_language()
-    yield
-    _restore_triton_language()
 
 
 def _short(dtype: torch.dtype) -> str:

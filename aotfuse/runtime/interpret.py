@@ -51,7 +51,7 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
 
 
 def _launcher(fn, runtime_knobs) -> Callable:
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
     interpreted: dict = {}
@@ -59,8 +59,14 @@ def _launcher(fn, runtime_knobs) -> Callable:
     def call_python(self, *args, **kwargs):
         f = interpreted.get(id(self))
         if f is None:
-            f = interpreted[id(self)] = InterpretedFunction(self.fn)
-        return f(*args, **kwargs)
+            f = interpreted[id(self)] = interpreter.InterpretedFunction(self.fn)
+        # InterpretedFunction.__call__ patches triton.language for the interpreter and never restores
+        # it, which breaks every later cubin compile in this process: patch and restore ourselves.
+        scope = interpreter._patch_lang(f.fn)
+        try:
+            return f.rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
 
     def launch(grid, tensors):
         # triton.language's helpers (tl.sum, tl.max, ...) were decorated as compiled JIT functions
