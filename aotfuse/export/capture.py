@@ -51,8 +51,7 @@ def _int_range(name: str, t: torch.Tensor, gm: torch.fx.GraphModule, weights: di
         if node.op == "placeholder" and node.name == name:
             for user in node.users:
                 if user.target is torch.ops.aten.embedding.default and user.args[1] is node:
-                    w = weights[ph_to_weight[user.args[0].name]]
-                    return 0, int(w.shape[0])
+                    return 0, int(user.args[0].meta["val"].shape[0])  # weight may be a parameter or an input
     lo, hi = int(t.min()), int(t.max()) + 1
     return lo, hi
 
