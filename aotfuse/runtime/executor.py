@@ -17,6 +17,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "uint8": torch.uint8, "bool": torch.bool}
 
 
+_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES.values()}
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
@@ -51,7 +54,12 @@ class Executor:
     def _prepare(self, ins: dict):
         op = ins["op"]
         if op == "alloc":
-            return ("alloc", ins["buf"], ins["offset"], tuple(ins["shape"]), torch_dtype(ins["dtype"]))
+            dt = torch_dtype(ins["dtype"])
+            shape = tuple(ins["shape"])
+            n = 1
+            for d in shape:
+                n *= d
+            return ("alloc", ins["buf"], ins["offset"], shape, dt, n * _ITEMSIZE[dt])
         if op == "launch":
             if ins["kernel"] not in self.launchers:
                 raise ArchiveError(f"program launches kernel {ins['kernel']!r} that the archive does not contain")
@@ -77,15 +85,11 @@ class Executor:
                 _, launch, grid, args = step
                 launch(grid, [env[b] for b in args])
             elif kind == "alloc":
-                _, buf, off, shape, dt = step
+                _, buf, off, shape, dt, nbytes = step
                 if off < 0:
                     env[buf] = torch.empty(shape, dtype=dt, device=self.device)
-                    continue
-                n = 1
-                for d in shape:
-                    n *= d
-                nbytes = n * torch.empty((), dtype=dt).element_size()
-                env[buf] = arena[off:off + nbytes].view(dt).view(shape)
+                else:
+                    env[buf] = arena[off:off + nbytes].view(dt).view(shape)
             elif kind == "extern":
                 self._extern(step[1], step[2], env)
             elif kind == "free":
