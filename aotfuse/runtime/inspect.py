@@ -34,6 +34,9 @@ def describe(archive: Archive) -> dict:
         "memory": report.get("memory", {}),
         "timings": report.get("timings", {}),
     }
+    if "backward" in report:
+        out["fusion_backward"] = report["backward"].get("fusion_summary", {})
+        out["memory_backward"] = report["backward"].get("memory", {})
     if "partition" in report:
         out["partition"] = report["partition"]
     return out
