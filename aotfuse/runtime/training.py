@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..errors import AotfuseError
+from ..errors import AotfuseError, GuardError
 
 
 class _Packaged(torch.autograd.Function):
@@ -72,4 +72,10 @@ class PackagedModule(nn.Module):
 
     def forward(self, *inputs):
         self._art.check_inputs(inputs)
+        with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
+        for i, x in enumerate(inputs):
+            if x.requires_grad and i not in with_grad:
+                name = self._art.input_specs[i]["name"]
+                raise GuardError(f"input {name!r} (#{i}) requires grad, but the archive has no gradient for it",
+                                 remedy="build with an example input that requires grad (x.requires_grad_())")
         return _Packaged.apply(self, *self._param_list, *inputs)
