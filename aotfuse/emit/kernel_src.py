@@ -183,19 +183,9 @@ def _kernelize(node, x: int, r: int):
 
 
 def _simplify_loads(e, rng):
-    from ..schedule.ir import map_loads
+    from ..schedule.ir import rewrite_expr
 
-    e = map_loads(e, lambda ld: Load(ld.buf, simplify(ld.index, rng), ld.dtype))
-
-    def walk(x):
-        if isinstance(x, IndexValue):
-            return IndexValue(simplify(x.expr, rng), x.dtype)
-        if isinstance(x, Op):
-            return Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
-        if isinstance(x, Cast):
-            return Cast(walk(x.arg), x.dtype)
-        return x
-    return walk(e)
+    return rewrite_expr(e, index=lambda ix: simplify(ix, rng))
 
 
 def _levels(nodes: list, names: set, x: int, r: int) -> dict[str, int]:

@@ -228,8 +228,9 @@ def expr_op_count(e: Expr) -> int:
     return 0
 
 
-def map_loads(e: Expr, fn) -> Expr:
-    """Rebuild e with each Load replaced by fn(load) (an Expr)."""
+def rewrite_expr(e: Expr, load=None, index=None) -> Expr:
+    """Rebuild e bottom-up: `load(Load) -> Expr` replaces loads, `index(sympy) -> sympy` maps every
+    index expression (of loads and IndexValues). Shared sub-DAGs are rewritten once."""
     memo: dict[int, Expr] = {}
 
     def walk(x):
@@ -237,7 +238,10 @@ def map_loads(e: Expr, fn) -> Expr:
         if key in memo:
             return memo[key]
         if isinstance(x, Load):
-            out = fn(x)
+            out = Load(x.buf, index(x.index), x.dtype) if index else x
+            out = load(out) if load else out
+        elif isinstance(x, IndexValue):
+            out = IndexValue(index(x.expr), x.dtype) if index else x
         elif isinstance(x, Op):
             out = Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
         elif isinstance(x, Cast):
@@ -248,36 +252,18 @@ def map_loads(e: Expr, fn) -> Expr:
         return out
 
     return walk(e)
+
+
+def map_loads(e: Expr, fn) -> Expr:
+    """Rebuild e with each Load replaced by fn(load) (an Expr)."""
+    return rewrite_expr(e, load=fn)
 
 
 def subs_expr(e: Expr, mapping: dict) -> Expr:
     """Substitute loop variables in every index of e."""
     if not mapping:
         return e
-
-    def sub_load(ld: Load) -> Expr:
-        return Load(ld.buf, sympy.sympify(ld.index).xreplace(mapping), ld.dtype)
-
-    memo: dict[int, Expr] = {}
-
-    def walk(x):
-        key = id(x)
-        if key in memo:
-            return memo[key]
-        if isinstance(x, Load):
-            out = sub_load(x)
-        elif isinstance(x, IndexValue):
-            out = IndexValue(sympy.sympify(x.expr).xreplace(mapping), x.dtype)
-        elif isinstance(x, Op):
-            out = Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
-        elif isinstance(x, Cast):
-            out = Cast(walk(x.arg), x.dtype)
-        else:
-            out = x
-        memo[key] = out
-        return out
-
-    return walk(e)
+    return rewrite_expr(e, index=lambda ix: sympy.sympify(ix).xreplace(mapping))
 
 
 def format_expr(e: Expr) -> str:
