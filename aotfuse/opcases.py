@@ -421,13 +421,20 @@ class Unsupported:
     instead: str  # what to write instead, for docs/ops.md
 
 
+fn_case("flip", lambda x: (torch.flip(x, [1]) * 2, torch.flip(x, [0, 2]) + 1), _x(*S), ["aten.flip.default"], HALF)
+fn_case("flip_into_mm", lambda x: torch.flip(x, [0]) @ x.t(), _x(5, 7), ["aten.flip.default", "aten.mm.default"])
+fn_case("max_min_all", lambda x: (x.max(), x.min() * 2), _x(*S), ["aten.max.default", "aten.min.default"], HALF)
+fn_case("bitwise_bool", lambda x: ((x > 0) & (x < 1), (x > 0) | (x < -1), (x > 0) ^ (x < 0.5)), _x(*S),
+        ["aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor", "aten.bitwise_xor.Tensor"])
+fn_case("bitwise_int", lambda a, b: (a & b, a | b, a ^ b, a & 6, a | 3, a ^ 5), lambda dt: (ints(*S), ints(*S)),
+        ["aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor", "aten.bitwise_xor.Tensor",
+         "aten.bitwise_and.Scalar", "aten.bitwise_or.Scalar", "aten.bitwise_xor.Scalar"])
+
+
 UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the registry fails the same way)
     Unsupported("cumsum", lambda x: torch.cumsum(x, 1), "aten.cumsum.default", "cumsum", "no scans yet"),
     Unsupported("sort", lambda x: torch.sort(x, 1).values, "aten.sort.default", "sort", "no sorting or top-k yet"),
-    Unsupported("flip", lambda x: torch.flip(x, [1]), "aten.flip.default", "flip", "no flip yet"),
-    Unsupported("max_all", lambda x: x.max(), "aten.max.default", "max_1", "x.amax() (all dims) lowers"),
-    Unsupported("bool_and", lambda x: (x > 0) & (x < 1), "aten.bitwise_and.Tensor", "bitwise_and",
-                "torch.logical_and lowers"),
+    Unsupported("topk", lambda x: torch.topk(x, 2, 1).values, "aten.topk.default", "topk", "no sorting or top-k yet"),
 ]
 
 REFUSED = [  # registered ops that refuse one form of themselves

@@ -189,6 +189,21 @@ def _logical(opname):
 
 
 register(aten.logical_and.default, category="pointwise")(_logical("and"))
+
+
+def _bitwise(bool_op: str, int_op: str):
+    def fn(ctx, node, args, kwargs):
+        if meta(node).dtype == torch.bool:
+            return _logical(bool_op)(ctx, node, args, kwargs)
+        if meta(node).dtype.is_floating_point:
+            raise UnsupportedOpError(str(node.target), node.name, "bitwise op on floating point")
+        return _pointwise(ctx, node, [args[0], args[1]], lambda x, y, t: Op(int_op, (x, y), t))
+    return fn
+
+
+register(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, category="pointwise")(_bitwise("and", "bitand"))
+register(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, category="pointwise")(_bitwise("or", "bitor"))
+register(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, category="pointwise")(_bitwise("xor", "xor"))
 register(aten.logical_or.default, category="pointwise")(_logical("or"))
 register(aten.logical_xor.default, category="pointwise")(_logical("xor"))
 
@@ -317,6 +332,8 @@ register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, category="vi
     lambda v, node, dims=None: v.squeeze(None if dims is None else ([dims] if isinstance(dims, int) else dims))))
 register(aten.slice.Tensor, category="view")(_view_op(
     lambda v, node, dim=0, start=None, end=None, step=1: v.slice(dim, start, end, step)))
+register(aten.flip.default, category="view", note="index math; copied when an extern needs it")(
+    _view_op(lambda v, node, dims: v.flip(dims)))
 register(aten.select.int, category="view")(_view_op(lambda v, node, dim, i: v.select(dim, i)))
 register(aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
          aten.contiguous.default, category="view", note="values are immutable: a clone is the same view")(

@@ -78,6 +78,16 @@ def _amin(ctx, node, args, kwargs):
     return _reduce(ctx, node, args[0], args[1] if len(args) > 1 else None, False, "min")
 
 
+@register(aten.max.default, category="reduction", note="all elements")
+def _max_all(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], None, False, "max")
+
+
+@register(aten.min.default, category="reduction", note="all elements")
+def _min_all(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], None, False, "min")
+
+
 @register(aten.prod.dim_int, category="reduction")
 def _prod(ctx, node, args, kwargs):
     return _reduce(ctx, node, args[0], [args[1]], False, "prod")

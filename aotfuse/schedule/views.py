@@ -100,6 +100,12 @@ class View:
         shape[dim] = length
         return self._remap(shape, old_idx)
 
+    def flip(self, dims: Sequence[int]) -> "View":
+        nd = len(self.shape)
+        flipped = {d % nd for d in dims}
+        nv = syms("v", nd)
+        return self._remap(self.shape, [self.shape[i] - 1 - nv[i] if i in flipped else nv[i] for i in range(nd)])
+
     def select(self, dim: int, i: int) -> "View":
         dim = dim % len(self.shape)
         i = i % self.shape[dim]
@@ -120,6 +126,8 @@ class View:
         if lin is None:
             return None
         off, strides = lin
+        if any(st < 0 for st in strides):
+            return None  # torch's as_strided has no negative strides (a flip): the lowering copies
         strides = tuple(0 if s == 1 and st == 0 else st for s, st in zip(self.shape, strides))
         return TensorArg(self.buf, self.shape, strides, off)
 
