@@ -46,6 +46,9 @@ class BuildResult:
         fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(self.data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an archive is an ordinary file
         os.replace(tmp, path)
         return len(self.data)
 

@@ -1,0 +1,36 @@
+"""Back-compat: the golden model archive written by an earlier aotfuse still loads and runs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotfuse
+
+GOLDEN = Path(__file__).resolve().parents[1] / "artifacts" / "golden"
+
+
+def _expected():
+    data = json.loads((GOLDEN / "v1_model.json").read_text())
+    return torch.tensor(data["input"]), [torch.tensor(o) for o in data["outputs"]]
+
+
+def test_golden_model_archive_runs_on_cpu():
+    ids, expected = _expected()
+    info = aotfuse.inspect_archive(GOLDEN / "v1_model.aotf")
+    assert info["format_version"] == 1 and info["targets"] == ["sm_80", "sm_90"]
+    art = aotfuse.load(GOLDEN / "v1_model.aotf", device="cpu")
+    outs = art(ids)
+    assert len(outs) == len(expected)
+    for o, e in zip(outs, expected):
+        torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_golden_model_archive_runs_on_gpu():
+    ids, expected = _expected()
+    art = aotfuse.load(GOLDEN / "v1_model.aotf", device="cuda")
+    for o, e in zip(art(ids.cuda()), expected):
+        torch.testing.assert_close(o.cpu(), e, rtol=1e-4, atol=1e-5)
