@@ -47,7 +47,8 @@ def step_time_and_memory(spec: str, path: Path, iters: int = 30):
     model, _ = load_spec(spec)
     model = model.cuda()
     art = aotfuse.load(path, device="cuda")
-    contenders = [("eager", model), ("torch.compile", torch.compile(model)), ("aotfuse", art.as_module())]
+    contenders = [("eager", model), ("torch.compile", torch.compile(model)), ("aotfuse", art.as_module()),
+                  ("aotfuse, no CUDA graphs", art.as_module(cuda_graphs=False))]
     batch = random_inputs(art.input_specs, device="cuda", seed=7)
     for name, m in contenders:
         opt = torch.optim.AdamW(m.parameters(), lr=3e-4)

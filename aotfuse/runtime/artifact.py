@@ -127,11 +127,12 @@ class Artifact:
             self._static_out = ex.run(self._static_in, self._static_seed)
         self._graph = graph
 
-    def as_module(self):
-        """An nn.Module whose forward/backward run the packaged programs (train archives)."""
+    def as_module(self, cuda_graphs: bool | None = None):
+        """An nn.Module whose forward/backward run the packaged programs (train archives).
+        On CUDA both programs are captured into CUDA graphs unless cuda_graphs=False."""
         from .training import PackagedModule
 
-        return PackagedModule(self)
+        return PackagedModule(self, cuda_graphs)
 
     # ---------------------------------------------------------------- info
     def inspect(self) -> dict:

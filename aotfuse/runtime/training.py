@@ -18,7 +18,7 @@ class _Packaged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, *args):
         n_p = len(module._param_list)
-        outs = module._art.executors["forward"].run(list(args))
+        outs = module._run("forward", list(args))
         loss, saved = outs[0], outs[1:]
         ctx.module = module
         ctx.n_inputs = len(args) - n_p
@@ -30,7 +30,7 @@ class _Packaged(torch.autograd.Function):
         module = ctx.module
         saved = ctx.saved_tensors
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
-        grads = module._art.executors["backward"].run(list(saved) + [tangent])
+        grads = module._run("backward", list(saved) + [tangent])
         n_p = len(module._param_list)
         out_param = [None] * n_p
         out_input = [None] * ctx.n_inputs
@@ -45,7 +45,7 @@ class _Packaged(torch.autograd.Function):
 class PackagedModule(nn.Module):
     """An nn.Module over a train archive. Parameter names follow the original module's (dots kept)."""
 
-    def __init__(self, art):
+    def __init__(self, art, cuda_graphs: bool | None = None):
         super().__init__()
         info = art.manifest.get("train")
         if not info:
@@ -63,8 +63,23 @@ class PackagedModule(nn.Module):
             self._param_list.append(p)
         self._param_index = {n: i for i, n in enumerate(self._names)}
         self._grad_map = [tuple(g) for g in info["grads"]]
+        self._graphs = None
+        if art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs):
+            from .graphs import GraphedProgram
+
+            n_p = len(self._names)
+            fwd = GraphedProgram(art.executors["forward"], art.device, frozenset(range(n_p)))
+            # backward inputs that are parameters passed through the forward keep their addresses
+            bwd_bound = frozenset(k - 1 for k, j in fwd.passthrough.items() if k >= 1)
+            self._graphs = {"forward": fwd,
+                            "backward": GraphedProgram(art.executors["backward"], art.device, bwd_bound)}
         self._loss_dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
                             "torch.float16": torch.float16}.get(art.output_specs[0]["dtype"], torch.float32)
+
+    def _run(self, program: str, inputs: list):
+        if self._graphs is not None:
+            return self._graphs[program](inputs)
+        return self._art.executors[program].run(inputs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for name, p in zip(self._names, self._param_list):
