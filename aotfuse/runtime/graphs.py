@@ -43,8 +43,9 @@ class GraphedProgram:
             torch._foreach_copy_(fresh, [self.static_out[k] for k in fresh_idx])
         for k, t in zip(fresh_idx, fresh):
             outs[k] = t
-        for k, j in self.passthrough.items():
-            outs[k] = self.static_out[k]
+        for k, j in self.passthrough.items():  # a fresh view per call, like the eager executor makes
+            o = self.static_out[k]
+            outs[k] = inputs[j].as_strided(o.shape, o.stride(), o.storage_offset())
         return outs
 
     def _capture(self, inputs):
