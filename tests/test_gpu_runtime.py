@@ -48,9 +48,10 @@ def test_training_with_cuda_graphs_follows_eager_and_recaptures_on_new_parameter
         assert rel(losses[0], losses[1]) < 1e-4
     fwd = mod._graphs["forward"]
     assert fwd.captures == 1
-    with torch.no_grad():  # swap a parameter's tensor: the next call must capture again
+    with torch.no_grad():  # swap a parameter's tensor (new values too): the next call must capture again
         p = mod._param_list[0]
-        p.data = p.data.clone()
+        p.data = p.data * 1.5
+        dict(ref.named_parameters())[mod._names[0]].mul_(1.5)
     batch = random_inputs(art.input_specs, device="cuda", seed=99)
     assert rel(mod(*batch), ref(*batch)) < 1e-4
     assert fwd.captures == 2

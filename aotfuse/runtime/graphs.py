@@ -27,7 +27,7 @@ class GraphedProgram:
                             if o["t"] in inputs and inputs.index(o["t"]) in bound}
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.graph is None or any(inputs[i].data_ptr() != self.static[i].data_ptr() for i in self.bound):
+        if self.graph is None or any(inputs[i].data_ptr() != self.bound_ptrs[i] for i in self.bound):
             self._capture(inputs)
         copy_to = [self.static[i] for i in range(len(inputs)) if i not in self.bound]
         copy_from = [inputs[i] for i in range(len(inputs)) if i not in self.bound]
@@ -50,6 +50,8 @@ class GraphedProgram:
 
     def _capture(self, inputs):
         self.static = [x if i in self.bound else x.detach().clone() for i, x in enumerate(inputs)]
+        # addresses at capture: a Parameter whose .data is swapped keeps its identity, not its address
+        self.bound_ptrs = {i: inputs[i].data_ptr() for i in self.bound}
         self.seed = new_seed(self.device) if self.ex.program.get("rng") else None
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
