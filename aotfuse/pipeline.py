@@ -15,11 +15,10 @@ import msgpack
 import torch
 
 from . import __version__
-from .archive import save_archive, write_archive
+from .archive import write_archive
 from .emit.compile import compile_all
 from .emit.kernel_src import generate
 from .emit.program import build_program
-from .errors import BuildError
 from .export import capture
 from .knobs import knobs
 from .schedule.fusion import fuse

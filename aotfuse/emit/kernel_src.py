@@ -17,9 +17,8 @@ import sympy
 from ..errors import BuildError
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
-from ..schedule.indexing import flat_index, simplify, unravel
-from ..schedule.ir import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, compute_dtype,
-                           subs_expr)
+from ..schedule.indexing import simplify, unravel
+from ..schedule.ir import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, subs_expr)
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
@@ -142,7 +141,7 @@ class _Emitter:
 
     def node_value(self, name: str, index) -> str:
         node = self.members[name]
-        want = _store_index(node, self.kind)
+        want = node.store_index
         if sympy.expand(index - want) != 0:
             raise BuildError(f"internal: fused read of {name} at {index} but it is held at {want}",
                              remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
@@ -154,10 +153,6 @@ class _Emitter:
             return self.emit(node.body)
         finally:
             self.ctx = saved
-
-
-def _store_index(node, kind: str):
-    return node.store_index
 
 
 def _kernelize(node, x: int, r: int):
@@ -188,7 +183,7 @@ def _simplify_loads(e, rng):
     return rewrite_expr(e, index=lambda ix: simplify(ix, rng))
 
 
-def _levels(nodes: list, names: set, x: int, r: int) -> dict[str, int]:
+def _levels(nodes: list, names: set) -> dict[str, int]:
     from ..schedule.ir import expr_loads
 
     level: dict[str, int] = {}
@@ -272,7 +267,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     else:
         em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
         em.line(f"xmask = xindex < {x}")
-        levels = _levels(knodes, names, x, r)
+        levels = _levels(knodes, names)
         looped = kind == "looped_reduction"
         if not looped:
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")

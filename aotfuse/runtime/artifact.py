@@ -15,7 +15,7 @@ import torch
 from ..archive import Archive, read_archive
 from ..errors import ArchiveError, GuardError
 from ..knobs import knobs
-from .executor import Executor, new_seed, torch_dtype
+from .executor import Executor, new_seed
 
 _UNPACK = dict(raw=False, strict_map_key=False)
 

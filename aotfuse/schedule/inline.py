@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import sympy
 
 from ..knobs import knobs
 from .deps import classify_read
 from .indexing import simplify, unravel
-from .ir import (Extern, LoopGraph, Pointwise, Reduction, TensorArg, expr_loads, expr_op_count, map_loads,
+from .ir import (Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
                  subs_expr)
 from .deps import iteration
 

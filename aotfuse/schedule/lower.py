@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import operator
-import time
 
 import torch
 import torch.fx

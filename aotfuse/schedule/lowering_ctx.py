@@ -27,10 +27,6 @@ def dtype_name(dt: torch.dtype, where: str = "") -> str:
     return TORCH_TO_NAME[dt]
 
 
-def expr_dtype(e: Expr) -> str:
-    return e.dtype
-
-
 def as_dtype(e: Expr, dtype: str) -> Expr:
     if isinstance(e, Const):
         v = e.value
@@ -41,7 +37,7 @@ def as_dtype(e: Expr, dtype: str) -> Expr:
         else:
             v = float(v)
         return Const(v, dtype)
-    return e if expr_dtype(e) == dtype else Cast(e, dtype)
+    return e if e.dtype == dtype else Cast(e, dtype)
 
 
 @dataclasses.dataclass

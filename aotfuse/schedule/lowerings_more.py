@@ -6,7 +6,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from .indexing import syms
-from .ir import FLOATS, Const, Op, TensorArg, compute_dtype
+from .ir import FLOATS, Const, Op, compute_dtype
 from .lowering_ctx import as_dtype
 from .lowerings import meta, out_dtype, out_shape, register
 from .views import View
