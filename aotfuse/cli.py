@@ -359,6 +359,18 @@ def inspect_cmd(
         typer.echo(render_inspect(info, artifact))
 
 
+@app.command("explain")
+def explain_cmd(
+    artifact: Path = typer.Argument(..., help="An .aotf file."),
+    program: Optional[str] = typer.Option(None, "--program", help="forward or backward [default: all]."),
+    refused_only: bool = typer.Option(False, "--refused", help="Only fusion refusals."),
+):
+    """Every decision the build made: lowering, inlining, fusion verdicts with reasons, partition."""
+    from .runtime.explain import explain
+
+    typer.echo(explain(str(_existing(artifact)), program=program, refused_only=refused_only))
+
+
 # ---------------------------------------------------------------------------------------------
 # run
 

@@ -188,3 +188,18 @@ def test_full_demo_loss_and_gradients_match_eager():
     ours = dict(mod.named_parameters())
     worst = max(rel(ours[n].grad, p.grad) for n, p in ref.named_parameters())
     assert worst < 1e-4, worst
+
+
+def test_explain_lists_every_decision(built, tmp_path):
+    from typer.testing import CliRunner
+
+    from aotfuse.cli import app
+
+    _, res = built("gpt_small")
+    path = tmp_path / "t.aotf"
+    res.save(path)
+    out = CliRunner().invoke(app, ["explain", str(path)]).output
+    assert "== forward program ==" in out and "== backward program ==" in out
+    assert "FUSED" in out and "refused" in out and "saved " in out and "recomputed in the backward" in out
+    fused = sum(d["fused"] for d in res.report["fusion"])
+    assert out.count("FUSED") >= fused
