@@ -141,7 +141,7 @@ class _Emitter:
 
     def node_value(self, name: str, index) -> str:
         node = self.members[name]
-        want = node.store_index
+        want = self.stores[name]
         if sympy.expand(index - want) != 0:
             raise BuildError(f"internal: fused read of {name} at {index} but it is held at {want}",
                              remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
@@ -156,7 +156,8 @@ class _Emitter:
 
 
 def _kernelize(node, x: int, r: int):
-    """node with its loop variables replaced by kernel indices sx (row/element) and sr (column)."""
+    """(node with its loop variables replaced by kernel indices sx (row) and sr (column),
+    the offset it stores to in those indices)."""
     rng = {SX: x, SR: r}
     if isinstance(node, Reduction):
         mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
@@ -172,9 +173,7 @@ def _kernelize(node, x: int, r: int):
     store = simplify(store, rng)
     body = subs_expr(node.body, mapping)
     body = _simplify_loads(body, rng)
-    out = dataclasses.replace(node, body=body)
-    object.__setattr__(out, "store_index", store)  # codegen-only annotation on a private copy
-    return out
+    return dataclasses.replace(node, body=body), store
 
 
 def _simplify_loads(e, rng):
@@ -235,7 +234,9 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
         raise BuildError(f"group {group.name} indexes more than 2**31 elements",
                          remedy="split the batch; 64-bit indexing is not supported yet")
     kind, xb, rb, warps = _blocks(x, r)
-    knodes = [_kernelize(nodes_by[n], x, r) for n in group.nodes]
+    kernelized = [_kernelize(nodes_by[n], x, r) for n in group.nodes]
+    knodes = [k for k, _ in kernelized]
+    stores = {k.name: st for k, st in kernelized}
     names = set(group.nodes)
     from ..schedule.ir import expr_loads
 
@@ -250,10 +251,11 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     out_name = {a.buf: a.name for a in args if a.role == "out"}
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
     em.xnumel = x
+    em.stores = stores
 
     def store(n, value: str, ctx: str):
-        idx = print_index(n.store_index, {SX: "xindex", SR: "rindex"})
-        if not n.store_index.free_symbols:  # one element (x = 1): make the pointer a block like the value
+        idx = print_index(stores[n.name], {SX: "xindex", SR: "rindex"})
+        if not stores[n.name].free_symbols:  # one element (x = 1): make the pointer a block like the value
             idx = f"{idx} + 0 * xindex"
         m = "xmask & rmask" if ctx == "xr" else "xmask"
         em.line(f"tl.store({out_name[n.name]} + {idx}, {value}.to({TL_DTYPE[graph.buffer(n.name).dtype]}), {m})")

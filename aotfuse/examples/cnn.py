@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._build import new_module
+
 
 @dataclasses.dataclass(frozen=True)
 class CNNConfig:
@@ -64,12 +66,6 @@ class CNNWithLoss(nn.Module):
         return F.cross_entropy(self.cnn(x), labels)
 
 
-def _new(cls, cfg):
-    # Module constructors draw default inits from the global RNG; keep the caller's untouched.
-    with torch.random.fork_rng(devices=[]):
-        return cls(cfg)
-
-
 def _init(model: nn.Module, seed: int) -> nn.Module:
     # A private generator: building an example must not disturb the caller's global RNG.
     g = torch.Generator().manual_seed(seed)
@@ -95,7 +91,7 @@ def _x(batch: int, cfg: CNNConfig, dtype: torch.dtype, g: torch.Generator) -> to
 
 def cnn(batch: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0, cfg: CNNConfig = CNNConfig()):
     """(model, (x,)) with x of shape [batch, 3, 32, 32]; the output is logits [batch, classes]."""
-    model = _init(_new(CNN, cfg), seed).to(dtype).eval()
+    model = _init(new_module(CNN, cfg), seed).to(dtype).eval()
     g = torch.Generator().manual_seed(seed + 1)
     return model, (_x(batch, cfg, dtype, g),)
 
@@ -110,7 +106,7 @@ def cnn_fp16(batch: int = 2):
 
 def cnn_train(batch: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0, cfg: CNNConfig = CNNConfig()):
     """(model, (x, labels)); the model returns the scalar cross-entropy. BatchNorm stays frozen."""
-    model = _new(CNNWithLoss, cfg)
+    model = new_module(CNNWithLoss, cfg)
     _init(model, seed).to(dtype).train()
     g = torch.Generator().manual_seed(seed + 1)
     x = _x(batch, cfg, dtype, g)

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._build import new_module
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaMLPConfig:
@@ -54,12 +56,6 @@ class LlamaMLPWithLoss(nn.Module):
         return F.mse_loss(self.block(x), target)
 
 
-def _new(cls, cfg):
-    # Module constructors draw default inits from the global RNG; keep the caller's untouched.
-    with torch.random.fork_rng(devices=[]):
-        return cls(cfg)
-
-
 def _init(model: nn.Module, seed: int) -> nn.Module:
     # A private generator: building an example must not disturb the caller's global RNG.
     g = torch.Generator().manual_seed(seed)
@@ -79,7 +75,7 @@ def _x(batch: int, seq: int, dim: int, dtype: torch.dtype, g: torch.Generator) -
 def block(batch: int = 2, seq: int = 32, dtype: torch.dtype = torch.float32, seed: int = 0,
           cfg: LlamaMLPConfig = LlamaMLPConfig()):
     """(model, (x,)) with x of shape [batch, seq, dim]; the output has x's shape."""
-    model = _init(_new(LlamaMLP, cfg), seed).to(dtype).eval()
+    model = _init(new_module(LlamaMLP, cfg), seed).to(dtype).eval()
     g = torch.Generator().manual_seed(seed + 1)
     return model, (_x(batch, seq, cfg.dim, dtype, g),)
 
@@ -95,7 +91,7 @@ def block_fp16(batch: int = 2, seq: int = 32):
 def block_train(batch: int = 2, seq: int = 32, dtype: torch.dtype = torch.float32, seed: int = 0,
                 cfg: LlamaMLPConfig = LlamaMLPConfig()):
     """(model, (x, target)); the model returns the scalar MSE loss of the block's output."""
-    model = _new(LlamaMLPWithLoss, cfg)
+    model = new_module(LlamaMLPWithLoss, cfg)
     _init(model, seed).to(dtype).train()
     g = torch.Generator().manual_seed(seed + 1)
     x = _x(batch, seq, cfg.dim, dtype, g)

@@ -29,19 +29,16 @@ class GraphedProgram:
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.graph is None or any(inputs[i].data_ptr() != self.bound_ptrs[i] for i in self.bound):
             self._capture(inputs)
-        copy_to = [self.static[i] for i in range(len(inputs)) if i not in self.bound]
-        copy_from = [inputs[i] for i in range(len(inputs)) if i not in self.bound]
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
+        if self.copy_idx:
+            torch._foreach_copy_(self.copy_to, [inputs[i] for i in self.copy_idx])
         if self.seed is not None:
             self.seed.copy_(new_seed(self.device))
         self.graph.replay()
         outs = [None] * len(self.static_out)
-        fresh_idx = [k for k in range(len(outs)) if k not in self.passthrough]
-        fresh = [torch.empty_like(self.static_out[k]) for k in fresh_idx]
+        fresh = [torch.empty_like(t) for t in self.fresh_src]
         if fresh:
-            torch._foreach_copy_(fresh, [self.static_out[k] for k in fresh_idx])
-        for k, t in zip(fresh_idx, fresh):
+            torch._foreach_copy_(fresh, self.fresh_src)
+        for k, t in zip(self.fresh_idx, fresh):
             outs[k] = t
         for k, j in self.passthrough.items():  # a fresh view per call, like the eager executor makes
             o = self.static_out[k]
@@ -62,4 +59,8 @@ class GraphedProgram:
         with torch.cuda.graph(graph), torch.no_grad():
             self.static_out = self.ex.run(self.static, self.seed)
         self.graph = graph
+        self.copy_idx = [i for i in range(len(inputs)) if i not in self.bound]
+        self.copy_to = [self.static[i] for i in self.copy_idx]
+        self.fresh_idx = [k for k in range(len(self.static_out)) if k not in self.passthrough]
+        self.fresh_src = [self.static_out[k] for k in self.fresh_idx]
         self.captures += 1

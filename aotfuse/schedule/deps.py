@@ -86,18 +86,16 @@ def classify_read(consumer: Node, index: sympy.Expr, producer_numel: int, rnumel
 
 @dataclasses.dataclass(frozen=True)
 class DepGraph:
-    producer: dict  # buffer -> node name
     consumers: dict  # buffer -> tuple of node names (in order)
     reads: dict  # node name -> tuple[Dep]
 
 
 def analyze(graph: LoopGraph) -> DepGraph:
-    producer, consumers, reads = {}, {}, {}
+    consumers, reads = {}, {}
     for n in graph.nodes:
-        producer[n.name] = n.name
         reads[n.name] = node_reads(n)
         for d in reads[n.name]:
             lst = consumers.setdefault(d.buf, [])
             if n.name not in lst:
                 lst.append(n.name)
-    return DepGraph(producer, {k: tuple(v) for k, v in consumers.items()}, reads)
+    return DepGraph({k: tuple(v) for k, v in consumers.items()}, reads)

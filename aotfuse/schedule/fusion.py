@@ -58,6 +58,7 @@ class _State:
             self.group_of[n.name] = n.name
             self.members[n.name] = [n.name]
         self.outputs = {o.view.buf for o in graph.outputs}
+        self._succ: dict[str, set[str]] | None = None
 
     def gspace(self, g: str) -> tuple[int, int]:
         xs = [space(self.nodes[n]) for n in self.members[g]]
@@ -93,11 +94,14 @@ class _State:
         return False
 
     def successors(self) -> dict[str, set[str]]:
-        succ: dict[str, set[str]] = {}
-        for g in self.members:
-            for p in self.group_preds(g):
-                succ.setdefault(p, set()).add(g)
-        return succ
+        # The group DAG changes only on merge: build it once per merge, not per can_fuse query.
+        if self._succ is None:
+            succ: dict[str, set[str]] = {}
+            for g in self.members:
+                for p in self.group_preds(g):
+                    succ.setdefault(p, set()).add(g)
+            self._succ = succ
+        return self._succ
 
     def merge(self, a: str, b: str) -> str:
         keep, gone = (a, b) if self.order[self.members[a][0]] <= self.order[self.members[b][0]] else (b, a)
@@ -106,6 +110,7 @@ class _State:
         del self.members[gone]
         for n in merged:
             self.group_of[n] = keep
+        self._succ = None
         return keep
 
 
