@@ -12,6 +12,7 @@
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
+| graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with a graph of their own per program (LRU beyond) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Knobs:
     launch_overhead_us: float = _env_float("AOTFUSE_LAUNCH_US", 4.0)
     bandwidth_gbs: float = _env_float("AOTFUSE_BANDWIDTH_GBS", 2000.0)
     cuda_graphs: bool = bool(_env_int("AOTFUSE_CUDA_GRAPHS", 1))
+    graph_streams: int = _env_int("AOTFUSE_GRAPH_STREAMS", 4)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
 
 

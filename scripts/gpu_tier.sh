@@ -1,25 +1,51 @@
 #!/usr/bin/env bash
 # The whole GPU tier in one call on the device machine (repo root, torch/triton preinstalled there).
-# Archives under build/gpu are built on the CPU-only machine first (scripts/build_gpu_fixtures.py)
-# and carried along with the zstandard wheel (.whl). Logs go to $OUT; a short table prints last.
+# Archives under build/gpu are built on the machine itself if missing (building needs no GPU).
+# STAGES picks what runs (default: all): repro pytest sanitize check driver train bench.
+# Logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT="${OUT:-/tmp/aotfuse_gpu}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+STAGES=" ${STAGES:-repro pytest sanitize check driver train bench} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 status=()
-run() { local name=$1; shift; "$@" >"$OUT/$name.log" 2>&1; local rc=$?; status+=("$name:$rc"); tail -3 "$OUT/$name.log"; }
-run check    python3 scripts/gpu_check.py build/gpu
-run pytest   python3 -m pytest -q -m gpu tests
-run driver   python3 scripts/gpu_smoke_driver.py
-[ -d build/gpu_train ] && run train python3 scripts/gpu_train.py build/gpu_train
-: > "$OUT/benchmarks.md"
-for spec in ${BENCH_SPECS:-aotfuse.examples.gpt:demo aotfuse.examples.gpt:demo_bf16 aotfuse.examples.llama:block_bf16}; do
-  run "bench_${spec##*:}" python3 -m aotfuse bench "$spec" --batch 1,8 --iters ${BENCH_ITERS:-200} --markdown "$OUT/benchmarks.md"
-done
-echo; echo "== GPU tier summary =="
-grep -h "PASS\|FAIL" "$OUT/check.log" | tail -20
+run() { local name=$1; shift; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+        status+=("$name:rc=$rc:$((SECONDS - t0))s"); tail -3 "$OUT/$name.log"; }
+if want repro; then
+  run ws_shared python3 scripts/repro/workspace_ownership.py shared
+  run ws_owned  python3 scripts/repro/workspace_ownership.py owned
+  run replay_crash python3 -X faulthandler scripts/repro/replay_crash.py
+fi
+want pytest && run pytest python3 -m pytest -q -ra -m gpu tests
+if want sanitize; then
+  run san_build python3 scripts/sanitize_gpu.py build build/san
+  run memcheck  compute-sanitizer --tool memcheck  --kernel-name regex:aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
+  run racecheck compute-sanitizer --tool racecheck --kernel-name regex:aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
+fi
+if want check || want train; then
+  [ -d build/gpu ] || python3 scripts/build_gpu_fixtures.py build/gpu >"$OUT/fixtures.log" 2>&1
+  [ -d build/gpu_train ] || python3 scripts/build_gpu_fixtures.py build/gpu_train --train >>"$OUT/fixtures.log" 2>&1
+fi
+want check  && run check  python3 scripts/gpu_check.py build/gpu
+want driver && run driver python3 scripts/gpu_smoke_driver.py
+want train  && run train  python3 scripts/gpu_train.py build/gpu_train
+if want bench; then
+  : > "$OUT/benchmarks.md"
+  for spec in ${BENCH_SPECS:-aotfuse.examples.gpt:demo aotfuse.examples.gpt:demo_bf16 aotfuse.examples.llama:block_bf16}; do
+    run "bench_${spec##*:}" python3 -m aotfuse bench "$spec" --batch 1,8 --iters ${BENCH_ITERS:-200} --markdown "$OUT/benchmarks.md"
+  done
+fi
+echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
-grep -h "^|" "$OUT/benchmarks.md" | head -60
+[ -f "$OUT/replay_crash.log" ] && echo "replay_crash: $(tail -1 "$OUT/replay_crash.log")"
+[ -f "$OUT/ws_shared.log" ] && echo "workspace shared: $(tail -2 "$OUT/ws_shared.log" | tr '\n' ' ')"
+[ -f "$OUT/ws_owned.log" ] && echo "workspace owned: $(tail -2 "$OUT/ws_owned.log" | tr '\n' ' ')"
+[ -f "$OUT/pytest.log" ] && tail -2 "$OUT/pytest.log"
+for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "ERROR SUMMARY\|launched\|FAIL" "$OUT/$t.log" | tail -3; }; done
+[ -f "$OUT/check.log" ] && grep -h "PASS\|FAIL" "$OUT/check.log" | tail -20
+[ -f "$OUT/benchmarks.md" ] && grep -h "^|" "$OUT/benchmarks.md" | head -60
 [ -f "$OUT/train.log" ] && sed -n '/== training/,$p' "$OUT/train.log"
+exit 0

@@ -6,6 +6,7 @@ static shapes on CUDA, capture the program into a CUDA graph on the first call a
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -60,7 +61,8 @@ class Artifact:
         self.weights = {k: v.to(self.device, non_blocking=True) for k, v in archive.weights.items()}
         self.executors = {name: Executor(p, self.weights, launchers, self.device) for name, p in self.programs.items()}
         self.use_graphs = (knobs.cuda_graphs if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda"
-        self._graph = None
+        self._graphs: list = []  # every GraphedProgram made from this artifact (released by close())
+        self._forward_graph = self.graphed("forward") if self.use_graphs and not self.manifest.get("train") else None
         self.load_seconds = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- guards
@@ -93,39 +95,25 @@ class Artifact:
 
     def run(self, program: str, *inputs):
         self.check_inputs(inputs)
+        with self.device_scope():
+            return self._run(program, inputs)
+
+    def device_scope(self):
+        """The artifact's device made current for the call (kernels, externs, graph replay)."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def _run(self, program: str, inputs: tuple):
         train = self.manifest.get("train")
         if train:  # forward of a train archive: parameters are program inputs; return the loss
             params = [self.weights[n] for n in train["params"]]
             return self.executors["forward"].run(params + list(inputs))[0]
-        if program == "forward" and self.use_graphs:
-            outs = self._replay(inputs)
+        if program == "forward" and self._forward_graph is not None:
+            outs = self._forward_graph(list(inputs))
         else:
             outs = self.executors[program].run(list(inputs))
         return outs[0] if self.manifest.get("single_output", True) and len(outs) == 1 else tuple(outs)
-
-    def _replay(self, inputs):
-        if self._graph is None:
-            self._capture(inputs)
-        for dst, src in zip(self._static_in, inputs):
-            dst.copy_(src)
-        if self._static_seed is not None:
-            self._static_seed.copy_(new_seed(self.device))
-        self._graph.replay()
-        return [o.clone() for o in self._static_out]
-
-    def _capture(self, inputs):
-        ex = self.executors["forward"]
-        self._static_in = [x.clone() for x in inputs]
-        self._static_seed = new_seed(self.device) if ex.program.get("rng") else None
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            ex.run(self._static_in, self._static_seed)  # warm-up: cuBLAS handles, allocator pools
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._static_out = ex.run(self._static_in, self._static_seed)
-        self._graph = graph
 
     def as_module(self, cuda_graphs: bool | None = None):
         """An nn.Module whose forward/backward run the packaged programs (train archives).
@@ -140,7 +128,20 @@ class Artifact:
 
         return describe(self.archive)
 
+    def graphed(self, program: str, bound: frozenset[int] = frozenset()):
+        """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact."""
+        from .graphs import GraphedProgram
+
+        g = GraphedProgram(self.executors[program], self.device, bound)
+        self._graphs.append(g)
+        return g
+
     def close(self):
+        """Drop the CUDA graphs (after their streams drained), then unload the kernels."""
+        for g in self._graphs:
+            g.release()
+        self._graphs = []
+        self._forward_graph = None
         for m in self._modules:
             m.close()
         self._modules = []

@@ -313,6 +313,52 @@ class _ArgPack:
 # --- module / function ------------------------------------------------------------------------
 
 
+# Modules dropped by the garbage collector, unloaded later by _unload_after_drain (see __del__).
+_GRAVEYARD: list[tuple[int, int, int, "Driver"]] = []
+_GRAVEYARD_LOCK = threading.Lock()
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _unload_after_drain(extra: list | None = None) -> None:
+    """Unload `extra` and the deferred modules once their devices finished all queued work.
+    Nothing is unloaded while this thread captures a CUDA graph (the graveyard keeps them)."""
+    import torch
+
+    with _GRAVEYARD_LOCK:
+        if _capturing():
+            _GRAVEYARD.extend(extra or ())
+            return
+        deferred, _GRAVEYARD[:] = list(_GRAVEYARD), []
+    explicit = list(extra or ())
+    for dev in sorted({t[2] for t in deferred + explicit}) if torch.cuda.is_available() else ():
+        torch.cuda.synchronize(dev)
+    for item in deferred:
+        try:
+            _unload(*item)
+        except CudaDriverError:  # its context is gone, and the module with it
+            pass
+    for item in explicit:
+        _unload(*item)
+
+
+def _unload(handle: int, context: int, device_index: int, d: "Driver") -> None:
+    pushed = False
+    if context and _current_context(d) != context:
+        d.check(d.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        pushed = True
+    try:
+        d.check(d.cuModuleUnload(handle), "cuModuleUnload")
+    finally:
+        if pushed:
+            old = ctypes.c_void_p()
+            d.cuCtxPopCurrent_v2(ctypes.byref(old))
+
+
 class CudaModule:
     """A cubin loaded with cuModuleLoadData into torch's primary context of one device."""
 
@@ -342,6 +388,8 @@ class CudaModule:
 
     @classmethod
     def _load_current(cls, image: bytes, device_index: int) -> "CudaModule":
+        if _GRAVEYARD:
+            _unload_after_drain()
         d = driver()
         ctx = _ensure_torch_context(device_index)
         mod = ctypes.c_void_p()
@@ -410,25 +458,18 @@ class CudaModule:
         return dev.value
 
     def close(self) -> None:
-        """Unload the module (idempotent). Its functions can no longer launch; captured CUDA graphs
-        that use them must be dropped first."""
+        """Unload the module now (idempotent), after the device drained: a kernel of it may still be
+        running. Captured CUDA graphs that use its functions must be dropped first."""
+        handle = self._detach()
+        if handle:
+            _unload_after_drain([(handle, self._context, self.device_index, self._driver)])
+
+    def _detach(self) -> int:
         handle, self._handle = self._handle, 0
         for f in self._functions:
             f._handle = None
         self._functions.clear()
-        if not handle:
-            return
-        d = self._driver
-        pushed = False
-        if self._context and _current_context(d) != self._context:
-            d.check(d.cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
-            pushed = True
-        try:
-            d.check(d.cuModuleUnload(handle), "cuModuleUnload")
-        finally:
-            if pushed:
-                old = ctypes.c_void_p()
-                d.cuCtxPopCurrent_v2(ctypes.byref(old))
+        return handle
 
     def __enter__(self) -> "CudaModule":
         return self
@@ -437,11 +478,14 @@ class CudaModule:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_handle", 0) and not sys.is_finalizing():
-            try:
-                self.close()
-            except Exception:  # context already torn down; nothing left to free
-                pass
+        # A finalizer may run anywhere: in another thread, or on a thread that is capturing a CUDA
+        # graph, where a device sync or an unload would break the capture. Defer the unload to the
+        # next load or close, which drains the device first.
+        handle = getattr(self, "_handle", 0)
+        if handle and not sys.is_finalizing():
+            self._handle = 0
+            with _GRAVEYARD_LOCK:
+                _GRAVEYARD.append((handle, self._context, self.device_index, self._driver))
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"0x{self._handle:x}"

@@ -26,7 +26,6 @@ def make_launchers(kernels: dict, device: torch.device) -> tuple[dict[str, Calla
     """kernel name -> launch(grid, tensors). Returns the launchers, the arch used, and the modules."""
     archs = sorted({a for k in kernels.values() for a in k["binaries"]})
     arch = pick_arch(archs, device)
-    torch.cuda.set_device(device)
     launchers, modules = {}, []
     for name, k in kernels.items():
         b = k["binaries"].get(arch)
@@ -38,11 +37,12 @@ def make_launchers(kernels: dict, device: torch.device) -> tuple[dict[str, Calla
         modules.append(mod)
         fn = mod.function(b["name"], b["shared"], b["num_warps"])
         bound = fn.bind(["ptr"] * len(k["args"]), b["num_warps"], b["shared"])
-        launchers[name] = _launcher(bound)
+        launchers[name] = _launcher(bound, device)
     return launchers, arch, modules
 
 
-def _launcher(bound) -> Callable:
+def _launcher(bound, device: torch.device) -> Callable:
+    # the stream of the artifact's device, whatever device is current on the calling thread
     def launch(grid, tensors):
-        bound(grid, torch.cuda.current_stream().cuda_stream, [t.data_ptr() for t in tensors])
+        bound(grid, torch.cuda.current_stream(device).cuda_stream, [t.data_ptr() for t in tensors])
     return launch

@@ -65,21 +65,20 @@ class PackagedModule(nn.Module):
         self._grad_map = [tuple(g) for g in info["grads"]]
         self._graphs = None
         if art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs):
-            from .graphs import GraphedProgram
-
             n_p = len(self._names)
-            fwd = GraphedProgram(art.executors["forward"], art.device, frozenset(range(n_p)))
+            fwd = art.graphed("forward", frozenset(range(n_p)))
             # backward inputs that are parameters passed through the forward keep their addresses
             bwd_bound = frozenset(k - 1 for k, j in fwd.passthrough.items() if k >= 1)
             self._graphs = {"forward": fwd,
-                            "backward": GraphedProgram(art.executors["backward"], art.device, bwd_bound)}
+                            "backward": art.graphed("backward", bwd_bound)}
         self._loss_dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
                             "torch.float16": torch.float16}.get(art.output_specs[0]["dtype"], torch.float32)
 
     def _run(self, program: str, inputs: list):
-        if self._graphs is not None:
-            return self._graphs[program](inputs)
-        return self._art.executors[program].run(inputs)
+        with self._art.device_scope():
+            if self._graphs is not None:
+                return self._graphs[program](inputs)
+            return self._art.executors[program].run(inputs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for name, p in zip(self._names, self._param_list):
