@@ -22,8 +22,8 @@ fi
 want pytest && run pytest python3 -m pytest -q -ra -m gpu tests
 if want sanitize; then
   run san_build python3 scripts/sanitize_gpu.py build build/san
-  run memcheck  compute-sanitizer --tool memcheck  --kernel-name regex:aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
-  run racecheck compute-sanitizer --tool racecheck --kernel-name regex:aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
+  run memcheck  compute-sanitizer --tool memcheck  --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
+  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
 fi
 if want check || want train; then
   [ -d build/gpu ] || python3 scripts/build_gpu_fixtures.py build/gpu >"$OUT/fixtures.log" 2>&1

@@ -1,9 +1,9 @@
 """compute-sanitizer over every kernel of the GPU fixtures, at their small shapes.
 
     python3 scripts/sanitize_gpu.py build DIR          # build the fixtures (no GPU needed)
-    compute-sanitizer --tool memcheck  --kernel-name regex:aotf_ --error-exitcode 9 \
+    compute-sanitizer --tool memcheck  --kernel-name kns=aotf_ --error-exitcode 9 \
         python3 scripts/sanitize_gpu.py run DIR        # every kernel once, eager program (no graphs)
-    compute-sanitizer --tool racecheck --kernel-name regex:aotf_ --error-exitcode 9 \
+    compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 \
         python3 scripts/sanitize_gpu.py run DIR
 
 `run` launches every program of every fixture once without CUDA graphs (so each launch is attributed

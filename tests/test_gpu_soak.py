@@ -37,7 +37,8 @@ def built():
     out = {}
     for spec in INFER:
         model, inputs = load_spec(spec)
-        out[spec] = (model.cuda().eval(), aotfuse.build(model, inputs, targets=(arch,)).data)
+        data = aotfuse.build(model, inputs, targets=(arch,)).data
+        out[spec] = (model.cuda().eval(), data)
     for spec in TRAIN:
         model, inputs = load_spec(spec)
         out[spec] = (model, aotfuse.build(model, inputs, train=True, targets=(arch,)).data)
