@@ -1,15 +1,25 @@
-"""Runs a program: binds inputs and weights, walks the instruction list, returns the outputs.
+"""Runs a program, linked once: buffer names resolved to slots, weights and arena views bound ahead.
 
-The same executor serves the GPU (kernels launched through the CUDA driver) and the CPU (kernels run
-by Triton's interpreter); only the kernel launcher differs.
+Linking (at load, `Executor.__init__`) turns the instruction list into steps over integer slots.
+Binding (`Executor.state()`, once per caller stream, or once per CUDA-graph instance) allocates the
+arena and fills every slot whose tensor never changes: weights and arena views, with their device
+addresses. A call then only fills the slots that do change (inputs, the seed, buffers allocated per
+call, extern results) and walks the steps. Outputs never live in the shared arena: their buffers are
+allocated per call, so a result stays valid after the next call.
+
+The same executor serves the GPU (kernels launched through the CUDA driver, by address) and the CPU
+(kernels run by Triton's interpreter, on tensors); only the launchers differ.
 """
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Callable
 
 import torch
 
 from ..errors import ArchiveError
+from ..knobs import knobs
 from .externs import resolve
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
@@ -40,92 +50,190 @@ def _contig_strides(shape):
     return tuple(reversed(out))
 
 
+class _View:
+    """A strided view of a slot's tensor, as an extern argument or an output."""
+    __slots__ = ("slot", "shape", "stride", "offset")
+
+    def __init__(self, slot: int, a: dict):
+        self.slot, self.shape, self.stride, self.offset = slot, tuple(a["shape"]), tuple(a["stride"]), a["offset"]
+
+    def of(self, env: list) -> torch.Tensor:
+        base = env[self.slot]
+        return base.as_strided(self.shape, self.stride, base.storage_offset() + self.offset)
+
+
+class State:
+    """What one caller (a stream, or a CUDA-graph instance) runs on: the arena and the slots.
+    Calls on one state are serialized by its lock."""
+
+    def __init__(self, ex: "Executor"):
+        self.lock = threading.Lock()
+        self.arena = torch.empty(ex.program["arena_bytes"], dtype=torch.uint8, device=ex.device)
+        self.env: list = [None] * ex.n_slots
+        self.addr: list[int] = [0] * ex.n_slots
+        for slot, t in ex.weight_slots:
+            self._set(slot, t)
+        for slot, off, shape, dt, nbytes in ex.arena_allocs:
+            self._set(slot, self.arena[off:off + nbytes].view(dt).view(shape))
+
+    def _set(self, slot: int, t: torch.Tensor) -> None:
+        self.env[slot] = t
+        self.addr[slot] = t.data_ptr()
+
+
 class Executor:
-    """Compiled once per (program, device); called per inference. Holds no per-call state."""
+    """Linked once per (program, device); its states hold the per-caller memory."""
 
     def __init__(self, program: dict, weights: dict[str, torch.Tensor], launchers: dict[str, Callable],
                  device: torch.device):
         self.program = program
         self.device = device
-        self.weight_env = {buf: weights[fqn] for buf, fqn in program["weights"].items()}
-        self.launchers = launchers
-        self.steps = [self._prepare(ins) for ins in program["instructions"]]
+        self._slots: dict[str, int] = {}
+        self.input_slots = [self._slot(i["buf"]) for i in program["inputs"]]
+        self.rng_slot = self._slot(program["rng"]) if program.get("rng") else None
+        self.weight_slots = [(self._slot(buf), weights[fqn]) for buf, fqn in program["weights"].items()]
+        instructions = program["instructions"]
+        last = instructions[-1] if instructions else {}
+        # outputs (and the buffers they view) are allocated per call, never in the shared arena
+        self._per_call_bufs = {o["t"] for o in last["outputs"]} if last.get("op") == "return" else set()
+        self.arena_allocs: list[tuple] = []
+        self.per_call: set[int] = set(self.input_slots) | ({self.rng_slot} if self.rng_slot is not None else set())
+        self.steps = [s for s in (self._link(ins, launchers) for ins in instructions) if s is not None]
+        if not self.steps or self.steps[-1][0] != "return":
+            raise ArchiveError("program does not end with a return instruction")
+        self.n_slots = len(self._slots)
+        self._per_call_list = sorted(self.per_call)
+        self._states: collections.OrderedDict = collections.OrderedDict()
+        self._states_lock = threading.Lock()
 
-    def _prepare(self, ins: dict):
+    def _slot(self, name: str) -> int:
+        return self._slots.setdefault(name, len(self._slots))
+
+    # ---------------------------------------------------------------- link
+    def _link(self, ins: dict, launchers):
         op = ins["op"]
         if op == "alloc":
             dt = torch_dtype(ins["dtype"])
             shape = tuple(ins["shape"])
+            slot = self._slot(ins["buf"])
+            if ins["offset"] < 0 or ins["buf"] in self._per_call_bufs:
+                self.per_call.add(slot)
+                return ("new", slot, shape, dt)
             n = 1
             for d in shape:
                 n *= d
-            return ("alloc", ins["buf"], ins["offset"], shape, dt, n * _ITEMSIZE[dt])
+            self.arena_allocs.append((slot, ins["offset"], shape, dt, n * _ITEMSIZE[dt]))
+            return None  # bound once per state
         if op == "launch":
-            if ins["kernel"] not in self.launchers:
+            launch = launchers.get(ins["kernel"])
+            if launch is None:
                 raise ArchiveError(f"program launches kernel {ins['kernel']!r} that the archive does not contain")
-            return ("launch", self.launchers[ins["kernel"]], tuple(ins["grid"]), tuple(ins["args"]))
+            return ("launch", launch, tuple(ins["grid"]), tuple(self._slot(b) for b in ins["args"]))
         if op == "extern":
-            return ("extern", resolve(ins["target"]), ins)
+            out = self._slot(ins["out"])
+            if not ins["out_variant"]:
+                self.per_call.add(out)  # the op allocates its result
+            return ("extern", resolve(ins["target"]), self._arg(ins["args"]),
+                    {k: self._arg(v) for k, v in ins["kwargs"].items()}, ins["out_variant"],
+                    _View(out, ins["out_view"]), out, tuple(ins["shape"]), torch_dtype(ins["dtype"]))
         if op == "free":
-            return ("free", tuple(ins["bufs"]))
+            return ("free", tuple(s for s in (self._slots.get(b) for b in ins["bufs"]) if s is not None))
         if op == "return":
-            return ("return", ins["outputs"])
+            return ("return", [_View(self._slot(o["t"]), o) for o in ins["outputs"]])
         raise ArchiveError(f"unknown program instruction {op!r}")
 
-    def run(self, inputs: list[torch.Tensor], seed: torch.Tensor | None = None) -> list[torch.Tensor]:
-        env = dict(self.weight_env)
-        for spec, t in zip(self.program["inputs"], inputs):
-            env[spec["buf"]] = t
-        if self.program.get("rng"):
-            env[self.program["rng"]] = seed if seed is not None else new_seed(self.device)
-        arena = torch.empty(self.program["arena_bytes"], dtype=torch.uint8, device=self.device)
+    def _arg(self, a):
+        if isinstance(a, dict) and "t" in a:
+            return _View(self._slot(a["t"]), a)
+        if isinstance(a, list):
+            return [self._arg(x) for x in a]
+        return a
+
+    # ---------------------------------------------------------------- bind
+    def state(self) -> State:
+        """A fresh state of its own (a CUDA-graph instance owns one)."""
+        return State(self)
+
+    def _state_for_caller(self) -> State:
+        key = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        with self._states_lock:
+            st = self._states.get(key)
+            if st is None:
+                st = self._states[key] = State(self)
+                while len(self._states) > max(1, knobs.graph_streams):
+                    self._states.popitem(last=False)  # its arena was allocated on its stream: freed in order
+            else:
+                self._states.move_to_end(key)
+            return st
+
+    # ---------------------------------------------------------------- run
+    def run(self, inputs: list[torch.Tensor], seed: torch.Tensor | None = None,
+            state: State | None = None) -> list[torch.Tensor]:
+        st = state or self._state_for_caller()
+        with st.lock:
+            try:
+                return self._run(st, inputs, seed)
+            finally:
+                env = st.env
+                for s in self._per_call_list:  # drop this call's tensors; the outputs are the caller's
+                    env[s] = None
+
+    def _run(self, st: State, inputs, seed) -> list[torch.Tensor]:
+        env, addr, dev = st.env, st.addr, self.device
+        # GPU launchers take (grid, stream, device addresses); the CPU interpreter's take tensors
+        by_addr = dev.type == "cuda"
+        stream = torch.cuda.current_stream(dev).cuda_stream if by_addr else 0
+        for s, t in zip(self.input_slots, inputs):
+            env[s] = t
+            addr[s] = t.data_ptr()
+        if self.rng_slot is not None:
+            t = seed if seed is not None else new_seed(dev)
+            env[self.rng_slot] = t
+            addr[self.rng_slot] = t.data_ptr()
         for step in self.steps:
             kind = step[0]
             if kind == "launch":
-                _, launch, grid, args = step
-                launch(grid, [env[b] for b in args])
-            elif kind == "alloc":
-                _, buf, off, shape, dt, nbytes = step
-                if off < 0:
-                    env[buf] = torch.empty(shape, dtype=dt, device=self.device)
-                else:
-                    env[buf] = arena[off:off + nbytes].view(dt).view(shape)
+                _, launch, grid, slots = step
+                launch(grid, stream, [addr[s] for s in slots] if by_addr else [env[s] for s in slots])
+            elif kind == "new":
+                _, slot, shape, dt = step
+                t = torch.empty(shape, dtype=dt, device=dev)
+                env[slot] = t
+                addr[slot] = t.data_ptr()
             elif kind == "extern":
-                self._extern(step[1], step[2], env)
+                self._extern(step, env, addr)
             elif kind == "free":
-                for b in step[1]:
-                    env.pop(b, None)
+                for s in step[1]:
+                    if s in self.per_call:
+                        env[s] = None
             else:
-                return [self._view(o, env) for o in step[1]]
+                return [v.of(env) for v in step[1]]
         raise ArchiveError("program has no return instruction")
 
-    def _view(self, a: dict, env) -> torch.Tensor:
-        base = env[a["t"]]
-        return base.as_strided(a["shape"], a["stride"], base.storage_offset() + a["offset"])
-
-    def _decode(self, a, env):
-        if isinstance(a, dict) and "t" in a:
-            return self._view(a, env)
+    @staticmethod
+    def _decode(a, env):
+        if isinstance(a, _View):
+            return a.of(env)
         if isinstance(a, list):
-            return [self._decode(x, env) for x in a]
+            return [Executor._decode(x, env) for x in a]
         return a
 
-    def _extern(self, fn, ins: dict, env):
-        args = [self._decode(a, env) for a in ins["args"]]
-        kwargs = {k: self._decode(v, env) for k, v in ins["kwargs"].items()}
-        out = ins["out"]
-        ov = ins["out_view"]
-        if ins["out_variant"]:
-            fn(*args, **kwargs, out=self._view(ov, env))
+    def _extern(self, step, env, addr) -> None:
+        _, fn, args, kwargs, out_variant, ov, out, shape, dtype = step
+        args = [self._decode(a, env) for a in args]
+        kwargs = {k: self._decode(v, env) for k, v in kwargs.items()}
+        if out_variant:
+            fn(*args, **kwargs, out=ov.of(env))
             return
         result = fn(*args, **kwargs)
-        shape = tuple(ins["shape"])
-        if tuple(result.stride()) == tuple(ov["stride"]):
+        t = None
+        if result.stride() == ov.stride:
             # The op wrote the layout we planned for (e.g. flash attention's [B, T, H, D]): bind it.
-            base_off = result.storage_offset() - ov["offset"]
+            base_off = result.storage_offset() - ov.offset
             if base_off >= 0:
-                env[out] = result.as_strided(shape, _contig_strides(shape), base_off)
-                return
-        base = torch.empty(shape, dtype=torch_dtype(ins["dtype"]), device=result.device)
-        base.as_strided(ov["shape"], ov["stride"], ov["offset"]).copy_(result)
-        env[out] = base
+                t = result.as_strided(shape, _contig_strides(shape), base_off)
+        if t is None:
+            t = torch.empty(shape, dtype=dtype, device=result.device)
+            t.as_strided(ov.shape, ov.stride, ov.offset).copy_(result)
+        env[out] = t
+        addr[out] = t.data_ptr()

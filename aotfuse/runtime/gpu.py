@@ -23,7 +23,7 @@ def pick_arch(available: list[str], device: torch.device) -> str:
 
 
 def make_launchers(kernels: dict, device: torch.device) -> tuple[dict[str, Callable], str, list]:
-    """kernel name -> launch(grid, tensors). Returns the launchers, the arch used, and the modules."""
+    """kernel name -> launch(grid, stream, device addresses). Returns the launchers, the arch used, and the modules."""
     archs = sorted({a for k in kernels.values() for a in k["binaries"]})
     arch = pick_arch(archs, device)
     launchers, modules = {}, []
@@ -37,12 +37,5 @@ def make_launchers(kernels: dict, device: torch.device) -> tuple[dict[str, Calla
         modules.append(mod)
         fn = mod.function(b["name"], b["shared"], b["num_warps"])
         bound = fn.bind(["ptr"] * len(k["args"]), b["num_warps"], b["shared"])
-        launchers[name] = _launcher(bound, device)
+        launchers[name] = bound  # called as bound(grid, stream, addresses) by the executor
     return launchers, arch, modules
-
-
-def _launcher(bound, device: torch.device) -> Callable:
-    # the stream of the artifact's device, whatever device is current on the calling thread
-    def launch(grid, tensors):
-        bound(grid, torch.cuda.current_stream(device).cuda_stream, [t.data_ptr() for t in tensors])
-    return launch

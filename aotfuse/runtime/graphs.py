@@ -3,8 +3,9 @@
 A graph replays raw device addresses, so it is safe only while everything at those addresses lives
 as long as the graph and nothing else writes there. Who owns what:
 
-- **Memory.** Each capture allocates into its own private pool (arena, extern results, outputs).
-  Only that capture allocates from the pool, and the pool lives as long as the graph.
+- **Memory.** Each instance owns its executor state (the arena, bound once); each capture allocates
+  into its own private pool (extern results, outputs). Only that capture allocates from the pool,
+  and the pool lives as long as the graph.
 - **Library workspaces.** cuBLAS keeps one workspace per (handle, stream) in a process-wide map.
   A capture that finds an entry reuses it without owning it: if it was allocated during an earlier
   capture, it lives in *that* graph's pool, and once that graph is gone and anyone clears the map
@@ -137,17 +138,18 @@ class _Instance:
         # addresses at capture: a Parameter whose .data is swapped keeps its identity, not its address
         self.bound_ptrs = {i: inputs[i].data_ptr() for i in p.bound}
         self.seed = new_seed(p.device) if p.ex.program.get("rng") else None
+        self.state = p.ex.state()  # this instance's own arena: the graph replays its addresses
         capture_stream = torch.cuda.Stream(p.device)
         capture_stream.wait_stream(stream)
         with torch.cuda.stream(capture_stream), torch.no_grad():
-            p.ex.run(self.static, self.seed)  # warm-up: lazy library set-up stays out of the graph
+            p.ex.run(self.static, self.seed, self.state)  # warm-up: lazy library set-up stays out of the graph
         graph = torch.cuda.CUDAGraph()
         _clear_library_workspaces()
         try:
             with torch.cuda.stream(capture_stream), torch.no_grad():
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self.static_out = p.ex.run(self.static, self.seed)
+                    self.static_out = p.ex.run(self.static, self.seed, self.state)
                 finally:
                     graph.capture_end()
         finally:
@@ -167,3 +169,4 @@ class _Instance:
             self.released = True
             self.graph = None
             self.static = self.static_out = self.copy_to = self.fresh_src = []
+            self.state = None

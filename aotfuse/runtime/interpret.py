@@ -68,7 +68,7 @@ def _launcher(fn, runtime_knobs) -> Callable:
         finally:
             scope.restore()
 
-    def launch(grid, tensors):
+    def launch(grid, stream, tensors):  # stream: unused on the CPU
         # triton.language's helpers (tl.sum, tl.max, ...) were decorated as compiled JIT functions
         # when triton was imported without TRITON_INTERPRET; inside an interpreted kernel they must
         # run as plain Python, which is what the interpreter does for them when the env var is set.
