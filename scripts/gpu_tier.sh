@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU tier in one call on the device machine (repo root, torch/triton preinstalled there).
 # Archives under build/gpu are built on the machine itself if missing (building needs no GPU).
-# STAGES picks what runs (default: all): repro pytest sanitize check driver train bench.
+# STAGES picks what runs (default: all): repro host pytest sanitize check driver train bench.
+# host: host time per call, this tree vs an older one unpacked in build/old (git archive REV aotfuse).
 # Logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT="${OUT:-/tmp/aotfuse_gpu}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-STAGES=" ${STAGES:-repro pytest sanitize check driver train bench} "
+STAGES=" ${STAGES:-repro host pytest sanitize check driver train bench} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 status=()
@@ -23,7 +24,7 @@ want pytest && run pytest python3 -m pytest -q -ra -m gpu tests
 if want sanitize; then
   run san_build python3 scripts/sanitize_gpu.py build build/san
   run memcheck  compute-sanitizer --tool memcheck  --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
-  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
+  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san --no-cudnn
 fi
 if want check || want train; then
   [ -d build/gpu ] || python3 scripts/build_gpu_fixtures.py build/gpu >"$OUT/fixtures.log" 2>&1
@@ -44,6 +45,7 @@ for s in "${status[@]}"; do echo "  $s"; done
 [ -f "$OUT/ws_shared.log" ] && echo "workspace shared: $(tail -2 "$OUT/ws_shared.log" | tr '\n' ' ')"
 [ -f "$OUT/ws_owned.log" ] && echo "workspace owned: $(tail -2 "$OUT/ws_owned.log" | tr '\n' ' ')"
 [ -f "$OUT/pytest.log" ] && tail -2 "$OUT/pytest.log"
+for h in host_before host_after; do [ -f "$OUT/$h.log" ] && echo "$h: $(tail -1 "$OUT/$h.log")"; done
 for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "ERROR SUMMARY\|launched\|FAIL" "$OUT/$t.log" | tail -3; }; done
 [ -f "$OUT/check.log" ] && grep -h "PASS\|FAIL" "$OUT/check.log" | tail -20
 [ -f "$OUT/benchmarks.md" ] && grep -h "^|" "$OUT/benchmarks.md" | head -60
