@@ -61,7 +61,7 @@ def sample() -> tuple[dict, dict[str, bytes], dict[str, torch.Tensor]]:
 
 def bits(t: torch.Tensor) -> bytes:
     """Exact bytes of a tensor (compares float8/NaN/-0.0 bitwise, where == would not)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
 def assert_same_weights(got: dict, want: dict) -> None:

@@ -7,6 +7,7 @@ zero-copy views; nothing is extracted to disk and nothing unpickled or evaluated
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import secrets
@@ -100,8 +101,23 @@ def _weight_bytes(name: str, tensor) -> tuple[str, tuple[int, ...], memoryview, 
     t = tensor.detach().resolve_conj().resolve_neg().contiguous()
     if t.dim() > MAX_NDIM:
         raise ArchiveError(f"cannot write archive: weight {name!r} has {t.dim()} dims, over {MAX_NDIM}")
-    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # uint8: numpy has no bfloat16/float8
+    raw = _raw_bytes(t)
     return dtype, tuple(t.shape), raw, zlib.crc32(raw)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """A read-only byte view of a contiguous CPU tensor's data, without a copy and without numpy.
+
+    A contiguous tensor's elements are the numel * itemsize bytes from data_ptr() (a storage
+    offset is already in data_ptr), whatever the dtype (bf16 and fp8 included). The view is a
+    ctypes array over that address which keeps the tensor, and so its storage, alive.
+    """
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    buf._owner = t  # the memory belongs to t: keep it alive as long as the view
+    return memoryview(buf).cast("B").toreadonly()
 
 
 def _plan(manifest: dict, parts: dict, weights: dict) -> tuple[list, int]:

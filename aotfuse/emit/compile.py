@@ -12,7 +12,7 @@ import multiprocessing
 import os
 
 from ..errors import BuildError
-from ..runtime.kernel_source import load_source
+from ..runtime.kernel_source import TRITON_STATE_LOCK, load_source
 from .kernel_src import KernelSource
 
 ARCHES = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90}
@@ -64,14 +64,18 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
         progress("kernels", {"done": 0, "total": total})
     if workers <= 1 or total <= 1:
         for i, job in enumerate(jobs):
-            b = _compile_one(*job)
+            with TRITON_STATE_LOCK:  # not while a CPU-path launch in another thread has triton patched
+                b = _compile_one(*job)
             out[job[0]][job[4]] = b
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
         return out
     ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futs = {pool.submit(_compile_one, *job): job for job in jobs}
+        # Forked workers start at the first submit and inherit triton's state as it is then: not
+        # mid-launch of a CPU-path kernel in another thread (the workers never take the lock).
+        with TRITON_STATE_LOCK:
+            futs = {pool.submit(_compile_one, *job): job for job in jobs}
         for i, fut in enumerate(cf.as_completed(futs)):
             job = futs[fut]
             out[job[0]][job[4]] = fut.result()

@@ -3,6 +3,10 @@
 The only runtime module that imports triton. Slow; for debugging and CI. Before executing a stored
 source it checks that the text has the shape aotfuse generates (imports of triton only, jit
 functions only), so an archive cannot smuggle other code through this path.
+
+Thread-safe by serialization: the interpreter works through process-wide Triton state, so kernel
+launches (and loads) hold kernel_source.TRITON_STATE_LOCK; calls from several threads take turns
+kernel by kernel. Each call's buffers are its own (the executor allocates them per call).
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import ast
 from typing import Callable
 
 from ..errors import ArchiveError
-from .kernel_source import load_source
+from .kernel_source import TRITON_STATE_LOCK, load_source
 
 _ALLOWED_IMPORTS = {"triton", "triton.language", "triton.language.extra"}
 
@@ -38,7 +42,9 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
     import triton
 
     launchers = {}
-    with triton.knobs.runtime.scope():
+    # interpret=True makes `@triton.jit` in the stored source build interpreter functions; the knob
+    # is process-wide, so no other thread may define or compile a kernel meanwhile.
+    with TRITON_STATE_LOCK, triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
         for name in kernels:
             src = sources.get(name)
@@ -69,15 +75,22 @@ def _launcher(fn, runtime_knobs) -> Callable:
             scope.restore()
 
     def launch(grid, stream, tensors):  # stream: unused on the CPU
-        # triton.language's helpers (tl.sum, tl.max, ...) were decorated as compiled JIT functions
-        # when triton was imported without TRITON_INTERPRET; inside an interpreted kernel they must
-        # run as plain Python, which is what the interpreter does for them when the env var is set.
-        saved = JITFunction.__call__
-        JITFunction.__call__ = call_python
-        try:
-            with runtime_knobs.scope():
-                runtime_knobs.interpret = True
-                fn[tuple(grid)](*tensors)
-        finally:
-            JITFunction.__call__ = saved
+        # One launch at a time in the process: everything below patches globals (triton.language,
+        # JITFunction.__call__, the interpret knob) and the interpreter runs the grid through one
+        # global builder. Unserialized, a second thread's launch restores the originals under a
+        # running kernel ("Cannot call @triton.jit'd outside of the scope of a kernel") or leaves
+        # the patches in place for good. Only launches take turns: a call's externs run unlocked.
+        with TRITON_STATE_LOCK:
+            # triton.language's helpers (tl.sum, tl.max, ...) were decorated as compiled JIT functions
+            # when triton was imported without TRITON_INTERPRET; inside an interpreted kernel they
+            # must run as plain Python, which is what the interpreter does for them when the env var
+            # is set.
+            saved = JITFunction.__call__
+            JITFunction.__call__ = call_python
+            try:
+                with runtime_knobs.scope():
+                    runtime_knobs.interpret = True
+                    fn[tuple(grid)](*tensors)
+            finally:
+                JITFunction.__call__ = saved
     return launch
