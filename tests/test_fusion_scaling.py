@@ -1,0 +1,94 @@
+"""The fusion driver's cost grows with the model, not faster; each refused pair is recorded once.
+
+GPTs of the demo's width at 2, 4, 8 and 16 layers: export -> lower -> inline -> fuse only (no
+codegen), timing fuse alone. Run with `-s` to see the figures.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import pytest
+
+from aotfuse.examples.gpt import GPTConfig, demo
+from aotfuse.export import capture
+from aotfuse.schedule import fusion
+from aotfuse.schedule.fusion import fuse
+from aotfuse.schedule.inline import inline_pointwise
+from aotfuse.schedule.lower import lower
+
+LAYERS = (2, 4, 8, 16)
+TARGET_16_S = 0.3  # acceptance: 16 layers fuse in at most this on the 2-core dev machine
+SLACK = 1.5  # a shared or loaded box; the figure printed is the real one
+
+
+def _graph(layers: int):
+    model, inputs = demo(cfg=GPTConfig(layers=layers))
+    graph, _ = lower(capture(model, inputs))
+    graph, _ = inline_pointwise(graph)
+    return graph
+
+
+def _timed(graph, repeats: int = 3):
+    """(best wall time of `repeats` fuse calls, the schedule, can_fuse evaluations per call)."""
+    calls = 0
+    real = fusion.can_fuse
+
+    def counting(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    best, sched = None, None
+    fusion.can_fuse = counting
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sched = fuse(graph)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+    finally:
+        fusion.can_fuse = real
+    return best, sched, calls // repeats
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for n in LAYERS:
+        graph = _graph(n)
+        out[n] = (len(graph.nodes), *_timed(graph))
+    print()
+    for n, (nodes, t, sched, calls) in out.items():
+        refused = sum(1 for d in sched.decisions if not d.fused)
+        print(f"  {n:2d} layers: {nodes:4d} nodes, {len(sched.groups):4d} groups, fuse {t * 1e3:7.1f} ms "
+              f"({t / n * 1e3:.2f} ms/layer), {calls} can_fuse calls, {len(sched.decisions)} decisions "
+              f"({refused} refused)")
+    return out
+
+
+@pytest.mark.slow
+def test_fuse_time_grows_at_most_linearly(runs):
+    t = {n: r[1] for n, r in runs.items()}
+    calls = {n: r[3] for n, r in runs.items()}
+    # Work, free of timing noise: verdicts evaluated grow linearly (within 20%) with the layers.
+    assert calls[16] <= 8 * calls[2] * 1.2, calls
+    assert calls[16] <= 2 * calls[8] * 1.2, calls
+    # Time: 8x the layers may cost at most 8x (x1.5 for noise) the time.
+    assert t[16] <= 8 * t[2] * SLACK, t
+    assert t[16] <= TARGET_16_S * SLACK, f"16 layers fuse in {t[16]:.3f} s (target {TARGET_16_S} s)"
+
+
+@pytest.mark.slow
+def test_each_refused_pair_is_recorded_once(runs):
+    for n, (_, _, sched, _) in runs.items():
+        refused = [d for d in sched.decisions if not d.fused]
+        keys = collections.Counter((d.a, d.b, d.refusal) for d in refused)
+        assert max(keys.values(), default=1) == 1, [k for k, c in keys.items() if c > 1]
+        assert all(isinstance(d.refusal, fusion.FuseRefusal) and d.detail for d in refused)
+        assert all(d.refusal is None for d in sched.decisions if d.fused)
+        # the report form: the kind's value and the detail, one entry per decision
+        entries = [d.to_report() for d in refused]
+        assert len({(e["a"], e["b"], e["reason"]) for e in entries}) == len(entries)
+    # the refused pairs grow with the layers, not with the layers' square
+    assert sum(not d.fused for d in runs[16][2].decisions) <= 8 * sum(not d.fused for d in runs[2][2].decisions)
