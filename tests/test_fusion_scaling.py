@@ -120,13 +120,30 @@ def _rescan_groups(graph):
                     out.setdefault(tuple(sorted((g1, g2))), (nbytes, "horizontal"))
         return sorted(((s, a, b) for (a, b), (s, _) in out.items()), key=lambda t: (-t[0], t[1], t[2]))
 
+    def reaches(src, dst):  # unpruned, not through the direct edge
+        stack, seen = [s for s in st.succ[src] if s != dst], set()
+        while stack:
+            g = stack.pop()
+            if g == dst:
+                return True
+            if g not in seen:
+                seen.add(g)
+                stack.extend(st.succ[g])
+        return False
+
     changed = True
     while changed:
         changed = False
         for score, a, b in candidates():
-            if not (st.is_extern(a) or st.is_extern(b)) and fusion.can_fuse(st, a, b).ok:
+            if st.is_extern(a) or st.is_extern(b):
+                continue
+            assert (st.cycle_through(a, b) is not None) == (reaches(a, b) or reaches(b, a)), (a, b)
+            if fusion.can_fuse(st, a, b).ok:
                 merges.append((a, b, score))
                 st.merge(a, b)
+                # the group order the cycle test prunes with is still topological
+                assert all(st.pos[g] < st.pos[s] for g in st.succ for s in st.succ[g])
+                assert sorted(st.pos) == sorted(st.members) == sorted(g for g in st.slots if g)
                 changed = True
                 break
     return merges, sorted(tuple(m) for m in st.members.values())
