@@ -177,7 +177,8 @@ def test_explain_reads_refusal_kinds_old_and_new():
            "reason": "would create a cycle", "detail": "through another group (x -> z -> y)"}
     old = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": False,
            "reason": "memory deps don't match: y reads x[p0] (other read in a 4x1 space)"}
-    fused = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": True, "reason": None, "detail": "saves 8 bytes"}
+    fused = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": True, "reason": None,
+             "detail": "saves 8 bytes"}
     assert refusal_kind(new) == "would create a cycle" and refusal_kind(old) == "memory deps don't match"
     assert fusion_reason(new) == "would create a cycle: through another group (x -> z -> y)"
     assert fusion_reason(old) == old["reason"] and fusion_reason(fused) == "saves 8 bytes"
