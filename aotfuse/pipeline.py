@@ -137,7 +137,8 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
 
 def _report(p: _Compiled) -> dict:
     sched, plan, kernels = p.sched, p.plan, p.kernels
-    refusals = collections.Counter(d.reason.split(":")[0] for d in sched.decisions if not d.fused)
+    refused = [d for d in sched.decisions if not d.fused]
+    refusals = collections.Counter(d.refusal.value for d in refused)  # by kind, in first-seen order
     launches = collections.Counter(k.name for k in kernels.values())
     return {
         "fusion_summary": {
@@ -148,9 +149,11 @@ def _report(p: _Compiled) -> dict:
             "unique_kernels": len(launches),
             "externs": sum(1 for g in sched.groups if g.kind == "extern"),
             "fused_pairs": sum(1 for d in sched.decisions if d.fused),
+            "refused_pairs": len(refused),
             "refusals": dict(refusals),
         },
-        "fusion": [dataclasses.asdict(d) for d in sched.decisions],
+        # each fusion, and each distinct refused pair once: reason = FuseRefusal value (None if fused)
+        "fusion": [d.to_report() for d in sched.decisions],
         "inline": [dataclasses.asdict(d) for d in p.inlined],
         "lowering": p.lctx.decisions,
         "groups": [{"name": g.name, "kind": g.kind, "nodes": list(g.nodes), "xnumel": g.xnumel, "rnumel": g.rnumel,

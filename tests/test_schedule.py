@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -120,3 +121,64 @@ def test_load_imports_no_compiler_stack(tmp_path):
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+_SEED_PROBE = """
+import torch
+from aotfuse.knobs import override
+from tests.test_schedule import _schedule
+
+class M(torch.nn.Module):
+    def forward(self, x):
+        y = torch.exp(x)
+        c1 = torch.sin(y.t())
+        return y, c1, c1 * torch.cos(y.t())
+
+with override(inline_max_ops=0):
+    _, _, sched = _schedule(M().eval(), torch.randn(6, 9))
+print([(d.a, d.b, d.kind, d.score, d.fused, d.reason) for d in sched.decisions])
+print([g.nodes for g in sched.groups])
+"""
+
+
+@pytest.mark.slow  # three fresh interpreters
+def test_fusion_decisions_do_not_depend_on_the_hash_seed():
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    outs = set()
+    for seed in ("0", "1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root)
+        r = subprocess.run([sys.executable, "-c", _SEED_PROBE], capture_output=True, text=True, env=env, cwd=root)
+        assert r.returncode == 0, r.stderr
+        outs.add(r.stdout)
+    assert len(outs) == 1, outs
+    # the shifted read is refused once, with a kind and a detail that names the read
+    assert outs.pop().count("memory deps don't match: pw2 reads pw1[") == 1
+
+
+def test_each_refused_pair_is_recorded_once_with_a_kind():
+    from aotfuse.schedule.fusion import FuseRefusal
+
+    with override(inline_max_ops=0):
+        _, _, sched = _schedule(_Transposed().eval(), torch.randn(6, 9))
+    refused = [d for d in sched.decisions if not d.fused]
+    assert refused and all(isinstance(d.refusal, FuseRefusal) for d in refused)
+    assert len({(d.a, d.b, d.refusal) for d in refused}) == len(refused)
+    rep = refused[0].to_report()
+    assert rep["reason"] == FuseRefusal.MEMORY_DEPS.value and rep["detail"].startswith("pw")
+
+
+def test_explain_reads_refusal_kinds_old_and_new():
+    from aotfuse.runtime.explain import fusion_reason, refusal_kind
+
+    new = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": False,
+           "reason": "would create a cycle", "detail": "through another group (x -> z -> y)"}
+    old = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": False,
+           "reason": "memory deps don't match: y reads x[p0] (other read in a 4x1 space)"}
+    fused = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": True, "reason": None,
+             "detail": "saves 8 bytes"}
+    assert refusal_kind(new) == "would create a cycle" and refusal_kind(old) == "memory deps don't match"
+    assert fusion_reason(new) == "would create a cycle: through another group (x -> z -> y)"
+    assert fusion_reason(old) == old["reason"] and fusion_reason(fused) == "saves 8 bytes"

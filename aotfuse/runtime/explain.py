@@ -1,14 +1,37 @@
 """`aotfuse explain`: every decision the build recorded, as text (the archive's report part).
 
 Reads only the archive: lowering choices (externs kept or split, copies realized, constants
-folded), inlining, every fusion attempt with its verdict and reason, the kernels each group became,
-the memory plan, and for training builds every saved tensor and recomputed node.
+folded), inlining, every fusion with what it saves and every distinct refused pair with its reason
+(a kind and a detail; `--refused` groups them by kind), the kernels each group became, the memory
+plan, and for training builds every saved tensor and recomputed node.
 """
 from __future__ import annotations
 
 import msgpack
 
 from ..archive import read_archive
+
+
+def refusal_kind(d: dict) -> str:
+    """A refused fusion record's kind (a FuseRefusal value). Reports written before kinds were
+    separate hold one 'kind: detail' string."""
+    return d["reason"] if "detail" in d else d["reason"].split(":")[0]
+
+
+def fusion_reason(d: dict) -> str:
+    """'kind: detail' for a refusal, the detail ('saves N bytes') for a fusion."""
+    if "detail" not in d:
+        return d["reason"]
+    if d["fused"] or not d.get("reason"):
+        return d["detail"]
+    return f"{d['reason']}: {d['detail']}" if d["detail"] else d["reason"]
+
+
+def _detail(d: dict) -> str:
+    if "detail" not in d:
+        rest = d["reason"].partition(":")[2].strip()
+        return f": {rest}" if rest else ""
+    return f": {d['detail']}" if d["detail"] else ""
 
 
 def _program_lines(name: str, rep: dict, refused_only: bool) -> list[str]:
@@ -28,12 +51,23 @@ def _program_lines(name: str, rep: dict, refused_only: bool) -> list[str]:
     out.append("-- inlining")
     for d in rep.get("inline", []):
         out.append(f"  {d['producer']} -> {d['consumer']}: {d['reason']}")
-    out.append("-- fusion (best-first; score = bytes of traffic saved)")
-    for d in rep.get("fusion", []):
-        if refused_only and d["fused"]:
-            continue
-        verdict = "FUSED  " if d["fused"] else "refused"
-        out.append(f"  {verdict} {d['kind']:10s} {d['a']} + {d['b']} (score {d['score']}): {d['reason']}")
+    fusion = rep.get("fusion", [])
+    by_kind: dict[str, list[dict]] = {}
+    for d in fusion:
+        if not d["fused"]:
+            by_kind.setdefault(refusal_kind(d), []).append(d)
+    if refused_only:
+        out.append("-- fusion refusals by reason (score = bytes of traffic fusion would have saved)")
+        for kind, ds in by_kind.items():
+            out.append(f"  {kind} ({len(ds)}):")
+            out += [f"    {d['kind']:10s} {d['a']} + {d['b']} (score {d['score']}){_detail(d)}" for d in ds]
+    else:
+        out.append("-- fusion (best-first; score = bytes of traffic saved)")
+        for d in fusion:
+            verdict = "FUSED  " if d["fused"] else "refused"
+            out.append(f"  {verdict} {d['kind']:10s} {d['a']} + {d['b']} (score {d['score']}): {fusion_reason(d)}")
+        if by_kind:
+            out.append("  refused by reason: " + ", ".join(f"{k} {len(ds)}" for k, ds in by_kind.items()))
     out.append("-- groups -> kernels")
     for g in rep.get("groups", []):
         what = g["kernel"] or "extern"

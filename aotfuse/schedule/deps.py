@@ -75,13 +75,37 @@ def classify_read(consumer: Node, index: sympy.Expr, producer_numel: int, rnumel
     total = 1
     for r in ranges:
         total *= r
-    if producer_numel == total and sympy.expand(simplify(index, rng) - simplify(flat, rng)) == 0:
+    if producer_numel == total and (index == flat  # structurally equal: no need to simplify
+                                    or sympy.expand(simplify(index, rng) - simplify(flat, rng)) == 0):
         return "point"
     if rnumel > 1 and producer_numel * rnumel == total:
         row = simplify(FloorDiv(flat, sympy.Integer(rnumel)), rng)
         if sympy.expand(simplify(index, rng) - row) == 0:
             return "row"
     return "other"
+
+
+def read_alignment(consumer: Node, index: sympy.Expr, producer_numel: int) -> tuple[str, int] | None:
+    """`classify_read` for every rnumel at once, with at most one symbolic test: (kind, r) such that
+    classify_read(consumer, index, producer_numel, rnumel) == kind if kind == 'point' or rnumel == r,
+    and 'other' otherwise. A read can be 'row' only for r = consumer numel / producer numel, and
+    'point' only when the numels are equal, so the test for that one r answers every rnumel.
+    None for an empty producer (ask classify_read for each rnumel)."""
+    total = 1
+    for n in iteration(consumer)[1]:
+        total *= n
+    if producer_numel <= 0:
+        return None
+    if total % producer_numel:
+        return "other", 0
+    r = total // producer_numel
+    return classify_read(consumer, index, producer_numel, r), r
+
+
+def kind_in_space(alignment: tuple[str, int], rnumel: int) -> str:
+    """The read's kind in a group whose reduced numel is rnumel, from `read_alignment`'s answer."""
+    kind, r = alignment
+    return kind if kind == "point" or (kind == "row" and rnumel == r) else "other"
 
 
 @dataclasses.dataclass(frozen=True)
