@@ -812,7 +812,11 @@ def test_extern_off_the_allow_list_or_with_malformed_arguments(bases):
     p = d.parts["program.forward"]
     i = _first(p, "extern", lambda ins: ins["target"] == "aten.mm.out")
     p["instructions"][i]["args"][1] = 3
-    _refused(d, rf"instruction {i} \(extern aten.mm.out\): arguments rejected by aten.mm.out")
+    _refused(d, rf"instruction {i} \(extern aten.mm.out\): argument 'mat2' of aten.mm.default expects Tensor, got 3")
+    d = bases["gpt"].copy()
+    p = d.parts["program.forward"]
+    p["instructions"][i]["args"][0]["shape"][-1] -= 1  # still inside its buffer; the reduction dims disagree
+    _refused(d, rf"instruction {i} \(extern aten.mm.out\): arguments rejected by aten.mm.out: RuntimeError")
 
 
 def test_use_after_free_and_free_of_undefined(bases):

@@ -168,6 +168,8 @@ def validate_manifest(manifest) -> None:
         _bool(m["single_output"], "manifest.single_output")
     if m.get("train") is not None:
         _train_info(m["train"], progs)
+        if m["train"].get("user_inputs", m["inputs"]) != m["inputs"]:
+            _fail("manifest.train.user_inputs", "differ from manifest.inputs")
 
 
 def _train_info(t, progs: list) -> None:
@@ -329,6 +331,7 @@ class _Walk:
         self.where = f"program {pname!r}"
         self.arena = _int(prog["arena_bytes"], f"{self.where}: arena_bytes", 0, MAX_BYTES)
         self.arena_end = 0  # furthest byte an arena alloc reaches
+        self.arena_live: dict[str, tuple[int, int]] = {}  # live arena buffers: name -> [start, end) bytes
         self.own_bytes = 0  # allocations outside the arena (offset -1) and extern results
         self.outputs: tuple = ()
         self.inputs = self._bind_inputs(prog["inputs"])
@@ -454,7 +457,12 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
         if off + nbytes > w.arena:
             _fail(where, f"bytes {off}..{off + nbytes} lie outside the arena of {w.arena} bytes")
         w.arena_end = max(w.arena_end, off + nbytes)
+        for other, (lo, hi) in w.arena_live.items():
+            if off < hi and lo < off + nbytes:  # two live buffers in the same bytes: silent wrong results
+                _fail(where, f"bytes {off}..{off + nbytes} overlap live buffer {other!r} at {lo}..{hi}")
     w._define(ins["buf"], buf, where)
+    if off >= 0:
+        w.arena_live[ins["buf"]] = (off, off + nbytes)
 
 
 def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
@@ -482,6 +490,9 @@ def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
         if "numel" in spec and buf.numel < spec["numel"]:
             verb = "writes" if spec["role"] == "out" else "reads"
             _fail(where, f"{arg} has {buf.numel} elements, the kernel {verb} {spec['numel']}")
+        if "numel" in spec and spec["role"] == "out" and buf.numel != spec["numel"]:
+            # a kernel writes every element of its outputs (their sizes are literals in its source)
+            _fail(where, f"{arg} has {buf.numel} elements, the kernel writes exactly {spec['numel']}")
         if spec["role"] == "out":
             if buf.kind != "alloc":  # never write into the caller's inputs or the archive's weights
                 _fail(where, f"{arg} is a {buf.kind} buffer, but the kernel writes its {spec['name']}")
@@ -528,6 +539,8 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
         _fail(where, f"out_view is a view of {ov['t']!r}, not of the output {out!r}")
     if _overlaps(ov["shape"], ov["stride"]):  # torch refuses to write through such a view
         _fail(where, f"out_view strides {ov['stride']} make elements overlap")
+    if _numel(ov["shape"]) != buf.numel:  # the writer makes every output a (permuted) view of all of it
+        _fail(where, f"out_view holds {_numel(ov['shape'])} of the output's {buf.numel} elements")
     _meta_check(fn, args, kwargs, ov, dtype, where)
 
 
@@ -579,6 +592,7 @@ def _meta_check(fn, args: list, kwargs: dict, ov: dict, dtype: str, where: str) 
     """Run the op's shape function on meta tensors (no data, no device): the arguments must be ones
     the op accepts, and its result must be exactly what the output view holds."""
     functional = fn.overloadpacket.default if fn._schema.overload_name == "out" else fn
+    _schema_types(functional, args, kwargs, where)
     _dtype_rule(functional, args, kwargs, dtype, where)
     try:
         res = functional(*[_to_meta(a) for a in args], **{k: _to_meta(v) for k, v in kwargs.items()})
@@ -602,6 +616,35 @@ def _overlaps(shape: list, stride: list) -> bool:
     return False
 
 
+def _is_int(x) -> bool:
+    return type(x) is int
+
+
+_TYPES = {  # schema type -> what the program may pass (meta kernels coerce too liberally, e.g. int as bool)
+    "Tensor": lambda x: isinstance(x, _Ref),
+    "Optional[Tensor]": lambda x: x is None or isinstance(x, _Ref),
+    "int": _is_int,
+    "bool": lambda x: type(x) is bool,
+    "float": lambda x: type(x) in (int, float),
+    "number": lambda x: type(x) in (int, float),
+    "Optional[float]": lambda x: x is None or type(x) in (int, float),
+    "List[int]": lambda x: type(x) is list and all(map(_is_int, x)),
+}
+
+
+def _schema_types(fn, args: list, kwargs: dict, where: str) -> None:
+    schema = {a.name: a for a in fn._schema.arguments}
+    positional = [a for a in fn._schema.arguments if not a.kwarg_only]
+    if len(args) > len(positional):
+        _fail(where, f"{len(args)} positional arguments, {fn} takes {len(positional)}")
+    for a, spec in list(zip(args, positional)) + [(v, schema.get(k)) for k, v in kwargs.items()]:
+        if spec is None:
+            _fail(where, f"{fn} has no keyword argument among {sorted(kwargs)} that it accepts")
+        check = _TYPES.get(str(spec.type))
+        if check is None or not check(a):
+            _fail(where, f"argument {spec.name!r} of {fn} expects {spec.type}, got {_short(a)}")
+
+
 _INDEX_ARGS = {"indices": ("int64", "int32")}  # by schema name; every other tensor has the result's dtype
 
 
@@ -623,6 +666,7 @@ def _free(w: _Walk, i: int, ins: dict, where: str) -> None:
     for b in _list(ins["bufs"], f"{where}: bufs", 1, 1 << 16):
         w._use(b, where)
         del w.live[b]
+        w.arena_live.pop(b, None)
         w.freed[b] = i
 
 
