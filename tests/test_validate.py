@@ -850,3 +850,15 @@ def test_validate_program_is_pure_and_names_the_instruction(bases):
     with pytest.raises(ArchiveError, match=r"program 'forward', instruction 4 \(launch \w+\): argument 4 'red27' is float16, "
                                            r"the kernel's out_ptr1 is float32"):
         validate_program("forward", prog, d.parts["kernels"], d.weights)
+
+
+def test_cpu_source_must_take_exactly_the_recorded_arguments_and_nothing_evaluated():
+    from aotfuse.runtime.interpret import check_source
+
+    head = "import triton\nimport triton.language as tl\n\n@triton.jit\n"
+    check_source("k", head + "def k(in_ptr0, out_ptr0):\n    pass\n", ["in_ptr0", "out_ptr0"])
+    with pytest.raises(ArchiveError, match=r"takes \(in_ptr0\), the archive's launches pass \(in_ptr0, out_ptr0\)"):
+        check_source("k", head + "def k(in_ptr0):\n    pass\n", ["in_ptr0", "out_ptr0"])
+    for sig in ("in_ptr0=__import__('os').getpid()", "in_ptr0: print('x')", "*in_ptr0"):
+        with pytest.raises(ArchiveError, match="unexpected statement"):
+            check_source("k", head + f"def k({sig}):\n    pass\n")
