@@ -169,14 +169,18 @@ def _pack(progs, programs, binaries, report, targets, train_info):
         for k in p.kernels.values():
             entry = kpart.setdefault(k.name, {
                 "kind": k.kind, "nodes": list(k.nodes), "grid": list(k.grid), "num_warps": k.num_warps,
-                "xblock": k.xblock, "rblock": k.rblock,
-                "args": [{"name": a.name, "dtype": a.dtype, "role": a.role} for a in k.args],
+                "xblock": k.xblock, "rblock": k.rblock, "xnumel": k.xnumel, "rnumel": k.rnumel,
+                "args": [{"name": a.name, "dtype": a.dtype, "role": a.role, "numel": a.numel} for a in k.args],
                 "binaries": {arch: {"cubin": b.cubin, "name": b.name, "num_warps": b.num_warps, "shared": b.shared,
                                     "global_scratch": b.global_scratch, "profile_scratch": b.profile_scratch}
                              for arch, b in binaries[k.name].items()},
                 "launches": 0,
             })
             entry["launches"] += 1
+            # Identical sources may be launched on buffers of different sizes (e.g. a prefix read):
+            # record the smallest, which every launch satisfies and which covers what the kernel touches.
+            for rec, a in zip(entry["args"], k.args):
+                rec["numel"] = min(rec["numel"], a.numel)
             sources[k.name] = k.source
     weights = {}
     for p in progs:

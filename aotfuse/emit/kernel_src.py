@@ -32,6 +32,7 @@ class KernelArg:
     buf: str
     dtype: str
     role: str  # "in" | "out"
+    numel: int  # elements of the buffer it was generated for: the runtime refuses a smaller one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,8 @@ class KernelSource:
     nodes: tuple[str, ...]
     xblock: int
     rblock: int
+    xnumel: int  # rows (x) and columns (r) of the iteration space: the grid is ceil(xnumel / xblock)
+    rnumel: int
 
     @property
     def signature(self) -> dict[str, str]:
@@ -246,8 +249,10 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
             if ld.buf not in names and ld.buf not in ins:
                 ins.append(ld.buf)
     outs = [n.name for n in knodes if n.name in stored]
-    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in") for i, b in enumerate(ins)]
-    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out") for i, b in enumerate(outs)]
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", int(graph.buffer(b).numel))
+            for i, b in enumerate(ins)]
+    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", int(graph.buffer(b).numel))
+             for i, b in enumerate(outs)]
     out_name = {a.buf: a.name for a in args if a.role == "out"}
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
     em.xnumel = x
@@ -323,7 +328,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
-                        group.name, kind, group.nodes, xb, rb)
+                        group.name, kind, group.nodes, xb, rb, int(x), int(r))
 
 
 _HEADER = """import triton

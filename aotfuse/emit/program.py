@@ -6,6 +6,10 @@ Instructions (all fields are data):
   extern {target, args, kwargs, out, out_view, out_variant, shape, dtype}
   free   {bufs: [...]}                        drop references after their last use
   return {outputs: [view...]}
+
+Version 2 (2026-11-23) adds `weight_specs` {buf: {shape, dtype}}: the shape and dtype each weight
+had at build time, so the runtime refuses an archive whose weight tensor disagrees with its program.
+The kernels part records per argument the element count it was generated for (see pipeline._pack).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from ..schedule.ir import Extern, LoopGraph, TensorArg
 from ..schedule.memplan import MemoryPlan
 from .kernel_src import KernelSource
 
-PROGRAM_VERSION = 1
+PROGRAM_VERSION = 2
 
 
 def encode_arg(a):
@@ -60,6 +64,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         "version": PROGRAM_VERSION,
         "inputs": [{"buf": name, "shape": list(bufs[name].shape), "dtype": bufs[name].dtype} for name in graph.inputs],
         "weights": {buf: fqn for buf, fqn in graph.weights},
+        "weight_specs": {buf: {"shape": list(bufs[buf].shape), "dtype": bufs[buf].dtype} for buf, _ in graph.weights},
         "arena_bytes": plan.arena_bytes,
         "rng": graph.rng,
         "instructions": instrs,

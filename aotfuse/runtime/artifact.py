@@ -17,6 +17,7 @@ from ..archive import Archive, read_archive
 from ..errors import ArchiveError, GuardError
 from ..knobs import knobs
 from .executor import Executor, new_seed
+from .validate import validate_archive, validate_manifest, validate_sources
 
 _UNPACK = dict(raw=False, strict_map_key=False)
 
@@ -35,8 +36,7 @@ class Artifact:
         t0 = time.perf_counter()
         self.archive = archive
         self.manifest = archive.manifest
-        if self.manifest.get("format") != "aotfuse":
-            raise ArchiveError("archive manifest does not say format 'aotfuse'")
+        validate_manifest(self.manifest)  # before any field of it is read
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -44,6 +44,8 @@ class Artifact:
             raise GuardError("device cuda requested but CUDA is not available", remedy="use device='cpu'")
         self.kernels = _unpack(archive.part("kernels"), "kernels")
         self.programs = {name: _unpack(archive.part(f"program.{name}"), name) for name in self.manifest["programs"]}
+        # Every program is checked against the kernels and weights before a launcher is made or a byte runs.
+        validate_archive(self.manifest, self.kernels, self.programs, archive.weights)
         self.input_specs = self.manifest["inputs"]
         self.output_specs = self.manifest["outputs"]
         self._modules: list = []
@@ -55,6 +57,7 @@ class Artifact:
             from .interpret import make_launchers as interp_launchers
 
             sources = _unpack(archive.part("sources"), "sources")
+            validate_sources(sources, self.kernels)
             launchers, self.arch = interp_launchers(self.kernels, sources), "interpreter"
         else:
             raise GuardError(f"device {self.device} is not supported", remedy="use cuda or cpu")

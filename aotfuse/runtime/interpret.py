@@ -19,7 +19,9 @@ from .kernel_source import TRITON_STATE_LOCK, load_source
 _ALLOWED_IMPORTS = {"triton", "triton.language", "triton.language.extra"}
 
 
-def check_source(name: str, source: str) -> None:
+def check_source(name: str, source: str, params: list[str] | None = None) -> None:
+    """`params`: the kernel's argument names as the kernels part records them (the launch passes
+    exactly those, so the source must take exactly those)."""
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -30,12 +32,24 @@ def check_source(name: str, source: str) -> None:
         if isinstance(stmt, ast.ImportFrom) and stmt.module in _ALLOWED_IMPORTS:
             continue
         if isinstance(stmt, ast.FunctionDef) and len(stmt.decorator_list) == 1 and \
-                ast.unparse(stmt.decorator_list[0]) == "triton.jit":
+                ast.unparse(stmt.decorator_list[0]) == "triton.jit" and _plain_signature(stmt):
             continue
         raise ArchiveError(f"kernel {name}: stored source has an unexpected statement at line {stmt.lineno}",
                            remedy="the archive was not written by aotfuse; rebuild it")
-    if not any(isinstance(s, ast.FunctionDef) and s.name == name for s in tree.body):
+    defs = [s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == name]
+    if not defs:
         raise ArchiveError(f"kernel {name}: stored source does not define it")
+    if params is not None and [a.arg for a in defs[-1].args.args] != list(params):
+        raise ArchiveError(f"kernel {name}: stored source takes ({', '.join(a.arg for a in defs[-1].args.args)}), "
+                           f"the archive's launches pass ({', '.join(params)})")
+
+
+def _plain_signature(fn: ast.FunctionDef) -> bool:
+    # Defaults and annotations are evaluated when the `def` executes (at load, before any check of
+    # the body could matter): generated kernels have neither, so any is refused.
+    a = fn.args
+    return not (a.defaults or a.kw_defaults or a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg
+                or fn.returns or any(x.annotation for x in a.args))
 
 
 def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable]:
@@ -50,7 +64,7 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             src = sources.get(name)
             if src is None:
                 raise ArchiveError(f"kernel {name} has no stored source for the CPU path")
-            check_source(name, src)
+            check_source(name, src, [a["name"] for a in kernels[name]["args"]])
             fn = getattr(load_source(name, src), name)
             launchers[name] = _launcher(fn, triton.knobs.runtime)
     return launchers

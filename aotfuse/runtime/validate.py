@@ -1,0 +1,752 @@
+"""Load-time validation: an archive's manifest, kernel table and programs, before anything runs.
+
+Checksums prove the bytes are the ones a writer signed, not that the writer was aotfuse or that it
+was right. Everything `load` reads from an archive passes through here first, so a wrong program is
+an `ArchiveError` naming the program and the instruction, never a `KeyError` / `TypeError` in the
+middle of a call, a hang in the CPU interpreter, or (on the GPU) a kernel launched on a buffer
+smaller than it reads or writes.
+
+What is checked (see artifacts/FORMAT.md, "Programs"):
+- manifest: inputs/outputs specs, program list, train info, and that they agree with the programs;
+- kernels part: names, block sizes, grid, argument dtypes (and, since program version 2, the
+  element count each argument was generated for and the iteration space);
+- each program, walked in order like the executor walks it: every buffer defined before use, never
+  twice, not used after its free; arena allocations inside the arena; launches pass exactly the
+  kernel's arguments with its dtypes and large enough buffers, on the kernel's grid; externs on the
+  allow-list with arguments torch's meta kernels accept and a result the output view can hold;
+  output views inside their buffers; exactly one `return`, at the end; weights with the dtype and
+  shape the program says; the memory a program allocates bounded.
+
+Pure: imports torch (meta tensors only) and the runtime's own tables; never triton.
+"""
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import re
+from typing import Any
+
+import torch
+
+from ..errors import ArchiveError
+from .executor import DTYPES, _ITEMSIZE
+from .externs import ALLOWED
+
+PROGRAM_VERSIONS = (1, 2)  # 1: no weight specs, no per-argument element counts (golden v1 archives)
+MAX_BYTES = 1 << 40  # what one program may allocate (arena + own allocations): 1 TiB, beyond any device
+MAX_NUMEL = MAX_BYTES  # elements of one buffer (a bool of MAX_BYTES elements is MAX_BYTES bytes)
+MAX_DIMS = 32
+MAX_INSTRUCTIONS = 1 << 20
+MAX_NAME = 256
+INDEX_LIMIT = 2**31 - 1  # kernels index with 32-bit integers (emit/kernel_src.py refuses more)
+GRID_X_MAX = 2**31 - 1  # CUDA's limits on gridDim
+GRID_YZ_MAX = 65535
+ARENA_ALIGN = 256  # schedule/memplan.py rounds every slot to this
+KERNEL_PTR_ALIGN = 16  # cubins are compiled assuming 16-byte divisible pointers (emit/compile.py)
+NUM_WARPS = (1, 2, 4, 8, 16, 32)
+KINDS = ("pointwise", "persistent_reduction", "looped_reduction")
+MAX_BLOCK = 1 << 16
+MAX_EXTERN_ARG_DEPTH = 3  # e.g. a list of ints inside the argument list; the runtime recurses on it
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_ARCH = re.compile(r"sm_[0-9]{2,3}\Z")
+_REMEDY = "the archive is damaged or was not written by this aotfuse; rebuild it"
+
+
+def _fail(where: str, msg: str):
+    raise ArchiveError(f"{where}: {msg}", remedy=_REMEDY)
+
+
+# ---------------------------------------------------------------- typed field readers
+
+def _dict(v, where: str, keys: tuple[str, ...] = ()) -> dict:
+    if type(v) is not dict:
+        _fail(where, f"expected a map, got {type(v).__name__}")
+    for k in keys:
+        if k not in v:
+            _fail(where, f"missing field {k!r}")
+    return v
+
+
+def _list(v, where: str, lo: int = 0, hi: int = MAX_INSTRUCTIONS) -> list:
+    if type(v) is not list:
+        _fail(where, f"expected a list, got {type(v).__name__}")
+    if not lo <= len(v) <= hi:
+        _fail(where, f"expected {lo}..{hi} entries, got {len(v)}")
+    return v
+
+
+def _int(v, where: str, lo: int, hi: int) -> int:
+    if type(v) is not int:  # bool is an int subclass: refused on purpose
+        _fail(where, f"expected an integer, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        _fail(where, f"{v} is outside {lo}..{hi}")
+    return v
+
+
+def _bool(v, where: str) -> bool:
+    if type(v) is not bool:
+        _fail(where, f"expected true/false, got {type(v).__name__}")
+    return v
+
+
+def _str(v, where: str) -> str:
+    if type(v) is not str or not 0 < len(v) <= MAX_NAME:
+        _fail(where, f"expected a non-empty name, got {_short(v)}")
+    return v
+
+
+def _ident(v, where: str) -> str:
+    # kernel and argument names become Python identifiers on the CPU path (getattr, def parameters)
+    if type(v) is not str or not _IDENT.match(v) or len(v) > MAX_NAME or keyword.iskeyword(v):
+        _fail(where, f"expected an identifier, got {_short(v)}")
+    return v
+
+
+def _dtype(v, where: str) -> str:
+    if type(v) is not str or v not in DTYPES:
+        _fail(where, f"unknown dtype {_short(v)} (known: {', '.join(DTYPES)})")
+    return v
+
+
+def _torch_dtype_name(v, where: str) -> str:
+    """Manifest specs write dtypes as str(torch.dtype): 'torch.float32'."""
+    if type(v) is not str or not v.startswith("torch.") or v[6:] not in DTYPES:
+        _fail(where, f"unknown dtype {_short(v)}")
+    return v[6:]
+
+
+def _shape(v, where: str) -> tuple[int, ...]:
+    _list(v, where, 0, MAX_DIMS)
+    n = 1
+    for i, d in enumerate(v):
+        n *= _int(d, f"{where}[{i}]", 0, MAX_NUMEL)
+    if n > MAX_NUMEL:
+        _fail(where, f"{n} elements is more than {MAX_NUMEL}")
+    return tuple(v)
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+# ---------------------------------------------------------------- manifest
+
+def _spec(v, where: str, named: bool) -> tuple[str, tuple[int, ...]]:
+    _dict(v, where, ("name", "shape", "dtype") if named else ("shape", "dtype"))
+    if named:
+        _str(v["name"], f"{where}.name")
+    return _torch_dtype_name(v["dtype"], f"{where}.dtype"), _shape(v["shape"], f"{where}.shape")
+
+
+def validate_manifest(manifest) -> None:
+    """The manifest fields `load` and a call read: format, programs, inputs, outputs, train."""
+    if type(manifest) is not dict or manifest.get("format") != "aotfuse":
+        raise ArchiveError("archive manifest does not say format 'aotfuse'")
+    m = _dict(manifest, "manifest", ("programs", "inputs", "outputs"))
+    progs = _list(m["programs"], "manifest.programs", 1, 8)
+    for i, p in enumerate(progs):
+        _ident(p, f"manifest.programs[{i}]")
+    if progs != ["forward"] and m.get("train") is None:
+        _fail("manifest.programs", f"expected ['forward'] (no train info), got {_short(progs)}")
+    for i, s in enumerate(_list(m["inputs"], "manifest.inputs", 0, 4096)):
+        _spec(s, f"manifest.inputs[{i}]", named=True)
+    for i, s in enumerate(_list(m["outputs"], "manifest.outputs", 1, 4096)):
+        _spec(s, f"manifest.outputs[{i}]", named=False)
+    if "single_output" in m:
+        _bool(m["single_output"], "manifest.single_output")
+    if m.get("train") is not None:
+        _train_info(m["train"], progs)
+        if m["train"].get("user_inputs", m["inputs"]) != m["inputs"]:
+            _fail("manifest.train.user_inputs", "differ from manifest.inputs")
+
+
+def _train_info(t, progs: list) -> None:
+    t = _dict(t, "manifest.train", ("params", "grads", "n_saved"))
+    if progs != ["forward", "backward"]:
+        _fail("manifest.programs", f"a train archive has programs ['forward', 'backward'], got {_short(progs)}")
+    params = _list(t["params"], "manifest.train.params", 0, 1 << 16)
+    for i, p in enumerate(params):
+        _str(p, f"manifest.train.params[{i}]")
+    if len(set(params)) != len(params):
+        _fail("manifest.train.params", "names a parameter twice")
+    _int(t["n_saved"], "manifest.train.n_saved", 0, 1 << 20)
+    for i, g in enumerate(_list(t["grads"], "manifest.train.grads", 0, 1 << 16)):
+        where = f"manifest.train.grads[{i}]"
+        _list(g, where, 2, 2)
+        if g[0] == "param":
+            if g[1] not in params:
+                _fail(where, f"names parameter {_short(g[1])}, which is not in manifest.train.params")
+        elif g[0] == "input":
+            if type(g[1]) is not int and not (type(g[1]) is str and g[1].isdigit() and len(g[1]) < 8):
+                _fail(where, f"expected an input index, got {_short(g[1])}")
+        else:
+            _fail(where, f"expected kind 'param' or 'input', got {_short(g[0])}")
+
+
+# ---------------------------------------------------------------- kernels part
+
+def validate_kernels(kernels) -> None:
+    _dict(kernels, "kernels part")
+    if len(kernels) > 1 << 16:
+        _fail("kernels part", f"{len(kernels)} kernels")
+    for name, k in kernels.items():
+        _kernel(_ident(name, "kernels part: kernel name"), k)
+
+
+def _kernel(name: str, k) -> None:
+    where = f"kernel {name}"
+    _dict(k, where, ("kind", "grid", "num_warps", "xblock", "rblock", "args", "binaries"))
+    if k["kind"] not in KINDS:
+        _fail(where, f"unknown kind {_short(k['kind'])}")
+    grid = _grid(k["grid"], f"{where}: grid")
+    if grid[1:] != [1, 1]:  # kernels only read program_id(0): more y/z blocks would race on the same rows
+        _fail(where, f"grid {grid} has y/z blocks; aotfuse kernels are 1-D")
+    _int(k["num_warps"], f"{where}: num_warps", 1, 32)
+    if k["num_warps"] not in NUM_WARPS:
+        _fail(where, f"num_warps {k['num_warps']} is not a power of two")
+    xb, rb = (_pow2(k[f], f"{where}: {f}") for f in ("xblock", "rblock"))
+    if grid[0] > -(-INDEX_LIMIT // xb):
+        _fail(where, f"grid {grid} x XBLOCK {xb} exceeds 32-bit indexing")
+    _kernel_args(where, k["args"])
+    _binaries(where, k["binaries"])
+    if "xnumel" in k or "rnumel" in k:
+        _kernel_sizes(where, k, xb, rb, grid)
+
+
+def _pow2(v, where: str) -> int:
+    _int(v, where, 1, MAX_BLOCK)
+    if v & (v - 1):
+        _fail(where, f"{v} is not a power of two")
+    return v
+
+
+def _grid(v, where: str) -> list:
+    _list(v, where, 3, 3)
+    _int(v[0], f"{where} x", 1, GRID_X_MAX)
+    _int(v[1], f"{where} y", 1, GRID_YZ_MAX)
+    _int(v[2], f"{where} z", 1, GRID_YZ_MAX)
+    return v
+
+
+def _kernel_args(where: str, args) -> None:
+    _list(args, f"{where}: args", 1, 1024)
+    names = set()
+    for i, a in enumerate(args):
+        w = f"{where}: argument {i}"
+        _dict(a, w, ("name", "dtype", "role"))
+        names.add(_ident(a["name"], f"{w} name"))
+        _dtype(a["dtype"], f"{w} dtype")
+        if a["role"] not in ("in", "out"):
+            _fail(w, f"role {_short(a['role'])} is not 'in' or 'out'")
+        if "numel" in a:
+            _int(a["numel"], f"{w} numel", 0, MAX_NUMEL)
+    if len(names) != len(args):
+        _fail(where, "two arguments have the same name")
+    if not any(a["role"] == "out" for a in args):
+        _fail(where, "no output argument")
+
+
+def _binaries(where: str, bins) -> None:
+    _dict(bins, f"{where}: binaries")
+    for arch, b in bins.items():
+        if type(arch) is not str or not _ARCH.match(arch):
+            _fail(where, f"binary arch {_short(arch)} is not like 'sm_90'")
+        w = f"{where}: {arch} binary"
+        _dict(b, w, ("cubin", "name", "num_warps", "shared", "global_scratch", "profile_scratch"))
+        if type(b["cubin"]) is not bytes or not b["cubin"]:
+            _fail(w, "cubin is not bytes")
+        _str(b["name"], f"{w} name")
+        if b["num_warps"] not in NUM_WARPS or type(b["num_warps"]) is not int:
+            _fail(w, f"num_warps {_short(b['num_warps'])} is not a power of two <= 32")
+        _int(b["shared"], f"{w} shared", 0, 1 << 24)
+        _int(b["global_scratch"], f"{w} global_scratch", 0, 1 << 40)
+        _int(b["profile_scratch"], f"{w} profile_scratch", 0, 1 << 40)
+
+
+def _kernel_sizes(where: str, k: dict, xb: int, rb: int, grid: list) -> None:
+    x = _int(k.get("xnumel"), f"{where}: xnumel", 1, INDEX_LIMIT)
+    r = _int(k.get("rnumel"), f"{where}: rnumel", 1, INDEX_LIMIT)
+    if x * r > INDEX_LIMIT:
+        _fail(where, f"iteration space {x} x {r} exceeds 32-bit indexing")
+    if grid[0] != -(-x // xb):
+        _fail(where, f"grid {grid} does not cover xnumel {x} in blocks of {xb} (expected {-(-x // xb)})")
+    if k["kind"] == "pointwise" and (r != 1 or rb != 1):
+        _fail(where, f"a pointwise kernel has rnumel {r}, RBLOCK {rb}")
+    if k["kind"] == "persistent_reduction" and rb < r:
+        _fail(where, f"persistent RBLOCK {rb} does not hold rnumel {r}")
+    if any("numel" not in a for a in k["args"]):
+        _fail(where, "records xnumel but not every argument's numel")
+
+
+def validate_sources(sources, kernels: dict) -> None:
+    """CPU path: one stored Triton source (text) per kernel; its content is checked by interpret.py."""
+    _dict(sources, "sources part")
+    for name in kernels:
+        if type(sources.get(name)) is not str:
+            _fail(f"kernel {name}", "has no stored source for the CPU path")
+
+
+# ---------------------------------------------------------------- programs
+
+@dataclasses.dataclass
+class _Buf:
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # "input" | "weight" | "rng" | "alloc" | "extern"
+    numel: int = 0
+
+    def __post_init__(self):
+        self.numel = _numel(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramSig:
+    """What a validated program takes and returns: (dtype name, shape) per input and output."""
+
+    inputs: tuple[tuple[str, tuple[int, ...]], ...]
+    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+class _Walk:
+    """One pass over a program's instructions in order, tracking which buffers are live."""
+
+    def __init__(self, pname: str, prog: dict, kernels: dict, weights: dict[str, torch.Tensor]):
+        self.pname = pname
+        self.prog = prog
+        self.kernels = kernels
+        self.live: dict[str, _Buf] = {}
+        self.freed: dict[str, int] = {}  # buffer -> index of the instruction that freed it
+        self.where = f"program {pname!r}"
+        self.arena = _int(prog["arena_bytes"], f"{self.where}: arena_bytes", 0, MAX_BYTES)
+        self.arena_end = 0  # furthest byte an arena alloc reaches
+        self.arena_live: dict[str, tuple[int, int]] = {}  # live arena buffers: name -> [start, end) bytes
+        self.own_bytes = 0  # allocations outside the arena (offset -1) and extern results
+        self.outputs: tuple = ()
+        self.inputs = self._bind_inputs(prog["inputs"])
+        self._bind_weights(prog, weights)
+        self._bind_rng(prog.get("rng"))
+
+    # -- bindings before the first instruction
+    def _define(self, name, buf: _Buf, where: str) -> None:
+        _str(name, where)
+        if name in self.live or name in self.freed:
+            _fail(where, f"buffer {name!r} is defined twice")
+        self.live[name] = buf
+
+    def _bind_inputs(self, inputs) -> tuple:
+        sig = []
+        for i, s in enumerate(_list(inputs, f"{self.where}: inputs", 0, 1 << 16)):
+            w = f"{self.where}: input {i}"
+            _dict(s, w, ("buf", "shape", "dtype"))
+            buf = _Buf(_dtype(s["dtype"], f"{w} dtype"), _shape(s["shape"], f"{w} shape"), "input")
+            self._define(s["buf"], buf, w)
+            sig.append((buf.dtype, buf.shape))
+        return tuple(sig)
+
+    def _bind_weights(self, prog: dict, weights: dict) -> None:
+        table = _dict(prog["weights"], f"{self.where}: weights")
+        specs = prog.get("weight_specs")
+        if prog["version"] >= 2:
+            specs = _dict(specs, f"{self.where}: weight_specs")
+            if set(specs) != set(table):
+                _fail(f"{self.where}: weight_specs", "do not name the same buffers as weights")
+        for buf, fqn in table.items():
+            w = f"{self.where}: weight buffer {_short(buf)}"
+            t = weights.get(_str(fqn, w)) if type(fqn) is str else None
+            if t is None:
+                _fail(w, f"names weight {_short(fqn)}, which the archive does not contain")
+            have = str(t.dtype).removeprefix("torch.")
+            if have not in DTYPES:
+                _fail(w, f"weight {fqn!r} has dtype {have}, which programs cannot use")
+            if specs is not None:  # version 1 archives record no specs: the tensor defines the buffer
+                sw = f"{w} spec"
+                s = _dict(specs[buf], sw, ("shape", "dtype"))
+                want = (_dtype(s["dtype"], f"{sw} dtype"), _shape(s["shape"], f"{sw} shape"))
+                if want != (have, tuple(t.shape)):
+                    _fail(w, f"weight {fqn!r} is {have}{list(t.shape)}, the program expects "
+                             f"{want[0]}{list(want[1])}")
+            self._define(buf, _Buf(have, tuple(t.shape), "weight"), w)
+
+    def _bind_rng(self, rng) -> None:
+        if rng is not None:  # the executor binds a fresh int64 [1] Philox seed here
+            self._define(rng, _Buf("int64", (1,), "rng"), f"{self.where}: rng")
+
+    # -- the instruction walk
+    def run(self) -> ProgramSig:
+        instrs = _list(self.prog["instructions"], f"{self.where}: instructions", 1, MAX_INSTRUCTIONS)
+        for i, ins in enumerate(instrs):
+            if type(ins) is not dict or type(ins.get("op")) is not str:
+                _fail(f"{self.where}, instruction {i}", f"expected a map with an 'op', got {_short(ins)}")
+            op = ins["op"]
+            handler = _HANDLERS.get(op)
+            where = f"{self.where}, instruction {i} ({op}{self._label(ins)})"
+            if handler is None:
+                _fail(where, f"unknown program instruction {op!r}")
+            if op == "return" and i != len(instrs) - 1:
+                _fail(where, "return is not the last instruction")
+            handler(self, i, ins, where)
+        if instrs[-1].get("op") != "return":
+            _fail(self.where, "program has no return instruction at the end")
+        self._check_totals()
+        return ProgramSig(self.inputs, self.outputs)
+
+    @staticmethod
+    def _label(ins: dict) -> str:
+        for key in ("kernel", "target", "buf"):
+            if type(ins.get(key)) is str:
+                return " " + _short(ins[key]).strip("'")
+        return ""
+
+    def _use(self, name, where: str) -> _Buf:
+        buf = self.live.get(name) if type(name) is str else None
+        if buf is not None:
+            return buf
+        if type(name) is str and name in self.freed:
+            _fail(where, f"buffer {name!r} is used after its free at instruction {self.freed[name]}")
+        _fail(where, f"buffer {_short(name)} is not defined")
+
+    def _view(self, v, where: str) -> tuple[_Buf, dict]:
+        """A strided view {t, shape, stride, offset}: its furthest element inside its base buffer."""
+        _dict(v, where, ("t", "shape", "stride", "offset"))
+        base = self._use(v["t"], where)
+        shape = _shape(v["shape"], f"{where} shape")
+        stride = _list(v["stride"], f"{where} stride", len(shape), len(shape))
+        for j, s in enumerate(stride):
+            _int(s, f"{where} stride[{j}]", 0, MAX_NUMEL)
+        off = _int(v["offset"], f"{where} offset", 0, MAX_NUMEL)
+        if 0 in shape:
+            last = off - 1  # an empty view touches nothing, but its offset must still be in range
+        else:
+            last = off + sum((d - 1) * s for d, s in zip(shape, stride))
+        if last >= base.numel or off > base.numel:
+            _fail(where, f"view of {v['t']!r} reaches element {max(last, off)}, the buffer has {base.numel}")
+        return base, v
+
+    def _check_totals(self) -> None:
+        if self.arena > _align(self.arena_end, ARENA_ALIGN):
+            _fail(self.where, f"arena_bytes {self.arena} is more than its allocations reach "
+                              f"({self.arena_end} bytes, {_align(self.arena_end, ARENA_ALIGN)} aligned)")
+        if self.arena + self.own_bytes > MAX_BYTES:
+            _fail(self.where, f"allocates {self.arena + self.own_bytes} bytes, more than {MAX_BYTES}")
+
+
+# ---------------------------------------------------------------- instructions
+
+def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
+    _dict(ins, where, ("buf", "offset", "shape", "dtype"))
+    buf = _Buf(_dtype(ins["dtype"], f"{where}: dtype"), _shape(ins["shape"], f"{where}: shape"), "alloc")
+    nbytes = buf.numel * _ITEMSIZE[DTYPES[buf.dtype]]
+    off = _int(ins["offset"], f"{where}: offset", -1, MAX_BYTES)
+    if off < 0:
+        w.own_bytes += nbytes
+    else:
+        if off % KERNEL_PTR_ALIGN:
+            _fail(where, f"arena offset {off} is not a multiple of {KERNEL_PTR_ALIGN}")
+        if off + nbytes > w.arena:
+            _fail(where, f"bytes {off}..{off + nbytes} lie outside the arena of {w.arena} bytes")
+        w.arena_end = max(w.arena_end, off + nbytes)
+        for other, (lo, hi) in w.arena_live.items():
+            if off < hi and lo < off + nbytes:  # two live buffers in the same bytes: silent wrong results
+                _fail(where, f"bytes {off}..{off + nbytes} overlap live buffer {other!r} at {lo}..{hi}")
+    w._define(ins["buf"], buf, where)
+    if off >= 0:
+        w.arena_live[ins["buf"]] = (off, off + nbytes)
+
+
+def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
+    _dict(ins, where, ("kernel", "grid", "args"))
+    name = ins["kernel"]
+    k = w.kernels.get(name) if type(name) is str else None
+    if k is None:
+        _fail(where, f"program launches kernel {_short(name)} that the archive does not contain")
+    grid = _grid(ins["grid"], f"{where}: grid")
+    if grid != k["grid"]:
+        _fail(where, f"grid {grid} is not the kernel's grid {k['grid']}")
+    specs = k["args"]
+    args = _list(ins["args"], f"{where}: args", 0, 1024)
+    if len(args) != len(specs):
+        _fail(where, f"passes {len(args)} arguments, the kernel takes {len(specs)} "
+                     f"({', '.join(a['name'] for a in specs)})")
+    if len(set(map(repr, args))) != len(args):
+        _fail(where, "passes the same buffer twice")
+    out_numels = []
+    for j, (b, spec) in enumerate(zip(args, specs)):
+        arg = f"argument {j} {_short(b)}"
+        buf = w._use(b, f"{where}: {arg}")
+        if buf.dtype != spec["dtype"]:
+            _fail(where, f"{arg} is {buf.dtype}, the kernel's {spec['name']} is {spec['dtype']}")
+        if "numel" in spec and buf.numel < spec["numel"]:
+            verb = "writes" if spec["role"] == "out" else "reads"
+            _fail(where, f"{arg} has {buf.numel} elements, the kernel {verb} {spec['numel']}")
+        if "numel" in spec and spec["role"] == "out" and buf.numel != spec["numel"]:
+            # a kernel writes every element of its outputs (their sizes are literals in its source)
+            _fail(where, f"{arg} has {buf.numel} elements, the kernel writes exactly {spec['numel']}")
+        if spec["role"] == "out":
+            if buf.kind != "alloc":  # never write into the caller's inputs or the archive's weights
+                _fail(where, f"{arg} is a {buf.kind} buffer, but the kernel writes its {spec['name']}")
+            out_numels.append(buf.numel)
+    if "xnumel" not in k:
+        # Version 1 kernels record no sizes: a kernel stores at least one element per row, so each
+        # output holds at least xnumel elements and the grid can be no larger than that implies.
+        most = max(1, -(-min(out_numels) // k["xblock"]))
+        if grid[0] > most:
+            _fail(where, f"grid {grid} is larger than its outputs ({min(out_numels)} elements) imply")
+
+
+def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
+    _dict(ins, where, ("target", "args", "kwargs", "out", "out_view", "out_variant", "shape", "dtype"))
+    target = ins["target"]
+    fn = ALLOWED.get(target) if type(target) is str else None
+    if fn is None:
+        _fail(where, f"calls {_short(target)}, which is not on the runtime's extern allow-list")
+    out_variant = _bool(ins["out_variant"], f"{where}: out_variant")
+    if out_variant != target.endswith(".out"):
+        _fail(where, f"out_variant is {out_variant} for {target}")
+    dtype = _dtype(ins["dtype"], f"{where}: dtype")
+    shape = _shape(ins["shape"], f"{where}: shape")
+    out = _str(ins["out"], f"{where}: out")
+    args = [_arg(w, a, f"{where}: argument {j}", 1) for j, a in enumerate(_list(ins["args"], f"{where}: args", 0, 32))]
+    kwargs = _dict(ins["kwargs"], f"{where}: kwargs")
+    for key in kwargs:
+        if type(key) is not str or not _IDENT.match(key) or key == "out":
+            _fail(where, f"keyword argument {_short(key)} is not allowed")
+    kwargs = {key: _arg(w, v, f"{where}: keyword {key}", 1) for key, v in kwargs.items()}
+    if any(isinstance(a, _Ref) and a.name == out for a in _flat(args + list(kwargs.values()))):
+        _fail(where, f"reads its own output {out!r}")
+    if out_variant:
+        buf = w._use(out, f"{where}: out")
+        if buf.kind != "alloc" or (buf.dtype, buf.shape) != (dtype, shape):
+            _fail(where, f"output {out!r} is a {buf.kind} {buf.dtype}{list(buf.shape)}, "
+                         f"the instruction says {dtype}{list(shape)}")
+    else:
+        buf = _Buf(dtype, shape, "extern")
+        w._define(out, buf, f"{where}: out")
+        w.own_bytes += buf.numel * _ITEMSIZE[DTYPES[dtype]]
+    _, ov = w._view(ins["out_view"], f"{where}: out_view")
+    if ov["t"] != out:
+        _fail(where, f"out_view is a view of {ov['t']!r}, not of the output {out!r}")
+    if _overlaps(ov["shape"], ov["stride"]):  # torch refuses to write through such a view
+        _fail(where, f"out_view strides {ov['stride']} make elements overlap")
+    if _numel(ov["shape"]) != buf.numel:  # the writer makes every output a (permuted) view of all of it
+        _fail(where, f"out_view holds {_numel(ov['shape'])} of the output's {buf.numel} elements")
+    _meta_check(fn, args, kwargs, ov, dtype, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """An extern argument that is a tensor view: enough to build a meta tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    stride: tuple
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=DTYPES[self.dtype], device="meta")
+
+
+def _arg(w: _Walk, a, where: str, depth: int):
+    """A decoded extern argument: scalars as they are, views as _Ref, lists recursively (bounded)."""
+    if a is None or type(a) in (bool, int, float):
+        return a
+    if type(a) is str:
+        return _str(a, where)
+    if type(a) is dict:
+        base, v = w._view(a, where)
+        return _Ref(v["t"], base.dtype, tuple(v["shape"]), tuple(v["stride"]))
+    if type(a) is list and depth < MAX_EXTERN_ARG_DEPTH:
+        _list(a, where, 0, 64)
+        return [_arg(w, x, f"{where}[{j}]", depth + 1) for j, x in enumerate(a)]
+    _fail(where, f"is not an extern argument (scalar, tensor view or short list): {_short(a)}")
+
+
+def _flat(args: list):
+    for a in args:
+        if type(a) is list:
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _to_meta(a):
+    if isinstance(a, _Ref):
+        return a.meta()
+    if type(a) is list:
+        return [_to_meta(x) for x in a]
+    return a
+
+
+def _meta_check(fn, args: list, kwargs: dict, ov: dict, dtype: str, where: str) -> None:
+    """Run the op's shape function on meta tensors (no data, no device): the arguments must be ones
+    the op accepts, and its result must be exactly what the output view holds."""
+    functional = fn.overloadpacket.default if fn._schema.overload_name == "out" else fn
+    _schema_types(functional, args, kwargs, where)
+    _dtype_rule(functional, args, kwargs, dtype, where)
+    try:
+        res = functional(*[_to_meta(a) for a in args], **{k: _to_meta(v) for k, v in kwargs.items()})
+    except Exception as exc:  # torch reports bad arguments as RuntimeError, TypeError, IndexError, ...
+        _fail(where, f"arguments rejected by {fn}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    if not isinstance(res, torch.Tensor):
+        _fail(where, f"{fn} returns {type(res).__name__}, not a tensor")
+    if list(res.shape) != list(ov["shape"]) or res.dtype != DTYPES[dtype]:
+        _fail(where, f"{fn} returns {str(res.dtype)[6:]}{list(res.shape)}, the output view is "
+                     f"{dtype}{list(ov['shape'])}")
+
+
+def _overlaps(shape: list, stride: list) -> bool:
+    """Whether two indices of a strided view reach the same element."""
+    dims = sorted((s, d) for d, s in zip(shape, stride) if d > 1)
+    need = 1
+    for s, d in dims:
+        if s < need:
+            return True
+        need = s * d
+    return False
+
+
+def _is_int(x) -> bool:
+    return type(x) is int
+
+
+_TYPES = {  # schema type -> what the program may pass (meta kernels coerce too liberally, e.g. int as bool)
+    "Tensor": lambda x: isinstance(x, _Ref),
+    "Optional[Tensor]": lambda x: x is None or isinstance(x, _Ref),
+    "int": _is_int,
+    "bool": lambda x: type(x) is bool,
+    "float": lambda x: type(x) in (int, float),
+    "number": lambda x: type(x) in (int, float),
+    "Optional[float]": lambda x: x is None or type(x) in (int, float),
+    "List[int]": lambda x: type(x) is list and all(map(_is_int, x)),
+}
+
+
+def _schema_types(fn, args: list, kwargs: dict, where: str) -> None:
+    schema = {a.name: a for a in fn._schema.arguments}
+    positional = [a for a in fn._schema.arguments if not a.kwarg_only]
+    if len(args) > len(positional):
+        _fail(where, f"{len(args)} positional arguments, {fn} takes {len(positional)}")
+    for a, spec in list(zip(args, positional)) + [(v, schema.get(k)) for k, v in kwargs.items()]:
+        if spec is None:
+            _fail(where, f"{fn} has no keyword argument among {sorted(kwargs)} that it accepts")
+        check = _TYPES.get(str(spec.type))
+        if check is None or not check(a):
+            _fail(where, f"argument {spec.name!r} of {fn} expects {spec.type}, got {_short(a)}")
+
+
+_INDEX_ARGS = {"indices": ("int64", "int32")}  # by schema name; every other tensor has the result's dtype
+
+
+def _dtype_rule(fn, args: list, kwargs: dict, dtype: str, where: str) -> None:
+    """Meta kernels check shapes, not dtypes (aten.mm on meta accepts float32 @ float64): the allow-listed
+    ops compute in one dtype, so each tensor argument has the result's, except indices (and a mask)."""
+    names = [a.name for a in fn._schema.arguments]
+    named = list(zip(names, args)) + list(kwargs.items())
+    for arg_name, a in named:
+        for ref in (x for x in _flat([a]) if isinstance(x, _Ref)):
+            ok = _INDEX_ARGS.get(arg_name, (dtype, "bool") if arg_name == "attn_mask" else (dtype,))
+            if ref.dtype not in ok:
+                _fail(where, f"argument {arg_name!r} (a view of {ref.name!r}) is {ref.dtype}, expected "
+                             f"{' or '.join(ok)}")
+
+
+def _free(w: _Walk, i: int, ins: dict, where: str) -> None:
+    _dict(ins, where, ("bufs",))
+    for b in _list(ins["bufs"], f"{where}: bufs", 1, 1 << 16):
+        w._use(b, where)
+        del w.live[b]
+        w.arena_live.pop(b, None)
+        w.freed[b] = i
+
+
+def _return(w: _Walk, i: int, ins: dict, where: str) -> None:
+    _dict(ins, where, ("outputs",))
+    outs = []
+    for j, o in enumerate(_list(ins["outputs"], f"{where}: outputs", 1, 1 << 16)):
+        base, v = w._view(o, f"{where}: output {j}")
+        outs.append((base.dtype, tuple(v["shape"])))
+    w.outputs = tuple(outs)
+
+
+_HANDLERS = {"alloc": _alloc, "launch": _launch, "extern": _extern, "free": _free, "return": _return}
+
+
+def validate_program(name: str, program, kernels: dict, weights: dict[str, torch.Tensor]) -> ProgramSig:
+    """Check one program against the (validated) kernels part and the archive's weights."""
+    where = f"program {name!r}"
+    p = _dict(program, where, ("version", "inputs", "weights", "arena_bytes", "instructions"))
+    v = p["version"]
+    if type(v) is not int or v not in PROGRAM_VERSIONS:
+        raise ArchiveError(f"{where}: program version {_short(v)} is not supported "
+                           f"({PROGRAM_VERSIONS[0]}..{PROGRAM_VERSIONS[-1]})",
+                           remedy="rebuild the archive with this aotfuse")
+    if v >= 2 and any("xnumel" not in k for k in kernels.values()):
+        _fail(where, f"version {v} program but the kernels part lacks per-argument sizes")
+    return _Walk(name, p, kernels, weights).run()
+
+
+# ---------------------------------------------------------------- the whole archive
+
+def validate_archive(manifest: dict, kernels, programs: dict, weights: dict[str, torch.Tensor]) -> None:
+    """Everything `load` binds: kernels, programs, and the manifest's promises about them.
+    `manifest` must have passed validate_manifest (it says which programs to read)."""
+    validate_kernels(kernels)
+    sigs = {name: validate_program(name, p, kernels, weights) for name, p in programs.items()}
+    train = manifest.get("train")
+    fwd = sigs["forward"]
+    ins = [_spec(s, "", True) for s in manifest["inputs"]]
+    outs = [_spec(s, "", False) for s in manifest["outputs"]]
+    if train:
+        _check_train(train, sigs, weights, ins, outs)
+    else:
+        _same("manifest.inputs", "the forward program's inputs", ins, fwd.inputs)
+        _same("manifest.outputs", "the forward program's outputs", outs, fwd.outputs)
+
+
+def _same(what: str, other: str, want: list, got) -> None:
+    want, got = [tuple(x) for x in want], [tuple(x) for x in got]
+    if want != got:
+        fmt = lambda xs: ", ".join(f"{d}{list(s)}" for d, s in xs) or "none"  # noqa: E731
+        _fail(what, f"{fmt(want)} do not match {other}: {fmt(got)}")
+
+
+def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) -> None:
+    params = []
+    for p in train["params"]:
+        t = weights.get(p)
+        if t is None or str(t.dtype)[6:] not in DTYPES:
+            _fail("manifest.train.params", f"parameter {p!r} is not a usable weight of the archive")
+        params.append((str(t.dtype)[6:], tuple(t.shape)))
+    fwd, bwd = sigs["forward"], sigs["backward"]
+    _same("the forward program's inputs", "train params + manifest.inputs", params + ins, fwd.inputs)
+    n_saved = train["n_saved"]
+    if len(fwd.outputs) != 1 + n_saved:
+        _fail("manifest.train.n_saved", f"{n_saved} saved tensors, the forward returns {len(fwd.outputs) - 1}")
+    _same("manifest.outputs", "the forward program's loss", outs, fwd.outputs[:1])
+    # the backward takes the saved tensors, then the loss's gradient (a tensor like the loss)
+    _same("the backward program's inputs", "the forward's saved tensors + the loss",
+          list(fwd.outputs[1:]) + [fwd.outputs[0]], bwd.inputs)
+    grads = train["grads"]
+    if len(grads) != len(bwd.outputs):
+        _fail("manifest.train.grads", f"{len(grads)} gradients, the backward returns {len(bwd.outputs)}")
+    for (kind, ref), got in zip(grads, bwd.outputs):
+        if kind == "param":
+            want = params[train["params"].index(ref)]
+        elif 0 <= int(ref) < len(ins):
+            want = ins[int(ref)]
+        else:
+            _fail("manifest.train.grads", f"input {ref} does not exist ({len(ins)} inputs)")
+        if tuple(want) != tuple(got):
+            _fail("manifest.train.grads", f"gradient of {kind} {ref!r} is {got[0]}{list(got[1])}, "
+                                          f"the {kind} is {want[0]}{list(want[1])}")
