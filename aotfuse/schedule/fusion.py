@@ -146,7 +146,7 @@ def can_fuse(st: _State, a: str, b: str) -> Verdict:
     if sp is None:
         return Verdict(False, f"incompatible iteration space: {st.gspace(a)} vs {st.gspace(b)}")
     x, r = sp
-    members = set(st.members[a]) | set(st.members[b])
+    members = dict.fromkeys(st.members[a] + st.members[b])  # ordered: the first refusal found is recorded
     for n in members:
         node = st.nodes[n]
         for ld in expr_loads(node.body):
