@@ -32,8 +32,6 @@ RUNS = tuple((loc, seed) for loc in ("A", "B") for seed in (0, 1, 2))
 # An absolute path as it would sit in a cubin's line table or a report: /dir/dir...
 ABS_PATH = re.compile(rb"(?<![\w.+-])/[\w.+-]{2,}/[\w.+-]{2,}")
 
-pytestmark = pytest.mark.slow
-
 
 def _triton_dir() -> Path:
     import triton
@@ -104,12 +102,14 @@ def builds(tmp_path_factory):
     return {"tmp": tmp, "logs": logs, "forbidden": forbidden, "b_site": b_site}
 
 
+@pytest.mark.slow
 def test_location_b_imports_its_own_triton(builds):
     # Sanity of the setup: location B's Triton is the copy, so its stdlib has another path.
     b_triton = builds["b_site"] / "triton" / "language" / "standard.py"
     assert b_triton.is_file() and not b_triton.is_symlink()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_bytes_identical_across_seeds_and_locations(builds, model):
     digests = {}
@@ -119,6 +119,7 @@ def test_bytes_identical_across_seeds_and_locations(builds, model):
     assert len(set(digests.values())) == 1, f"{model}: archives differ: {digests}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_no_build_machine_path_in_archive(builds, model):
     for loc, seed in RUNS:
@@ -138,3 +139,39 @@ def test_no_build_machine_path_in_archive(builds, model):
                 assert bad not in blob, f"{model} ({loc}): {what} contains {bad!r}"
             if what.startswith("cubin"):
                 assert not ABS_PATH.search(blob), f"{model}: {what} names {ABS_PATH.search(blob).group()!r}"
+
+
+def test_parallel_compile_results_keep_job_order(monkeypatch):
+    """Each kernel's binaries are stored in the order of `targets`, whatever order the compile pool
+    finishes in (it used to be completion order: archives with 2 targets differed run to run)."""
+    import concurrent.futures as real_cf
+    import types
+
+    from aotfuse.emit import compile as comp
+    from aotfuse.emit.kernel_src import KernelArg, KernelSource
+
+    class InlinePool:  # runs each job at submit; hands futures back in reverse, like a pool could
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            fut = real_cf.Future()
+            fut.set_result(fn(*args))
+            return fut
+
+    fake_cf = types.SimpleNamespace(ProcessPoolExecutor=InlinePool, as_completed=lambda futs: reversed(list(futs)))
+    monkeypatch.setattr(comp, "cf", fake_cf)
+    monkeypatch.setattr(comp, "_compile_one", lambda name, src, sig, warps, arch: comp.Binary(
+        arch, f"{name}@{arch}".encode(), name, warps, 0, 0, 0))
+    args = (KernelArg("in_ptr0", "x", "float32", "in"),)
+    kernels = [KernelSource(f"k{i}", "", args, (1, 1, 1), 1, f"g{i}", "pointwise", (), 1, 1) for i in range(3)]
+    out = comp.compile_all(kernels, ("sm_80", "sm_90"), workers=2)
+    assert list(out) == ["k0", "k1", "k2"]
+    assert all(list(b) == ["sm_80", "sm_90"] for b in out.values())
+    assert out["k1"]["sm_90"].cubin == b"k1@sm_90"

@@ -135,11 +135,16 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
                 progress("kernels", {"done": i + 1, "total": total})
         return out
     ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    done: dict[tuple[str, str], Binary] = {}
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futs = {pool.submit(_compile_one, *job): job for job in jobs}
         for i, fut in enumerate(cf.as_completed(futs)):
             job = futs[fut]
-            out[job[0]][job[4]] = fut.result()
+            done[job[0], job[4]] = fut.result()
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
+    # Filled in job order, not completion order: the archive stores each kernel's binaries in this
+    # dict's order, and completion order varies from run to run.
+    for job in jobs:
+        out[job[0]][job[4]] = done[job[0], job[4]]
     return out
