@@ -4,8 +4,9 @@ PYTHONHASHSEED, from any checkout or Triton install location, and no build-machi
 Each build runs in its own fresh process (tests/repro/build_three.py: the demo GPT, a train archive
 and the exp/sin/cos model with AOTFUSE_INLINE_MAX_OPS=0). Location A is this checkout with the
 installed Triton; location B is a copy of the checkout and of the Triton package (hard links where
-the filesystem allows) under tmp_path, run from another cwd. Each location has its own empty Triton
-cache, so B compiles its own cubins instead of reading A's (Triton's cache key ignores paths).
+the filesystem allows) under tmp_path, run from another cwd. Every run has its own empty Triton
+cache, so each compiles its own cubins instead of reading another run's (Triton's cache key covers
+neither paths nor PYTHONHASHSEED).
 """
 from __future__ import annotations
 
@@ -69,9 +70,9 @@ def _env(pythonpath: list[Path], seed: int, cache: Path) -> dict:
 
 def _run(loc: dict, seed: int, out: Path) -> str:
     out.mkdir(parents=True)
+    cache = out.parent / f"{out.name}_triton_cache"  # empty: this run compiles every cubin itself
     r = subprocess.run([sys.executable, str(loc["src"] / DRIVER), str(out)], cwd=loc["cwd"],
-                       env=_env(loc["pythonpath"], seed, loc["cache"]), capture_output=True, text=True,
-                       timeout=900)
+                       env=_env(loc["pythonpath"], seed, cache), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"build at {loc['src']} (seed {seed}) failed:\n{r.stdout}\n{r.stderr[-4000:]}"
     assert f"aotfuse={loc['src'] / 'aotfuse'}" in r.stdout, r.stdout  # the copy under test was imported
     return r.stdout
@@ -90,8 +91,8 @@ def builds(tmp_path_factory):
     (tmp / "cwd_a").mkdir()
     (tmp / "cwd_b").mkdir()
     locs = {
-        "A": {"src": ROOT, "pythonpath": [ROOT], "cwd": tmp / "cwd_a", "cache": tmp / "triton_cache_a"},
-        "B": {"src": b_src, "pythonpath": [b_src, b_site], "cwd": tmp / "cwd_b", "cache": tmp / "triton_cache_b"},
+        "A": {"src": ROOT, "pythonpath": [ROOT], "cwd": tmp / "cwd_a"},
+        "B": {"src": b_src, "pythonpath": [b_src, b_site], "cwd": tmp / "cwd_b"},
     }
     # Two processes at a time (CI has 2 cores); each compiles with one worker.
     with cf.ThreadPoolExecutor(max_workers=2) as pool:
@@ -175,3 +176,19 @@ def test_parallel_compile_results_keep_job_order(monkeypatch):
     assert list(out) == ["k0", "k1", "k2"]
     assert all(list(b) == ["sm_80", "sm_90"] for b in out.values())
     assert out["k1"]["sm_90"].cubin == b"k1@sm_90"
+
+
+def test_stable_debug_paths_remaps_triton_and_keeps_kernel_paths():
+    from aotfuse.emit.compile import _stable_debug_paths
+
+    root = "/opt/some venv/lib/python3.11/site-packages/triton"
+    llir = ('!1 = !DIFile(filename: "aotf_red_0123.py", directory: "aotfuse/kernels")\n'
+            f'!7 = !DIFile(filename: "standard.py", directory: "{root}/language")\n'
+            f'!8 = !DIFile(filename: "{root}/language/core.py", directory: "")\n'
+            '!9 = !DIFile(filename: "helper.py", directory: "/home/someone/project")\n')
+    out = _stable_debug_paths(llir, root)
+    assert out == ('!1 = !DIFile(filename: "aotf_red_0123.py", directory: "aotfuse/kernels")\n'
+                   '!7 = !DIFile(filename: "standard.py", directory: "triton/language")\n'
+                   '!8 = !DIFile(filename: "core.py", directory: "triton/language")\n'
+                   '!9 = !DIFile(filename: "helper.py", directory: "external")\n')
+    assert _stable_debug_paths(out, root) == out  # idempotent
