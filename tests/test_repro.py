@@ -98,8 +98,9 @@ def builds(tmp_path_factory):
     with cf.ThreadPoolExecutor(max_workers=2) as pool:
         futs = {(loc, seed): pool.submit(_run, locs[loc], seed, tmp / f"out_{loc}_{seed}") for loc, seed in RUNS}
         logs = {k: f.result() for k, f in futs.items()}
-    forbidden = {str(p).encode() for p in (ROOT, tmp, b_src, triton_a, b_site, Path(sys.prefix), Path.home())}
-    forbidden |= {b"site-packages", os.path.realpath(sys.prefix).encode()}
+    paths = {str(p) for p in (ROOT, tmp, b_src, triton_a, b_site, Path(sys.prefix), Path.home())}
+    paths.add(os.path.realpath(sys.prefix))
+    forbidden = {p.encode() for p in paths if len(p) > 1} | {b"site-packages"}  # a home of "/" says nothing
     return {"tmp": tmp, "logs": logs, "forbidden": forbidden, "b_site": b_site}
 
 
@@ -137,6 +138,8 @@ def test_no_build_machine_path_in_archive(builds, model):
                 assert f"{name}.py".encode() in b["cubin"]  # line info kept, under the pseudo-path
         for what, blob in blobs.items():
             for bad in builds["forbidden"]:
+                if what == "file" and len(bad) < 8:
+                    continue  # raw weights could hold a short string like b"/usr" by chance
                 assert bad not in blob, f"{model} ({loc}): {what} contains {bad!r}"
             if what.startswith("cubin"):
                 assert not ABS_PATH.search(blob), f"{model}: {what} names {ABS_PATH.search(blob).group()!r}"
