@@ -304,6 +304,7 @@ def render_inspect(info: dict, path: Path) -> str:
     size = path.stat().st_size if path.is_file() else info.get("size_bytes")
     built_by = f" (aotfuse {info['aotfuse_version']})" if info.get("aotfuse_version") else ""
     out = [f"{path}: aotfuse archive, format version {info.get('format_version', '?')}{built_by}, {_bytes(size)}",
+           f"sha256: {info.get('sha256', '-')}",
            f"targets: {', '.join(map(str, info.get('targets') or [])) or '-'}",
            f"weights: {_bytes(info.get('weights_bytes'))}", "", "inputs:"]
     rows = []
@@ -389,6 +390,11 @@ def _summary_rows(out: Any, names: list[str]) -> list[list[Any]]:
     return rows
 
 
+def _pin(sha256: Optional[str]) -> dict:
+    """load()'s keyword for a --sha256 pin (none when unpinned)."""
+    return {} if sha256 is None else {"sha256": sha256}
+
+
 def _describe_input(s: dict) -> str:
     rng = f" in [{s.get('low')}, {s.get('high')})" if s.get("kind") == "int" else ""
     return f"{s.get('name', '?')} {list(s.get('shape', []))} {s.get('dtype', '?')}{rng}"
@@ -400,6 +406,7 @@ def run(
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu [default: cuda if available]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
     iters: int = typer.Option(1, "--iters", min=1, help="Calls to make; past the first, the median is reported."),
+    sha256: Optional[str] = typer.Option(None, "--sha256", help="Refuse the file unless it has this SHA-256."),
 ):
     """Run an artifact on random inputs that satisfy its guards; summarize outputs and time."""
     dev = _device(device)
@@ -407,7 +414,7 @@ def run(
     if torch.device(dev).type == "cpu":
         typer.echo("note: on cpu, kernels run in Triton's interpreter (slow)", err=True)
     t0 = time.perf_counter()
-    art = _core("load")(str(artifact), device=dev)
+    art = _core("load")(str(artifact), device=dev, **_pin(sha256))
     _sync(dev)
     load_ms = (time.perf_counter() - t0) * 1e3
     inputs = _specs.random_inputs(art.input_specs, device=dev, seed=seed)
@@ -444,6 +451,7 @@ def verify(
     device: Optional[str] = typer.Option(None, "--device", help="cuda or cpu [default: cuda if available]."),
     train: bool = typer.Option(False, "--train", help="Compare loss and gradients (artifact.as_module())."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    sha256: Optional[str] = typer.Option(None, "--sha256", help="Refuse the archive unless it has this SHA-256."),
 ):
     """Compare an artifact with eager PyTorch on fresh random inputs; exit 1 on FAIL."""
     dev = _device(device)
@@ -453,7 +461,7 @@ def verify(
             _build_to(spec, path, targets=_targets(None, dev), train=train, memory_budget=1.0)
         else:
             path = _existing(artifact)
-        art = _core("load")(str(path), device=dev)
+        art = _core("load")(str(path), device=dev, **_pin(sha256))
         checks = _bench.verify_spec(spec, art, device=dev, seed=seed, train=train)
     headers = ["output", "shape", "dtype", "max abs err", "max rel err", "tolerance", "result", "note"]
     typer.echo(_bench.format_table(headers, _check_rows(checks)))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import hmac
 import mmap
 import os
 import secrets
@@ -240,6 +242,15 @@ class Archive:
         self.weights: dict[str, torch.Tensor] = weights
         self.weights_bytes: int = sum(w.nbytes for w in self.weight_entries.values())
         self.size: int = header.file_size
+        self._sha256: str | None = None
+
+    def sha256(self) -> str:
+        """Hex SHA-256 of the archive's bytes (the whole file): what `aotfuse.load(..., sha256=)` pins."""
+        if self._sha256 is None:
+            if self._view is None:
+                raise ArchiveError("cannot hash the archive: it is closed")
+            self._sha256 = hashlib.sha256(self._view).hexdigest()
+        return self._sha256
 
     def part(self, name: str) -> bytes:
         """The part's original bytes: checksum verified, decompression bounded by its raw length."""
@@ -337,13 +348,32 @@ def _map_file(path: str) -> tuple[memoryview, mmap.mmap | None]:
     return memoryview(mm), mm
 
 
-def read_archive(src: Source, *, verify: bool = True) -> Archive:
+def _pinned_digest(sha256) -> str:
+    if not isinstance(sha256, str) or len(sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in sha256):
+        raise ArchiveError(f"sha256 pin must be 64 hex digits (as `aotfuse inspect` prints), got {sha256!r}")
+    return sha256.lower()
+
+
+def _check_sha256(view: memoryview, expected: str) -> str:
+    actual = hashlib.sha256(view).hexdigest()
+    if not hmac.compare_digest(actual, expected):
+        raise ArchiveError(f"archive sha256 mismatch: expected {expected}, got {actual} "
+                           f"(not the archive this deployment pinned; refusing to load it)")
+    return actual
+
+
+def read_archive(src: Source, *, verify: bool = True, sha256: str | None = None) -> Archive:
     """Open an archive from a path (memory-mapped) or from bytes (wrapped, not copied).
 
     verify=True checks the crc32 of every part and weight now; verify=False defers part checks to
     part() and skips weight checks (the header and table are always checked).
+
+    sha256: the expected hex SHA-256 of the whole file. The bytes are hashed before anything in them
+    is parsed (for a path: the mapped file, which is then what gets parsed), and a mismatch is an
+    ArchiveError. crc32s only detect corruption; a pinned digest also refuses a substituted file.
     """
     _check_host()
+    expected = None if sha256 is None else _pinned_digest(sha256)
     if isinstance(src, (bytes, bytearray, memoryview)):
         view = memoryview(src)
         if not view.c_contiguous:
@@ -354,7 +384,10 @@ def read_archive(src: Source, *, verify: bool = True) -> Archive:
     else:
         raise ArchiveError(f"cannot read an archive from a {type(src).__name__}: pass a path or bytes")
     try:
-        return _open(view, mm, verify)
+        digest = None if expected is None else _check_sha256(view, expected)
+        archive = _open(view, mm, verify)
+        archive._sha256 = digest
+        return archive
     except BaseException:
         view.release()
         if mm is not None:

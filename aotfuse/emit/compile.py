@@ -1,8 +1,10 @@
 """Triton source -> cubin for each target architecture, in parallel, with no GPU.
 
-Sources are registered under a stable pseudo-path (aotfuse/kernels/<name>.py) through linecache, so
-the line info Triton writes into each cubin names no build-machine path and builds are
-reproducible. Identical kernels (same source, e.g. one per transformer layer) compile once.
+Sources are registered under a stable pseudo-path (aotfuse/kernels/<name>.py) through linecache, and
+the line info of Triton's own inlined functions (tl.sum, tl.max, ... from triton/language/*.py) is
+remapped from the install path to the package-relative path (see `_stable_debug_paths`), so a cubin
+names no build-machine path and builds are byte-for-byte reproducible across machines and install
+locations. Identical kernels (same source, e.g. one per transformer layer) compile once.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import concurrent.futures as cf
 import dataclasses
 import multiprocessing
 import os
+import re
 
 from ..errors import BuildError
 from ..runtime.kernel_source import TRITON_STATE_LOCK, load_source
@@ -29,8 +32,55 @@ class Binary:
     profile_scratch: int
 
 
+# Part of Triton's cache key (see _compile_one): bump it whenever _stable_debug_paths changes what it
+# writes, so that a cubin cached by an older aotfuse (with install paths in it) is never reused.
+_DEBUG_PATHS_VERSION = "1"
+_DIFILE = re.compile(r'DIFile\(filename: "([^"]*)", directory: "([^"]*)"')
+
+
+def _stable_path(path: str, triton_root: str) -> str:
+    """A source path as it may appear in a cubin: relative paths (our kernels' aotfuse/kernels/<name>.py)
+    are kept; a file of the Triton package becomes triton/<path in the package>; any other absolute
+    path (none is expected) is cut to its file name under "external/"."""
+    if not os.path.isabs(path):
+        return path
+    norm = os.path.realpath(path)  # triton_root is a realpath too (a venv may reach it through symlinks)
+    if norm.startswith(triton_root + os.sep):
+        return "triton/" + os.path.relpath(norm, triton_root).replace(os.sep, "/")
+    return "external/" + os.path.basename(norm)
+
+
+def _stable_debug_paths(llir: str, triton_root: str) -> str:
+    """Rewrite the DIFile entries of Triton's LLVM IR to stable paths.
+
+    Why here: Triton takes a location's file from the function's `co_filename`. Our kernels have the
+    pseudo-path aotfuse/kernels/<name>.py, but the standard-library functions a kernel inlines
+    (tl.sum, tl.max, tl.reduce's combine functions: triton/language/standard.py) carry the absolute
+    path of the Triton install, e.g. <venv>/lib/python3.X/site-packages/triton/language. ptxas
+    copies the DIFile paths into the cubin's line table (.debug_line / .nv_debug_line_sass), so the
+    bytes would differ between machines and leak the build machine's paths. Rewriting them in the
+    LLVM IR, before PTX and ptxas, keeps line info (kernel lines and stdlib lines, useful to
+    compute-sanitizer and profilers) and makes it a function of the kernel source and the Triton
+    version only. The remap is a pure function of the path relative to the triton package."""
+    def repl(m):
+        full = os.path.join(m.group(2), m.group(1)) if m.group(2) else m.group(1)
+        stable = _stable_path(full, triton_root)
+        d, f = stable.rsplit("/", 1) if "/" in stable else ("", stable)
+        return f'DIFile(filename: "{f}", directory: "{d}"'
+    return _DIFILE.sub(repl, llir)
+
+
+def _stages_hook(triton_root: str):
+    def hook(backend, stages, options, language, capability):
+        make_llir = stages["llir"]
+        stages["llir"] = lambda src, metadata: _stable_debug_paths(make_llir(src, metadata), triton_root)
+    return hook
+
+
 def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: str) -> Binary:
     import triton
+    from triton import knobs as tknobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -38,10 +88,25 @@ def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: 
     fn = getattr(mod, name)
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
     src = ASTSource(fn, signature, constexprs={}, attrs=attrs)
+    triton_root = os.path.dirname(os.path.realpath(triton.__file__))
+    # Triton's cache key does not cover the stages hook: add our remap's version to the key's env vars,
+    # or a cubin compiled without the remap (e.g. by an older aotfuse) would be served from the cache.
+    env_vars = dict(get_cache_invalidating_env_vars(), AOTFUSE_DEBUG_PATHS=_DEBUG_PATHS_VERSION)
     try:
-        ck = triton.compile(src, target=GPUTarget("cuda", ARCHES[arch], 32), options={"num_warps": num_warps})
+        with tknobs.runtime.scope(), tknobs.compilation.scope():
+            tknobs.runtime.add_stages_inspection_hook = _stages_hook(triton_root)
+            # Line info on, in the one form we remap (TRITON_DISABLE_LINE_INFO or the debug-variable
+            # dump in the environment would change the cubin bytes).
+            tknobs.compilation.disable_line_info = False
+            tknobs.compilation.dump_ir_extract_di_local_variables = False
+            ck = triton.compile(src, target=GPUTarget("cuda", ARCHES[arch], 32), options={"num_warps": num_warps},
+                                _env_vars=env_vars)
     except Exception as exc:  # triton raises CompilationError and plain errors alike
         raise BuildError(f"triton failed to compile kernel {name} for {arch}: {type(exc).__name__}: {exc}") from exc
+    cubin = ck.asm["cubin"]
+    if any(root.encode() in cubin for root in {triton_root, os.path.dirname(triton.__file__)}):
+        raise BuildError(f"kernel {name} for {arch}: the cubin names the Triton install path {triton_root}",
+                         remedy="report this: aotfuse's line-info remap missed a path")
     md = ck.metadata
     if getattr(md, "num_ctas", 1) != 1:
         raise BuildError(f"kernel {name}: num_ctas={md.num_ctas} is not supported by the runtime")
@@ -71,6 +136,7 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
                 progress("kernels", {"done": i + 1, "total": total})
         return out
     ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    done: dict[tuple[str, str], Binary] = {}
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         # Forked workers start at the first submit and inherit triton's state as it is then: not
         # mid-launch of a CPU-path kernel in another thread (the workers never take the lock).
@@ -78,7 +144,11 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
             futs = {pool.submit(_compile_one, *job): job for job in jobs}
         for i, fut in enumerate(cf.as_completed(futs)):
             job = futs[fut]
-            out[job[0]][job[4]] = fut.result()
+            done[job[0], job[4]] = fut.result()
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
+    # Filled in job order, not completion order: the archive stores each kernel's binaries in this
+    # dict's order, and completion order varies from run to run.
+    for job in jobs:
+        out[job[0]][job[4]] = done[job[0], job[4]]
     return out

@@ -151,6 +151,12 @@ class Artifact:
 
 
 def load(src: Any, device: str | torch.device = "cuda", *, cuda_graphs: bool | None = None,
-         verify: bool = True) -> Artifact:
-    """Load an .aotf archive (path or bytes) onto a device ('cuda', 'cuda:1' or 'cpu')."""
-    return Artifact(read_archive(src, verify=verify), device, cuda_graphs)
+         verify: bool = True, sha256: str | None = None) -> Artifact:
+    """Load an .aotf archive (path or bytes) onto a device ('cuda', 'cuda:1' or 'cpu').
+
+    An archive is code (cubins run on the GPU; on the CPU the stored Triton source runs in the
+    interpreter): load only archives you trust. sha256 pins the exact file: the hex SHA-256 that
+    `aotfuse inspect` prints; the bytes are hashed before anything in them is parsed, and any other
+    file is refused with ArchiveError. See "Trust model" in artifacts/FORMAT.md.
+    """
+    return Artifact(read_archive(src, verify=verify, sha256=sha256), device, cuda_graphs)

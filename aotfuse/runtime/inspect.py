@@ -20,6 +20,7 @@ def describe(archive: Archive) -> dict:
     out = {
         "format_version": archive.format_version,
         "size_bytes": archive.size,
+        "sha256": archive.sha256(),  # of the whole file: pin it with aotfuse.load(path, sha256=...)
         "aotfuse_version": m.get("aotfuse_version"),
         "targets": list(m["targets"]),
         "inputs": m["inputs"],
