@@ -20,11 +20,15 @@ if want repro; then
   run ws_owned  python3 scripts/repro/workspace_ownership.py owned
   run replay_crash python3 -X faulthandler scripts/repro/replay_crash.py
 fi
+if want host; then
+  [ -d build/old ] && run host_before env PYTHONPATH=/tmp/site:$PWD/build/old python3 scripts/host_overhead.py
+  run host_after python3 scripts/host_overhead.py
+fi
 want pytest && run pytest python3 -m pytest -q -ra -m gpu tests
 if want sanitize; then
   run san_build python3 scripts/sanitize_gpu.py build build/san
   run memcheck  compute-sanitizer --tool memcheck  --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
-  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san --no-cudnn
+  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san --plain-externs
 fi
 if want check || want train; then
   [ -d build/gpu ] || python3 scripts/build_gpu_fixtures.py build/gpu >"$OUT/fixtures.log" 2>&1

@@ -6,9 +6,10 @@
     compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 \
         python3 scripts/sanitize_gpu.py run DIR
 
-`run --no-cudnn` turns cuDNN off (convolutions and attention take other aten kernels): racecheck
-fails inside cuDNN's own kernels ("Internal Sanitizer Error: failed to handle a hardware exception"),
-which are not ours; the aotfuse kernels launched are the same either way.
+`run --plain-externs` turns cuDNN and the fused attention backends off (convolution and attention
+externs take plain aten kernels): racecheck fails inside cuDNN's and flash attention's own kernels
+("Internal Sanitizer Error: failed to handle a hardware exception"), which are not ours; the
+aotfuse kernels launched are the same either way.
 
 `run` launches every program of every fixture once without CUDA graphs (so each launch is attributed
 to its kernel), compares with eager, and prints how many distinct kernels it launched.
@@ -76,7 +77,9 @@ def run(out: Path) -> int:
 
 if __name__ == "__main__":
     cmd, d = sys.argv[1], Path(sys.argv[2])
-    if "--no-cudnn" in sys.argv:
+    if "--plain-externs" in sys.argv:
         torch.backends.cudnn.enabled = False
         torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     sys.exit(build(d) if cmd == "build" else run(d))
