@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -862,3 +864,28 @@ def test_cpu_source_must_take_exactly_the_recorded_arguments_and_nothing_evaluat
     for sig in ("in_ptr0=__import__('os').getpid()", "in_ptr0: print('x')", "*in_ptr0"):
         with pytest.raises(ArchiveError, match="unexpected statement"):
             check_source("k", head + f"def k({sig}):\n    pass\n")
+
+
+def test_extern_shape_checks_never_import_the_compiler_stack():
+    """addmm's and attention's meta kernels import torch._dynamo; the runtime's validation must not."""
+    code = r"""
+import sys
+import torch
+from aotfuse.runtime import validate as v
+from aotfuse.runtime.externs import ALLOWED
+R = lambda s, d="float32": v._Ref("b", d, tuple(s), tuple(torch.empty(s, device="meta").stride()))
+ov = lambda s: {"t": "o", "shape": list(s), "stride": list(torch.empty(s, device="meta").stride()), "offset": 0}
+v._meta_check(ALLOWED["aten.addmm.out"], [R([8]), R([4, 6]), R([6, 8])], {}, ov([4, 8]), "float32", "i0")
+v._meta_check(ALLOWED["aten.scaled_dot_product_attention.default"], [R([2, 4, 8, 16])] * 3,
+              {"is_causal": True}, ov([2, 4, 8, 16]), "float32", "i1")
+try:
+    v._meta_check(ALLOWED["aten.addmm.out"], [R([8]), R([4, 5]), R([6, 8])], {}, ov([4, 8]), "float32", "i2")
+except v.ArchiveError as e:
+    print("refused:", e)
+bad = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor", "triton")))
+print("compiler modules:", bad[:5])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "do not chain" in r.stdout
+    assert "compiler modules: []" in r.stdout, r.stdout

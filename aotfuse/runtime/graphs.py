@@ -41,6 +41,14 @@ from ..knobs import knobs
 from .executor import Executor, new_seed
 
 
+def _copy(dst: list, src: list) -> None:
+    """One multi-tensor copy; a plain copy_ when there is one tensor (less host time)."""
+    if len(dst) == 1:
+        dst[0].copy_(src[0])
+    elif dst:
+        torch._foreach_copy_(dst, src)
+
+
 def _clear_library_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
@@ -115,15 +123,13 @@ class _Instance:
         p = self.prog
         if self.graph is None or any(inputs[i].data_ptr() != self.bound_ptrs[i] for i in p.bound):
             self._capture(inputs, stream)
-        if self.copy_idx:
-            torch._foreach_copy_(self.copy_to, [inputs[i] for i in self.copy_idx])
+        _copy(self.copy_to, [inputs[i] for i in self.copy_idx])
         if self.seed is not None:
             self.seed.copy_(new_seed(p.device))
         self.graph.replay()
         outs = [None] * len(self.static_out)
         fresh = [torch.empty_like(t) for t in self.fresh_src]
-        if fresh:
-            torch._foreach_copy_(fresh, self.fresh_src)
+        _copy(fresh, self.fresh_src)
         for k, t in zip(self.fresh_idx, fresh):
             outs[k] = t
         for k, j in p.passthrough.items():  # a fresh view per call, like the eager executor makes
