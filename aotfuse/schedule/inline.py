@@ -26,18 +26,32 @@ class InlineDecision:
     reason: str
 
 
-def _substitute(consumer, producer: Pointwise):
-    """consumer with every load of producer's buffer replaced by producer's body at that index."""
+def _substitute(consumer, producer: Pointwise, memo: dict | None = None):
+    """consumer with every load of producer's buffer replaced by producer's body at that index.
+    `memo` caches the index simplifications (pure functions of an index and the consumer's ranges)
+    across calls: a model's layers repeat the same indices, and sympy's own cache is too small to
+    keep them."""
     vars_, ranges = iteration(consumer)
     rng = dict(zip(vars_, ranges))
+    memo = {} if memo is None else memo
+    rkey = tuple(rng.items())
+
+    def simp(e):
+        key = (e, rkey)
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = simplify(e, rng)
+        return out
 
     def repl(ld):
         if ld.buf != producer.name:
             return ld
-        idx = unravel(ld.index, producer.ranges)
-        idx = [simplify(i, rng) for i in idx]
+        key = ("unravel", ld.index, producer.ranges, rkey)
+        idx = memo.get(key)
+        if idx is None:
+            idx = memo[key] = tuple(simp(i) for i in unravel(ld.index, producer.ranges))
         body = subs_expr(producer.body, dict(zip(producer.pvars, idx)))
-        return map_loads(body, lambda inner: type(inner)(inner.buf, simplify(inner.index, rng), inner.dtype))
+        return map_loads(body, lambda inner: type(inner)(inner.buf, simp(inner.index), inner.dtype))
 
     body = map_loads(consumer.body, repl)
     return dataclasses.replace(consumer, body=body)
@@ -99,6 +113,7 @@ class _Inliner:
                 self.users.setdefault(b, set()).add(n.name)
         self.cheap: dict[str, bool] = {}  # node -> cheap enough to recompute (dropped when its body changes)
         self.kinds: dict[tuple, str] = {}  # (consumer, index, producer numel) -> classify_read
+        self.simplified: dict = {}  # _substitute's memo of index simplifications
         self.decisions: list[InlineDecision] = []
         self._cur = -1  # position the current round has reached
         self._queue: list[int] = []  # dirty positions after _cur (a heap)
@@ -179,7 +194,7 @@ class _Inliner:
             u = users[0]
             n_idx = len({ld.index for ld in self.loads[u] if ld.buf == name})
             if n_idx == 1 or cheap:
-                self._replace(u, _substitute(self.nodes[u], p))
+                self._replace(u, _substitute(self.nodes[u], p, self.simplified))
                 self._remove(name)
                 self.decisions.append(InlineDecision(name, u, "only consumer"))
             return
@@ -188,7 +203,7 @@ class _Inliner:
         for u in users:
             kinds = {self._kind(u, ld.index, p.numel) for ld in self.loads[u] if ld.buf == name}
             if kinds != {"point"}:
-                self._replace(u, _substitute(self.nodes[u], p))
+                self._replace(u, _substitute(self.nodes[u], p, self.simplified))
                 self.decisions.append(InlineDecision(name, u, "read does not line up with the write (recomputed)"))
         if not self.users.get(name):
             self._remove(name)
