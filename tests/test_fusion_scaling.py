@@ -110,7 +110,8 @@ def runs():
         refused = sum(1 for d in sched.decisions if not d.fused)
         lowered, t_lower, t_inline, (visits, classified) = inline_runs[n]
         print(f"  {n:2d} layers: lower {t_lower * 1e3:6.1f} ms -> {lowered:4d} nodes, inline {t_inline * 1e3:6.1f} ms "
-              f"({t_inline / n * 1e3:.2f} ms/layer, {visits} visits, {classified} reads classified) -> {nodes:4d} nodes")
+              f"({t_inline / n * 1e3:.2f} ms/layer, {visits} visits, {classified} reads classified) "
+              f"-> {nodes:4d} nodes")
         print(f"  {'':9s} {len(sched.groups):4d} groups, fuse {t * 1e3:7.1f} ms "
               f"({t / n * 1e3:.2f} ms/layer), {calls} can_fuse calls, {len(sched.decisions)} decisions "
               f"({refused} refused)")
@@ -297,7 +298,8 @@ def _rounds_reference(graph):
                 u = nodes[uname]
                 if {classify_read(u, ld.index, p.numel, 1) for ld in expr_loads(u.body) if ld.buf == name} != {"point"}:
                     nodes[uname] = inline._substitute(u, p)
-                    decisions.append(inline.InlineDecision(name, uname, "read does not line up with the write (recomputed)"))
+                    decisions.append(inline.InlineDecision(
+                        name, uname, "read does not line up with the write (recomputed)"))
             if not any(reads(nodes[u], name) for u in users if u in nodes):
                 del nodes[name]
         changed = (len(decisions), len(nodes)) != before
