@@ -9,7 +9,7 @@ the consumers whose reads do not line up, and only while it is cheap.
 from __future__ import annotations
 
 import dataclasses
-
+import heapq
 
 from ..knobs import knobs
 from .deps import classify_read
@@ -26,79 +26,187 @@ class InlineDecision:
     reason: str
 
 
-def _substitute(consumer, producer: Pointwise):
-    """consumer with every load of producer's buffer replaced by producer's body at that index."""
+def _substitute(consumer, producer: Pointwise, memo: dict | None = None):
+    """consumer with every load of producer's buffer replaced by producer's body at that index.
+    `memo` caches the index simplifications (pure functions of an index and the consumer's ranges)
+    across calls: a model's layers repeat the same indices, and sympy's own cache is too small to
+    keep them."""
     vars_, ranges = iteration(consumer)
     rng = dict(zip(vars_, ranges))
+    memo = {} if memo is None else memo
+    rkey = tuple(rng.items())
+
+    def simp(e):
+        key = (e, rkey)
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = simplify(e, rng)
+        return out
 
     def repl(ld):
         if ld.buf != producer.name:
             return ld
-        idx = unravel(ld.index, producer.ranges)
-        idx = [simplify(i, rng) for i in idx]
+        key = ("unravel", ld.index, producer.ranges, rkey)
+        idx = memo.get(key)
+        if idx is None:
+            idx = memo[key] = tuple(simp(i) for i in unravel(ld.index, producer.ranges))
         body = subs_expr(producer.body, dict(zip(producer.pvars, idx)))
-        return map_loads(body, lambda inner: type(inner)(inner.buf, simplify(inner.index, rng), inner.dtype))
+        return map_loads(body, lambda inner: type(inner)(inner.buf, simp(inner.index), inner.dtype))
 
     body = map_loads(consumer.body, repl)
     return dataclasses.replace(consumer, body=body)
 
 
 def inline_pointwise(graph: LoopGraph) -> tuple[LoopGraph, tuple[InlineDecision, ...]]:
-    nodes = {n.name: n for n in graph.nodes}
-    order = [n.name for n in graph.nodes]
-    pinned = {o.view.buf for o in graph.outputs}
-    for n in graph.nodes:
-        if isinstance(n, Extern):
-            pinned |= {a.buf for a in _tensor_args(n.args)}
-    decisions = []
-    changed = True
-    while changed:  # inlining one node can leave another with a single consumer: repeat to a fixpoint
-        before = len(decisions), len(nodes)
-        _inline_round(nodes, order, pinned, decisions)
-        changed = (len(decisions), len(nodes)) != before
-    kept = tuple(nodes[n] for n in order if n in nodes)
+    """Inline to a fixpoint. Linear in the graph: who reads each buffer is worked out once and kept
+    up to date as producers are substituted, how a consumer's load lines up is classified once per
+    (consumer, load), and after the first pass over the graph only nodes whose inputs to the
+    decision changed are visited again (visiting any other node would change nothing)."""
+    st = _Inliner(graph)
+    st.run()
+    kept = tuple(st.nodes[n] for n in st.order if n in st.nodes)
     read = {o.view.buf for o in graph.outputs}
     for n in kept:
-        read |= ({a.buf for a in _tensor_args(n.args)} if isinstance(n, Extern)
-                 else {ld.buf for ld in expr_loads(n.body)})
+        read.update(st.reads[n.name])
     # Weights and folded constants nothing reads any more are not stored in the archive.
     live = {n.name for n in kept} | {b.name for b in graph.buffers if b.kind == "input"} | read
     buffers = tuple(b for b in graph.buffers if b.name in live)
     weights = tuple((b, fqn) for b, fqn in graph.weights if b in read)
-    return dataclasses.replace(graph, nodes=kept, buffers=buffers, weights=weights), tuple(decisions)
+    return dataclasses.replace(graph, nodes=kept, buffers=buffers, weights=weights), tuple(st.decisions)
 
 
-def _inline_round(nodes, order, pinned, decisions):
-    for name in list(order):
-        p = nodes.get(name)
-        if not isinstance(p, Pointwise) or name in pinned:
-            continue
-        users = [u for u in order if u in nodes and u != name and _reads(nodes[u], name)]
-        cheap = expr_op_count(p.body) <= knobs.inline_max_ops and len(expr_loads(p.body)) <= 8
+class _Inliner:
+    """The pass's state. Semantics are those of repeated rounds over the graph in order, each node
+    deciding from the graph as it is when the round reaches it, until a round changes nothing:
+
+    - a pointwise node that is not pinned (an output or an extern operand) and has one consumer is
+      substituted into it if the consumer reads it at one index, or if it is cheap;
+    - a cheap one with several consumers is substituted into those whose reads are not all 'point',
+      and removed once no consumer reads it;
+    - a cheap one that nothing reads is removed.
+
+    A node's decision depends only on its own body, its consumers (in graph order) and their loads
+    of its buffer. Every change to a node (a substitution into it, its removal) marks that node and
+    every buffer it read before or reads after as dirty; a dirty node after the current position is
+    visited later in this round, one at or before it in the next round. A node that is not dirty
+    was visited with exactly the state it has now and changed nothing then, so it would change
+    nothing now: skipping it gives the same decisions, in the same order, as the full rounds.
+    """
+
+    def __init__(self, graph: LoopGraph):
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.order = [n.name for n in graph.nodes]
+        self.pos = {name: i for i, name in enumerate(self.order)}
+        self.pinned = {o.view.buf for o in graph.outputs}
+        self.loads: dict[str, list] = {}  # node -> its loads (expr_loads of its body); externs: none
+        self.reads: dict[str, dict] = {}  # node -> the buffers it reads (ordered, no repeats)
+        self.users: dict[str, set] = {}  # buffer -> the nodes that read it
+        for n in graph.nodes:
+            if isinstance(n, Extern):
+                self.pinned |= {a.buf for a in _tensor_args(n.args)}
+                self.loads[n.name] = []
+                self.reads[n.name] = dict.fromkeys(a.buf for a in _tensor_args(n.args))
+            else:
+                self.loads[n.name] = expr_loads(n.body)
+                self.reads[n.name] = dict.fromkeys(ld.buf for ld in self.loads[n.name])
+            for b in self.reads[n.name]:
+                self.users.setdefault(b, set()).add(n.name)
+        self.cheap: dict[str, bool] = {}  # node -> cheap enough to recompute (dropped when its body changes)
+        self.kinds: dict[tuple, str] = {}  # (consumer, index, producer numel) -> classify_read
+        self.simplified: dict = {}  # _substitute's memo of index simplifications
+        self.decisions: list[InlineDecision] = []
+        self._cur = -1  # position the current round has reached
+        self._queue: list[int] = []  # dirty positions after _cur (a heap)
+        self._queued: set[int] = set()
+        self._next: set[int] = set()  # dirty positions at or before _cur: the next round's
+
+    def run(self) -> None:
+        pending = range(len(self.order))
+        while pending:
+            self._queue, self._queued, self._next, self._cur = list(pending), set(pending), set(), -1
+            heapq.heapify(self._queue)
+            while self._queue:
+                i = heapq.heappop(self._queue)
+                self._queued.discard(i)
+                self._cur = i
+                self._visit(self.order[i])
+            pending = sorted(self._next)
+
+    def _dirty(self, name: str) -> None:
+        i = self.pos.get(name)
+        if i is None or name not in self.nodes:
+            return
+        if i > self._cur:
+            if i not in self._queued:
+                self._queued.add(i)
+                heapq.heappush(self._queue, i)
+        else:
+            self._next.add(i)
+
+    def _users_of(self, name: str) -> list[str]:
+        return sorted(self.users.get(name, ()), key=self.pos.__getitem__)
+
+    def _is_cheap(self, name: str) -> bool:
+        c = self.cheap.get(name)
+        if c is None:
+            c = self.cheap[name] = (expr_op_count(self.nodes[name].body) <= knobs.inline_max_ops
+                                    and len(self.loads[name]) <= 8)
+        return c
+
+    def _kind(self, consumer: str, index, producer_numel: int) -> str:
+        # A consumer's iteration space never changes (substitution rewrites only its body).
+        key = (consumer, index, producer_numel)
+        k = self.kinds.get(key)
+        if k is None:
+            k = self.kinds[key] = classify_read(self.nodes[consumer], index, producer_numel, 1)
+        return k
+
+    def _replace(self, name: str, node) -> None:
+        old = self.reads[name]
+        self.nodes[name] = node
+        self.loads[name] = expr_loads(node.body)
+        new = self.reads[name] = dict.fromkeys(ld.buf for ld in self.loads[name])
+        self.cheap.pop(name, None)
+        for b in old:
+            if b not in new:
+                self.users[b].discard(name)
+        for b in new:
+            if b not in old:
+                self.users.setdefault(b, set()).add(name)
+        self._dirty(name)
+        for b in (*old, *new):
+            self._dirty(b)
+
+    def _remove(self, name: str) -> None:
+        del self.nodes[name]
+        self.cheap.pop(name, None)
+        for b in self.reads[name]:
+            self.users[b].discard(name)
+            self._dirty(b)
+
+    def _visit(self, name: str) -> None:
+        p = self.nodes.get(name)
+        if not isinstance(p, Pointwise) or name in self.pinned:
+            return
+        users = self._users_of(name)
+        cheap = self._is_cheap(name)
         if len(users) == 1:
-            u = nodes[users[0]]
-            n_idx = len({ld.index for ld in expr_loads(u.body) if ld.buf == name})
+            u = users[0]
+            n_idx = len({ld.index for ld in self.loads[u] if ld.buf == name})
             if n_idx == 1 or cheap:
-                nodes[u.name] = _substitute(u, p)
-                del nodes[name]
-                decisions.append(InlineDecision(name, u.name, "only consumer"))
-            continue
+                self._replace(u, _substitute(self.nodes[u], p, self.simplified))
+                self._remove(name)
+                self.decisions.append(InlineDecision(name, u, "only consumer"))
+            return
         if not cheap:
-            continue
-        for uname in users:
-            u = nodes[uname]
-            kinds = {classify_read(u, ld.index, p.numel, 1) for ld in expr_loads(u.body) if ld.buf == name}
+            return
+        for u in users:
+            kinds = {self._kind(u, ld.index, p.numel) for ld in self.loads[u] if ld.buf == name}
             if kinds != {"point"}:
-                nodes[uname] = _substitute(u, p)
-                decisions.append(InlineDecision(name, uname, "read does not line up with the write (recomputed)"))
-        if not any(_reads(nodes[u], name) for u in users if u in nodes):
-            del nodes[name]
-
-
-def _reads(node, buf: str) -> bool:
-    if isinstance(node, Extern):
-        return any(a.buf == buf for a in _tensor_args(node.args))
-    return any(ld.buf == buf for ld in expr_loads(node.body))
+                self._replace(u, _substitute(self.nodes[u], p, self.simplified))
+                self.decisions.append(InlineDecision(name, u, "read does not line up with the write (recomputed)"))
+        if not self.users.get(name):
+            self._remove(name)
 
 
 def _tensor_args(args):

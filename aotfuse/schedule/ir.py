@@ -221,11 +221,21 @@ def expr_loads(e: Expr) -> list[Load]:
 
 
 def expr_op_count(e: Expr) -> int:
-    if isinstance(e, Op):
-        return 1 + sum(expr_op_count(a) for a in e.args)
-    if isinstance(e, Cast):
-        return expr_op_count(e.arg)
-    return 0
+    """Ops in e counted as a tree (a shared sub-DAG counts once per use), each sub-DAG walked once."""
+    memo: dict[int, int] = {}
+
+    def count(x) -> int:
+        key = id(x)
+        if key not in memo:
+            if isinstance(x, Op):
+                memo[key] = 1 + sum(count(a) for a in x.args)
+            elif isinstance(x, Cast):
+                memo[key] = count(x.arg)
+            else:
+                memo[key] = 0
+        return memo[key]
+
+    return count(e)
 
 
 def rewrite_expr(e: Expr, load=None, index=None) -> Expr:
