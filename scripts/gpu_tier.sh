@@ -28,7 +28,7 @@ want pytest && run pytest python3 -m pytest -q -ra -m gpu tests
 if want sanitize; then
   run san_build python3 scripts/sanitize_gpu.py build build/san
   run memcheck  compute-sanitizer --tool memcheck  --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san
-  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san --plain-externs
+  run racecheck compute-sanitizer --tool racecheck --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py kernels build/san
 fi
 if want check || want train; then
   [ -d build/gpu ] || python3 scripts/build_gpu_fixtures.py build/gpu >"$OUT/fixtures.log" 2>&1
@@ -50,7 +50,7 @@ for s in "${status[@]}"; do echo "  $s"; done
 [ -f "$OUT/ws_owned.log" ] && echo "workspace owned: $(tail -2 "$OUT/ws_owned.log" | tr '\n' ' ')"
 [ -f "$OUT/pytest.log" ] && tail -2 "$OUT/pytest.log"
 for h in host_before host_after; do [ -f "$OUT/$h.log" ] && echo "$h: $(tail -1 "$OUT/$h.log")"; done
-for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "ERROR SUMMARY\|launched\|FAIL" "$OUT/$t.log" | tail -3; }; done
+for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "ERROR SUMMARY\|RACECHECK SUMMARY\|launched\|FAIL" "$OUT/$t.log" | tail -3; }; done
 [ -f "$OUT/check.log" ] && grep -h "PASS\|FAIL" "$OUT/check.log" | tail -20
 [ -f "$OUT/benchmarks.md" ] && grep -h "^|" "$OUT/benchmarks.md" | head -60
 [ -f "$OUT/train.log" ] && sed -n '/== training/,$p' "$OUT/train.log"

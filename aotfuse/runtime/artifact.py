@@ -53,6 +53,7 @@ class Artifact:
             from .gpu import make_launchers
 
             launchers, self.arch, self._modules = make_launchers(self.kernels, self.device)
+            self.launchers = launchers  # name -> launch(grid, stream, addresses)
         elif self.device.type == "cpu":
             from .interpret import make_launchers as interp_launchers
 
