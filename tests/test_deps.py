@@ -49,7 +49,8 @@ def _imports(folder: str) -> dict[str, set[str]]:
                 continue
             for m in mods:
                 top = m.split(".")[0]
-                if top and top not in sys.stdlib_module_names and top != "aotfuse":
+                local = (path.parent / f"{top}.py").exists() or (path.parent / top / "__init__.py").exists()
+                if top and top not in sys.stdlib_module_names and top != "aotfuse" and not local:
                     found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
     return found
 

@@ -173,8 +173,8 @@ def test_parallel_compile_results_keep_job_order(monkeypatch):
     monkeypatch.setattr(comp, "cf", fake_cf)
     monkeypatch.setattr(comp, "_compile_one", lambda name, src, sig, warps, arch: comp.Binary(
         arch, f"{name}@{arch}".encode(), name, warps, 0, 0, 0))
-    args = (KernelArg("in_ptr0", "x", "float32", "in"),)
-    kernels = [KernelSource(f"k{i}", "", args, (1, 1, 1), 1, f"g{i}", "pointwise", (), 1, 1) for i in range(3)]
+    args = (KernelArg("in_ptr0", "x", "float32", "in", 1),)
+    kernels = [KernelSource(f"k{i}", "", args, (1, 1, 1), 1, f"g{i}", "pointwise", (), 1, 1, 1, 1) for i in range(3)]
     out = comp.compile_all(kernels, ("sm_80", "sm_90"), workers=2)
     assert list(out) == ["k0", "k1", "k2"]
     assert all(list(b) == ["sm_80", "sm_90"] for b in out.values())
