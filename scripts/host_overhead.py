@@ -19,7 +19,8 @@ import torch
 import aotfuse
 from aotfuse.specs import load_spec, random_inputs
 
-spec = sys.argv[1] if len(sys.argv) > 1 else "aotfuse.examples.gpt:demo"
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+spec = args[0] if args else "aotfuse.examples.gpt:demo"
 model, inputs = load_spec(spec)
 path = tempfile.mktemp(suffix=".aotf")
 aotfuse.build(model, inputs, targets=("sm_90",)).save(path)
@@ -48,3 +49,20 @@ for graphs in (False, True):
     row.append(f"graphs={'on' if graphs else 'off'}: host {statistics.median(host) * 1e6:.1f} us/call, "
                f"back-to-back {statistics.median(b2b) * 1e6:.1f} us/call ({n_steps} instructions)")
 print(" | ".join(row))
+if "--profile" in sys.argv:  # where the host time of the graphs-off path goes
+    import cProfile
+    import pstats
+
+    art = aotfuse.load(path, device="cuda", cuda_graphs=False)
+    x = random_inputs(art.input_specs, device="cuda", seed=0)
+    with torch.no_grad():
+        for _ in range(20):
+            art(*x)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            art(*x)
+            torch.cuda.synchronize()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
