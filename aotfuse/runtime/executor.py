@@ -62,6 +62,14 @@ class _View:
         return base.as_strided(self.shape, self.stride, base.storage_offset() + self.offset)
 
 
+def _flat(xs):
+    for x in xs:
+        if isinstance(x, list):
+            yield from _flat(x)
+        else:
+            yield x
+
+
 class State:
     """What one caller (a stream, or a CUDA-graph instance) runs on: the arena and the slots.
     Calls on one state are serialized by its lock."""
@@ -75,6 +83,24 @@ class State:
             self._set(slot, t)
         for slot, off, shape, dt, nbytes in ex.arena_allocs:
             self._set(slot, self.arena[off:off + nbytes].view(dt).view(shape))
+        # Extern arguments that view weights or the arena are the same tensors on every call: made
+        # once here. Only views of per-call buffers (inputs, extern results, outputs) stay _View.
+        self.externs: list = [None] * ex.n_externs
+        for step in ex.steps:
+            if step[0] == "extern":
+                _, i, _fn, args, kwargs, _ov_flag, ov, *_ = step
+                args = [self._fix(a, ex.per_call) for a in args]
+                kwargs = {k: self._fix(v, ex.per_call) for k, v in kwargs.items()}
+                out = self._fix(ov, ex.per_call)
+                dynamic = any(isinstance(a, _View) for a in _flat([args, list(kwargs.values()), [out]]))
+                self.externs[i] = (args, kwargs, out, dynamic)
+
+    def _fix(self, a, per_call: set):
+        if isinstance(a, _View):
+            return a if a.slot in per_call else a.of(self.env)
+        if isinstance(a, list):
+            return [self._fix(x, per_call) for x in a]
+        return a
 
     def _set(self, slot: int, t: torch.Tensor) -> None:
         self.env[slot] = t
@@ -97,6 +123,7 @@ class Executor:
         # outputs (and the buffers they view) are allocated per call, never in the shared arena
         self._per_call_bufs = {o["t"] for o in last["outputs"]} if last.get("op") == "return" else set()
         self.arena_allocs: list[tuple] = []
+        self.n_externs = 0
         self.per_call: set[int] = set(self.input_slots) | ({self.rng_slot} if self.rng_slot is not None else set())
         self.steps = [s for s in (self._link(ins, launchers) for ins in instructions) if s is not None]
         if not self.steps or self.steps[-1][0] != "return":
@@ -133,9 +160,11 @@ class Executor:
             out = self._slot(ins["out"])
             if not ins["out_variant"]:
                 self.per_call.add(out)  # the op allocates its result
-            return ("extern", resolve(ins["target"]), self._arg(ins["args"]),
+            self.n_externs += 1
+            shape = tuple(ins["shape"])
+            return ("extern", self.n_externs - 1, resolve(ins["target"]), self._arg(ins["args"]),
                     {k: self._arg(v) for k, v in ins["kwargs"].items()}, ins["out_variant"],
-                    _View(out, ins["out_view"]), out, tuple(ins["shape"]), torch_dtype(ins["dtype"]))
+                    _View(out, ins["out_view"]), out, shape, torch_dtype(ins["dtype"]), _contig_strides(shape))
         if op == "free":
             return ("free", tuple(s for s in (self._slots.get(b) for b in ins["bufs"]) if s is not None))
         if op == "return":
@@ -154,8 +183,7 @@ class Executor:
         """A fresh state of its own (a CUDA-graph instance owns one)."""
         return State(self)
 
-    def _state_for_caller(self) -> State:
-        key = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+    def _state_for_caller(self, key) -> State:
         with self._states_lock:
             st = self._states.get(key)
             if st is None:
@@ -169,20 +197,19 @@ class Executor:
     # ---------------------------------------------------------------- run
     def run(self, inputs: list[torch.Tensor], seed: torch.Tensor | None = None,
             state: State | None = None) -> list[torch.Tensor]:
-        st = state or self._state_for_caller()
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        st = state or self._state_for_caller(stream)
         with st.lock:
             try:
-                return self._run(st, inputs, seed)
+                return self._run(st, inputs, seed, stream)
             finally:
                 env = st.env
                 for s in self._per_call_list:  # drop this call's tensors; the outputs are the caller's
                     env[s] = None
 
-    def _run(self, st: State, inputs, seed) -> list[torch.Tensor]:
+    def _run(self, st: State, inputs, seed, stream: int) -> list[torch.Tensor]:
         env, addr, dev = st.env, st.addr, self.device
-        # GPU launchers take (grid, stream, device addresses); the CPU interpreter's take tensors
-        by_addr = dev.type == "cuda"
-        stream = torch.cuda.current_stream(dev).cuda_stream if by_addr else 0
+        by_addr = dev.type == "cuda"  # GPU launchers take (grid, stream, addresses); the interpreter's tensors
         for s, t in zip(self.input_slots, inputs):
             env[s] = t
             addr[s] = t.data_ptr()
@@ -201,7 +228,7 @@ class Executor:
                 env[slot] = t
                 addr[slot] = t.data_ptr()
             elif kind == "extern":
-                self._extern(step, env, addr)
+                self._extern(st, step, env, addr)
             elif kind == "free":
                 for s in step[1]:
                     if s in self.per_call:
@@ -218,12 +245,16 @@ class Executor:
             return [Executor._decode(x, env) for x in a]
         return a
 
-    def _extern(self, step, env, addr) -> None:
-        _, fn, args, kwargs, out_variant, ov, out, shape, dtype = step
-        args = [self._decode(a, env) for a in args]
-        kwargs = {k: self._decode(v, env) for k, v in kwargs.items()}
+    def _extern(self, st: State, step, env, addr) -> None:
+        _, i, fn, _a, _k, out_variant, ov, out, shape, dtype, contig = step
+        args, kwargs, outv, dynamic = st.externs[i]
+        if dynamic:
+            args = [self._decode(a, env) for a in args]
+            kwargs = {k: self._decode(v, env) for k, v in kwargs.items()}
+            if out_variant:  # a non-out op's view is of its own result, bound below
+                outv = self._decode(outv, env)
         if out_variant:
-            fn(*args, **kwargs, out=ov.of(env))
+            fn(*args, **kwargs, out=outv)
             return
         result = fn(*args, **kwargs)
         t = None
@@ -231,7 +262,7 @@ class Executor:
             # The op wrote the layout we planned for (e.g. flash attention's [B, T, H, D]): bind it.
             base_off = result.storage_offset() - ov.offset
             if base_off >= 0:
-                t = result.as_strided(shape, _contig_strides(shape), base_off)
+                t = result.as_strided(shape, contig, base_off)
         if t is None:
             t = torch.empty(shape, dtype=dtype, device=result.device)
             t.as_strided(ov.shape, ov.stride, ov.offset).copy_(result)
