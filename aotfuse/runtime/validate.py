@@ -22,124 +22,18 @@ Pure: imports torch (meta tensors only) and the runtime's own tables; never trit
 from __future__ import annotations
 
 import dataclasses
-import keyword
-import re
-from typing import Any
 
 import torch
 
 from ..errors import ArchiveError
 from .executor import DTYPES, _ITEMSIZE
 from .externs import ALLOWED
-
-PROGRAM_VERSIONS = (1, 2)  # 1: no weight specs, no per-argument element counts (golden v1 archives)
-MAX_BYTES = 1 << 40  # what one program may allocate (arena + own allocations): 1 TiB, beyond any device
-MAX_NUMEL = MAX_BYTES  # elements of one buffer (a bool of MAX_BYTES elements is MAX_BYTES bytes)
-MAX_DIMS = 32
-MAX_INSTRUCTIONS = 1 << 20
-MAX_NAME = 256
-INDEX_LIMIT = 2**31 - 1  # kernels index with 32-bit integers (emit/kernel_src.py refuses more)
-GRID_X_MAX = 2**31 - 1  # CUDA's limits on gridDim
-GRID_YZ_MAX = 65535
-ARENA_ALIGN = 256  # schedule/memplan.py rounds every slot to this
-KERNEL_PTR_ALIGN = 16  # cubins are compiled assuming 16-byte divisible pointers (emit/compile.py)
-NUM_WARPS = (1, 2, 4, 8, 16, 32)
-KINDS = ("pointwise", "persistent_reduction", "looped_reduction")
-MAX_BLOCK = 1 << 16
-MAX_EXTERN_ARG_DEPTH = 3  # e.g. a list of ints inside the argument list; the runtime recurses on it
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_ARCH = re.compile(r"sm_[0-9]{2,3}\Z")
-_REMEDY = "the archive is damaged or was not written by this aotfuse; rebuild it"
-
-
-def _fail(where: str, msg: str):
-    raise ArchiveError(f"{where}: {msg}", remedy=_REMEDY)
-
-
-# ---------------------------------------------------------------- typed field readers
-
-def _dict(v, where: str, keys: tuple[str, ...] = ()) -> dict:
-    if type(v) is not dict:
-        _fail(where, f"expected a map, got {type(v).__name__}")
-    for k in keys:
-        if k not in v:
-            _fail(where, f"missing field {k!r}")
-    return v
-
-
-def _list(v, where: str, lo: int = 0, hi: int = MAX_INSTRUCTIONS) -> list:
-    if type(v) is not list:
-        _fail(where, f"expected a list, got {type(v).__name__}")
-    if not lo <= len(v) <= hi:
-        _fail(where, f"expected {lo}..{hi} entries, got {len(v)}")
-    return v
-
-
-def _int(v, where: str, lo: int, hi: int) -> int:
-    if type(v) is not int:  # bool is an int subclass: refused on purpose
-        _fail(where, f"expected an integer, got {type(v).__name__}")
-    if not lo <= v <= hi:
-        _fail(where, f"{v} is outside {lo}..{hi}")
-    return v
-
-
-def _bool(v, where: str) -> bool:
-    if type(v) is not bool:
-        _fail(where, f"expected true/false, got {type(v).__name__}")
-    return v
-
-
-def _str(v, where: str) -> str:
-    if type(v) is not str or not 0 < len(v) <= MAX_NAME:
-        _fail(where, f"expected a non-empty name, got {_short(v)}")
-    return v
-
-
-def _ident(v, where: str) -> str:
-    # kernel and argument names become Python identifiers on the CPU path (getattr, def parameters)
-    if type(v) is not str or not _IDENT.match(v) or len(v) > MAX_NAME or keyword.iskeyword(v):
-        _fail(where, f"expected an identifier, got {_short(v)}")
-    return v
-
-
-def _dtype(v, where: str) -> str:
-    if type(v) is not str or v not in DTYPES:
-        _fail(where, f"unknown dtype {_short(v)} (known: {', '.join(DTYPES)})")
-    return v
-
-
-def _torch_dtype_name(v, where: str) -> str:
-    """Manifest specs write dtypes as str(torch.dtype): 'torch.float32'."""
-    if type(v) is not str or not v.startswith("torch.") or v[6:] not in DTYPES:
-        _fail(where, f"unknown dtype {_short(v)}")
-    return v[6:]
-
-
-def _shape(v, where: str) -> tuple[int, ...]:
-    _list(v, where, 0, MAX_DIMS)
-    n = 1
-    for i, d in enumerate(v):
-        n *= _int(d, f"{where}[{i}]", 0, MAX_NUMEL)
-    if n > MAX_NUMEL:
-        _fail(where, f"{n} elements is more than {MAX_NUMEL}")
-    return tuple(v)
-
-
-def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
+from .validate_extern import _Ref, _flat, _meta_check, _overlaps
+from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, KERNEL_PTR_ALIGN, KINDS,
+                              MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS,
+                              MAX_NUMEL, NUM_WARPS, PROGRAM_VERSIONS, _align, _bool, _dict,
+                              _dtype, _fail, _ident, _int, _list, _numel, _shape, _short, _str,
+                              _torch_dtype_name, _ARCH, _IDENT)
 
 # ---------------------------------------------------------------- manifest
 
@@ -544,19 +438,6 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     _meta_check(fn, args, kwargs, ov, dtype, where)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ref:
-    """An extern argument that is a tensor view: enough to build a meta tensor."""
-
-    name: str
-    dtype: str
-    shape: tuple
-    stride: tuple
-
-    def meta(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=DTYPES[self.dtype], device="meta")
-
-
 def _arg(w: _Walk, a, where: str, depth: int):
     """A decoded extern argument: scalars as they are, views as _Ref, lists recursively (bounded)."""
     if a is None or type(a) in (bool, int, float):
@@ -570,147 +451,6 @@ def _arg(w: _Walk, a, where: str, depth: int):
         _list(a, where, 0, 64)
         return [_arg(w, x, f"{where}[{j}]", depth + 1) for j, x in enumerate(a)]
     _fail(where, f"is not an extern argument (scalar, tensor view or short list): {_short(a)}")
-
-
-def _flat(args: list):
-    for a in args:
-        if type(a) is list:
-            yield from _flat(a)
-        else:
-            yield a
-
-
-def _to_meta(a):
-    if isinstance(a, _Ref):
-        return a.meta()
-    if type(a) is list:
-        return [_to_meta(x) for x in a]
-    return a
-
-
-def _meta_check(fn, args: list, kwargs: dict, ov: dict, dtype: str, where: str) -> None:
-    """Run the op's shape function on meta tensors (no data, no device): the arguments must be ones
-    the op accepts, and its result must be exactly what the output view holds."""
-    functional = fn.overloadpacket.default if fn._schema.overload_name == "out" else fn
-    _schema_types(functional, args, kwargs, where)
-    _dtype_rule(functional, args, kwargs, dtype, where)
-    rule = _SHAPE_RULES.get(functional.__name__.split(".")[0])
-    if rule is not None:
-        res = torch.empty(rule(args, kwargs, where), dtype=DTYPES[_ref_dtype(args)], device="meta")
-    else:
-        try:
-            res = functional(*[_to_meta(a) for a in args], **{k: _to_meta(v) for k, v in kwargs.items()})
-        except Exception as exc:  # torch reports bad arguments as RuntimeError, TypeError, IndexError, ...
-            _fail(where, f"arguments rejected by {fn}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-    if not isinstance(res, torch.Tensor):
-        _fail(where, f"{fn} returns {type(res).__name__}, not a tensor")
-    if list(res.shape) != list(ov["shape"]) or res.dtype != DTYPES[dtype]:
-        _fail(where, f"{fn} returns {str(res.dtype)[6:]}{list(res.shape)}, the output view is "
-                     f"{dtype}{list(ov['shape'])}")
-
-
-# The meta kernels of these ops import torch._dynamo (torch 2.13), which the runtime must never load:
-# their shape rules, written out. Each returns the result's shape or fails naming the instruction.
-def _ref_dtype(args: list) -> str:
-    return next(a.dtype for a in _flat(args) if isinstance(a, _Ref))
-
-
-def _tensor(a, what: str, where: str, ndim: int | None = None) -> _Ref:
-    if not isinstance(a, _Ref) or (ndim is not None and len(a.shape) != ndim):
-        _fail(where, f"{what} must be a {ndim}-d tensor view, got {_short(a)}")
-    return a
-
-
-def _addmm_shape(args: list, kwargs: dict, where: str) -> tuple:
-    if len(args) != 3:
-        _fail(where, f"addmm takes bias, mat1, mat2; got {len(args)} arguments")
-    bias = _tensor(args[0], "bias", where)
-    m1, m2 = _tensor(args[1], "mat1", where, 2), _tensor(args[2], "mat2", where, 2)
-    if m1.shape[1] != m2.shape[0]:
-        _fail(where, f"addmm: mat1 {list(m1.shape)} and mat2 {list(m2.shape)} do not chain")
-    out = (m1.shape[0], m2.shape[1])
-    if len(bias.shape) > 2 or any(b not in (1, o) for b, o in zip(reversed(bias.shape), reversed(out))):
-        _fail(where, f"addmm: bias {list(bias.shape)} does not broadcast to {list(out)}")
-    if len({m1.dtype, m2.dtype, bias.dtype}) != 1:
-        _fail(where, f"addmm: operands of dtypes {bias.dtype}, {m1.dtype}, {m2.dtype}")
-    return out
-
-
-def _sdpa_shape(args: list, kwargs: dict, where: str) -> tuple:
-    if len(args) < 3:
-        _fail(where, f"scaled_dot_product_attention takes query, key, value; got {len(args)} arguments")
-    q, k, v = (_tensor(a, n, where, 4) for a, n in zip(args[:3], ("query", "key", "value")))
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    (b, h, t, e), (bk, hk, s, ek), (bv, hv, sv, ev) = q.shape, k.shape, v.shape
-    gqa = bool(kwargs.get("enable_gqa", False))
-    if b != bk or b != bv or (hk, s) != (hv, sv) or e != ek or (h != hk and not (gqa and hk and h % hk == 0)):
-        _fail(where, f"attention: query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)} do not match")
-    if len({q.dtype, k.dtype, v.dtype}) != 1:
-        _fail(where, f"attention: query, key, value of dtypes {q.dtype}, {k.dtype}, {v.dtype}")
-    if mask is not None:
-        m = _tensor(mask, "attn_mask", where)
-        if len(m.shape) > 4 or any(x not in (1, y) for x, y in zip(reversed(m.shape), reversed((b, h, t, s)))):
-            _fail(where, f"attention: mask {list(m.shape)} does not broadcast to {[b, h, t, s]}")
-    return (b, h, t, ev)
-
-
-_SHAPE_RULES = {"addmm": _addmm_shape, "scaled_dot_product_attention": _sdpa_shape}
-
-
-def _overlaps(shape: list, stride: list) -> bool:
-    """Whether two indices of a strided view reach the same element."""
-    dims = sorted((s, d) for d, s in zip(shape, stride) if d > 1)
-    need = 1
-    for s, d in dims:
-        if s < need:
-            return True
-        need = s * d
-    return False
-
-
-def _is_int(x) -> bool:
-    return type(x) is int
-
-
-_TYPES = {  # schema type -> what the program may pass (meta kernels coerce too liberally, e.g. int as bool)
-    "Tensor": lambda x: isinstance(x, _Ref),
-    "Optional[Tensor]": lambda x: x is None or isinstance(x, _Ref),
-    "int": _is_int,
-    "bool": lambda x: type(x) is bool,
-    "float": lambda x: type(x) in (int, float),
-    "number": lambda x: type(x) in (int, float),
-    "Optional[float]": lambda x: x is None or type(x) in (int, float),
-    "List[int]": lambda x: type(x) is list and all(map(_is_int, x)),
-}
-
-
-def _schema_types(fn, args: list, kwargs: dict, where: str) -> None:
-    schema = {a.name: a for a in fn._schema.arguments}
-    positional = [a for a in fn._schema.arguments if not a.kwarg_only]
-    if len(args) > len(positional):
-        _fail(where, f"{len(args)} positional arguments, {fn} takes {len(positional)}")
-    for a, spec in list(zip(args, positional)) + [(v, schema.get(k)) for k, v in kwargs.items()]:
-        if spec is None:
-            _fail(where, f"{fn} has no keyword argument among {sorted(kwargs)} that it accepts")
-        check = _TYPES.get(str(spec.type))
-        if check is None or not check(a):
-            _fail(where, f"argument {spec.name!r} of {fn} expects {spec.type}, got {_short(a)}")
-
-
-_INDEX_ARGS = {"indices": ("int64", "int32")}  # by schema name; every other tensor has the result's dtype
-
-
-def _dtype_rule(fn, args: list, kwargs: dict, dtype: str, where: str) -> None:
-    """Meta kernels check shapes, not dtypes (aten.mm on meta accepts float32 @ float64): the allow-listed
-    ops compute in one dtype, so each tensor argument has the result's, except indices (and a mask)."""
-    names = [a.name for a in fn._schema.arguments]
-    named = list(zip(names, args)) + list(kwargs.items())
-    for arg_name, a in named:
-        for ref in (x for x in _flat([a]) if isinstance(x, _Ref)):
-            ok = _INDEX_ARGS.get(arg_name, (dtype, "bool") if arg_name == "attn_mask" else (dtype,))
-            if ref.dtype not in ok:
-                _fail(where, f"argument {arg_name!r} (a view of {ref.name!r}) is {ref.dtype}, expected "
-                             f"{' or '.join(ok)}")
 
 
 def _free(w: _Walk, i: int, ins: dict, where: str) -> None:

@@ -1,0 +1,167 @@
+"""Load-time validation, part 2: an extern call's arguments against its schema and shape rules.
+
+Each op's shape function runs on meta tensors (no data, no device), except where that would import
+the compiler stack (addmm and attention: their meta kernels import torch._dynamo), where the rule
+is written out here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .executor import DTYPES
+from .validate_fields import _fail, _short
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """An extern argument that is a tensor view: enough to build a meta tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    stride: tuple
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=DTYPES[self.dtype], device="meta")
+
+
+def _flat(args: list):
+    for a in args:
+        if type(a) is list:
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _to_meta(a):
+    if isinstance(a, _Ref):
+        return a.meta()
+    if type(a) is list:
+        return [_to_meta(x) for x in a]
+    return a
+
+
+def _meta_check(fn, args: list, kwargs: dict, ov: dict, dtype: str, where: str) -> None:
+    """Run the op's shape function on meta tensors (no data, no device): the arguments must be ones
+    the op accepts, and its result must be exactly what the output view holds."""
+    functional = fn.overloadpacket.default if fn._schema.overload_name == "out" else fn
+    _schema_types(functional, args, kwargs, where)
+    _dtype_rule(functional, args, kwargs, dtype, where)
+    rule = _SHAPE_RULES.get(functional.__name__.split(".")[0])
+    if rule is not None:
+        res = torch.empty(rule(args, kwargs, where), dtype=DTYPES[_ref_dtype(args)], device="meta")
+    else:
+        try:
+            res = functional(*[_to_meta(a) for a in args], **{k: _to_meta(v) for k, v in kwargs.items()})
+        except Exception as exc:  # torch reports bad arguments as RuntimeError, TypeError, IndexError, ...
+            _fail(where, f"arguments rejected by {fn}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    if not isinstance(res, torch.Tensor):
+        _fail(where, f"{fn} returns {type(res).__name__}, not a tensor")
+    if list(res.shape) != list(ov["shape"]) or res.dtype != DTYPES[dtype]:
+        _fail(where, f"{fn} returns {str(res.dtype)[6:]}{list(res.shape)}, the output view is "
+                     f"{dtype}{list(ov['shape'])}")
+
+
+# The meta kernels of these ops import torch._dynamo (torch 2.13), which the runtime must never load:
+# their shape rules, written out. Each returns the result's shape or fails naming the instruction.
+def _ref_dtype(args: list) -> str:
+    return next(a.dtype for a in _flat(args) if isinstance(a, _Ref))
+
+
+def _tensor(a, what: str, where: str, ndim: int | None = None) -> _Ref:
+    if not isinstance(a, _Ref) or (ndim is not None and len(a.shape) != ndim):
+        _fail(where, f"{what} must be a {ndim}-d tensor view, got {_short(a)}")
+    return a
+
+
+def _addmm_shape(args: list, kwargs: dict, where: str) -> tuple:
+    if len(args) != 3:
+        _fail(where, f"addmm takes bias, mat1, mat2; got {len(args)} arguments")
+    bias = _tensor(args[0], "bias", where)
+    m1, m2 = _tensor(args[1], "mat1", where, 2), _tensor(args[2], "mat2", where, 2)
+    if m1.shape[1] != m2.shape[0]:
+        _fail(where, f"addmm: mat1 {list(m1.shape)} and mat2 {list(m2.shape)} do not chain")
+    out = (m1.shape[0], m2.shape[1])
+    if len(bias.shape) > 2 or any(b not in (1, o) for b, o in zip(reversed(bias.shape), reversed(out))):
+        _fail(where, f"addmm: bias {list(bias.shape)} does not broadcast to {list(out)}")
+    if len({m1.dtype, m2.dtype, bias.dtype}) != 1:
+        _fail(where, f"addmm: operands of dtypes {bias.dtype}, {m1.dtype}, {m2.dtype}")
+    return out
+
+
+def _sdpa_shape(args: list, kwargs: dict, where: str) -> tuple:
+    if len(args) < 3:
+        _fail(where, f"scaled_dot_product_attention takes query, key, value; got {len(args)} arguments")
+    q, k, v = (_tensor(a, n, where, 4) for a, n in zip(args[:3], ("query", "key", "value")))
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    (b, h, t, e), (bk, hk, s, ek), (bv, hv, sv, ev) = q.shape, k.shape, v.shape
+    gqa = bool(kwargs.get("enable_gqa", False))
+    if b != bk or b != bv or (hk, s) != (hv, sv) or e != ek or (h != hk and not (gqa and hk and h % hk == 0)):
+        _fail(where, f"attention: query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)} do not match")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        _fail(where, f"attention: query, key, value of dtypes {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask is not None:
+        m = _tensor(mask, "attn_mask", where)
+        if len(m.shape) > 4 or any(x not in (1, y) for x, y in zip(reversed(m.shape), reversed((b, h, t, s)))):
+            _fail(where, f"attention: mask {list(m.shape)} does not broadcast to {[b, h, t, s]}")
+    return (b, h, t, ev)
+
+
+_SHAPE_RULES = {"addmm": _addmm_shape, "scaled_dot_product_attention": _sdpa_shape}
+
+
+def _overlaps(shape: list, stride: list) -> bool:
+    """Whether two indices of a strided view reach the same element."""
+    dims = sorted((s, d) for d, s in zip(shape, stride) if d > 1)
+    need = 1
+    for s, d in dims:
+        if s < need:
+            return True
+        need = s * d
+    return False
+
+
+def _is_int(x) -> bool:
+    return type(x) is int
+
+
+_TYPES = {  # schema type -> what the program may pass (meta kernels coerce too liberally, e.g. int as bool)
+    "Tensor": lambda x: isinstance(x, _Ref),
+    "Optional[Tensor]": lambda x: x is None or isinstance(x, _Ref),
+    "int": _is_int,
+    "bool": lambda x: type(x) is bool,
+    "float": lambda x: type(x) in (int, float),
+    "number": lambda x: type(x) in (int, float),
+    "Optional[float]": lambda x: x is None or type(x) in (int, float),
+    "List[int]": lambda x: type(x) is list and all(map(_is_int, x)),
+}
+
+
+def _schema_types(fn, args: list, kwargs: dict, where: str) -> None:
+    schema = {a.name: a for a in fn._schema.arguments}
+    positional = [a for a in fn._schema.arguments if not a.kwarg_only]
+    if len(args) > len(positional):
+        _fail(where, f"{len(args)} positional arguments, {fn} takes {len(positional)}")
+    for a, spec in list(zip(args, positional)) + [(v, schema.get(k)) for k, v in kwargs.items()]:
+        if spec is None:
+            _fail(where, f"{fn} has no keyword argument among {sorted(kwargs)} that it accepts")
+        check = _TYPES.get(str(spec.type))
+        if check is None or not check(a):
+            _fail(where, f"argument {spec.name!r} of {fn} expects {spec.type}, got {_short(a)}")
+
+
+_INDEX_ARGS = {"indices": ("int64", "int32")}  # by schema name; every other tensor has the result's dtype
+
+
+def _dtype_rule(fn, args: list, kwargs: dict, dtype: str, where: str) -> None:
+    """Meta kernels check shapes, not dtypes (aten.mm on meta accepts float32 @ float64): the allow-listed
+    ops compute in one dtype, so each tensor argument has the result's, except indices (and a mask)."""
+    names = [a.name for a in fn._schema.arguments]
+    named = list(zip(names, args)) + list(kwargs.items())
+    for arg_name, a in named:
+        for ref in (x for x in _flat([a]) if isinstance(x, _Ref)):
+            ok = _INDEX_ARGS.get(arg_name, (dtype, "bool") if arg_name == "attn_mask" else (dtype,))
+            if ref.dtype not in ok:
+                _fail(where, f"argument {arg_name!r} (a view of {ref.name!r}) is {ref.dtype}, expected "
+                             f"{' or '.join(ok)}")
