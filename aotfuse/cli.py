@@ -255,7 +255,7 @@ def build(
     if memory_budget != 1.0 and not train:
         typer.echo("note: --memory-budget only matters with --train", err=True)
     res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget)
-    kernels = _count((getattr(res, "report", None) or {}).get("kernels"))
+    kernels = _count((getattr(res, "report", None) or {}).get("compiled_kernels"))
     extra = f", {kernels} kernels" if kernels is not None else ""
     typer.echo(f"wrote {path} ({_bytes(size, exact=False)}{extra}, targets {','.join(targets)}) in {seconds:.1f} s")
 

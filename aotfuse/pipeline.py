@@ -131,7 +131,8 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
     manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info)
     data = write_archive(manifest, parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)
-    report["timings"] = dict(st.timings)
+    report["timings"] = dict(st.timings)  # like the count below, not in the archive (reproducible bytes)
+    report["compiled_kernels"] = len(binaries)
     return BuildResult(data, report, dict(st.timings))
 
 
