@@ -16,16 +16,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from aotfuse.dtypes import FLOATS, TORCH, TRITON, input_kind
 from aotfuse.errors import AotfuseError
 
 __all__ = ["ModelSpec", "parse_spec", "load_spec", "default_artifact_name", "random_inputs", "parse_dtype"]
 
 _SPEC_FORMS = "expected 'package.module:factory' or 'package.module:factory(key=value, ...)'"
 _FACTORY_RE = re.compile(r"^([A-Za-z_]\w*)\s*(?:\((.*)\))?$", re.DOTALL)
-_DTYPE_ALIASES = {
-    "fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "fp64": torch.float64, "double": torch.float64,
-}
+# Triton's short names ('bf16') are accepted too; 'float', 'half', 'double' are torch attributes already.
+_DTYPE_ALIASES = {TRITON[n]: TORCH[n] for n in FLOATS}
 
 
 class ModelSpec:
@@ -171,7 +170,7 @@ def default_artifact_name(spec: str) -> str:
 def _kind(spec: dict[str, Any], dtype: torch.dtype) -> str:
     kind = spec.get("kind")
     if kind is None:
-        kind = "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "int"
+        kind = input_kind(dtype)
     if kind not in ("float", "int", "bool"):
         raise AotfuseError(f"input {spec.get('name')!r} has unknown kind {kind!r}", remedy="expected float, int or bool")
     return kind

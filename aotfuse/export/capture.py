@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
 
@@ -37,12 +38,6 @@ class CapturedGraph:
     inputs: tuple[InputSpec, ...]
     single_output: bool
     seconds: float
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    return "float" if dtype.is_floating_point else "int"
 
 
 def _int_range(name: str, t: torch.Tensor, gm: torch.fx.GraphModule, weights: dict, ph_to_weight: dict):
@@ -94,7 +89,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
     specs = []
     for idx, name in enumerate(user_inputs):
         t = example_inputs[idx]
-        kind = _kind(t.dtype)
+        kind = input_kind(t.dtype)
         lo = hi = None
         if kind == "int":
             lo, hi = _int_range(name, t, ep.graph_module, weights, ph_map)

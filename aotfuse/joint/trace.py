@@ -21,7 +21,8 @@ import torch
 import torch.fx
 
 from ..errors import AotfuseError, BuildError
-from ..export.capture import InputSpec, _kind
+from ..dtypes import input_kind
+from ..export.capture import InputSpec
 from .decomp_train import sdpa_math_mode, training_decompositions
 
 aten = torch.ops.aten
@@ -390,7 +391,7 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     input_ph = {ref: name for name, kind, ref in placeholders if kind == "input"}
     for idx, t in enumerate(example_inputs):
         name = input_ph[idx]
-        kind = _kind(t.dtype)
+        kind = input_kind(t.dtype)
         lo = hi = None
         if kind == "int":
             lo, hi = _int_range(ph_by_name[name], t)

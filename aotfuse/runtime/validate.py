@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from ..dtypes import ITEMSIZE, TORCH as DTYPES
 from ..errors import ArchiveError
-from .executor import DTYPES, _ITEMSIZE
 from .externs import ALLOWED
 
 PROGRAM_VERSIONS = (1, 2)  # 1: no weight specs, no per-argument element counts (golden v1 archives)
@@ -447,7 +447,7 @@ class _Walk:
 def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
     _dict(ins, where, ("buf", "offset", "shape", "dtype"))
     buf = _Buf(_dtype(ins["dtype"], f"{where}: dtype"), _shape(ins["shape"], f"{where}: shape"), "alloc")
-    nbytes = buf.numel * _ITEMSIZE[DTYPES[buf.dtype]]
+    nbytes = buf.numel * ITEMSIZE[buf.dtype]
     off = _int(ins["offset"], f"{where}: offset", -1, MAX_BYTES)
     if off < 0:
         w.own_bytes += nbytes
@@ -533,7 +533,7 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     else:
         buf = _Buf(dtype, shape, "extern")
         w._define(out, buf, f"{where}: out")
-        w.own_bytes += buf.numel * _ITEMSIZE[DTYPES[dtype]]
+        w.own_bytes += buf.numel * ITEMSIZE[dtype]
     _, ov = w._view(ins["out_view"], f"{where}: out_view")
     if ov["t"] != out:
         _fail(where, f"out_view is a view of {ov['t']!r}, not of the output {out!r}")

@@ -13,16 +13,8 @@ from typing import Any, Union
 
 import sympy
 
+from ..dtypes import FLOATS, ITEMSIZE, NAMES as DTYPES, compute_dtype  # noqa: F401 (re-exported)
 from .indexing import syms
-
-# dtype names used in the IR and the archive; storage dtypes map to torch dtypes in one place.
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-FLOATS = ("float32", "float16", "bfloat16", "float64")
-
-
-def compute_dtype(dtype: str) -> str:
-    """Arithmetic happens in float32 for half types (as Inductor does)."""
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +87,6 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         return self.numel * ITEMSIZE[self.dtype]
-
-
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1}
 
 
 @dataclasses.dataclass(frozen=True)
