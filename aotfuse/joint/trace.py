@@ -22,6 +22,7 @@ import torch.fx
 
 from ..errors import AotfuseError, BuildError
 from ..dtypes import input_kind
+from ..opclass import INDEX_PRESERVING
 from ..export.capture import InputSpec
 from .decomp_train import sdpa_math_mode, training_decompositions
 
@@ -90,12 +91,7 @@ def _strip(fqn: str) -> str:
 
 # ---------------------------------------------------------------- input ranges
 
-_PASS_THROUGH = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.clone.default, aten.detach.default,
-    aten.alias.default, aten.permute.default, aten.t.default, aten.transpose.int, aten.slice.Tensor,
-    aten.select.int, aten._to_copy.default, torch.ops.prims.convert_element_type.default,
-}
+_PASS_THROUGH = INDEX_PRESERVING  # aotfuse/opclass.py
 
 
 def _through_views(node):

@@ -8,6 +8,8 @@ import sympy
 import torch
 
 from ..dtypes import NAME_OF, TORCH
+from ..errors import BuildError
+from ..runtime.externs import ALLOWED
 from .indexing import simplify, syms
 from .ir import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
 from .views import View
@@ -88,6 +90,9 @@ class LoweringCtx:
                storage_perm: Sequence[int] | None = None) -> View:
         """An extern writing a fresh buffer. storage_perm: the buffer holds the result permuted
         (result.permute(storage_perm) is contiguous), so the logical view is the inverse permute."""
+        if target not in ALLOWED:  # a program the runtime would refuse must not get built
+            raise BuildError(f"lowering emitted extern {target!r}, which is not on the runtime's allow-list "
+                             f"(aotfuse/runtime/externs.py)")
         name = self.fresh("ext")
         out_shape = tuple(int(s) for s in out_shape)
         if storage_perm is None:
