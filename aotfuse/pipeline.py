@@ -16,6 +16,7 @@ import torch
 
 from . import __version__
 from .archive import write_archive
+from .archive.format import write_atomically
 from .emit.compile import compile_all
 from .emit.kernel_src import generate
 from .emit.program import build_program
@@ -37,18 +38,9 @@ class BuildResult:
 
     def save(self, path) -> int:
         import os
-        import tempfile
 
-        path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an archive is an ordinary file
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
+        write_atomically(path, (self.data,))
         return len(self.data)
 
 

@@ -11,6 +11,7 @@ import torch.fx
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .ranges import int_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,17 +41,6 @@ class CapturedGraph:
     seconds: float
 
 
-def _int_range(name: str, t: torch.Tensor, gm: torch.fx.GraphModule, weights: dict, ph_to_weight: dict):
-    """Valid range of an integer input: an embedding index is in [0, num_embeddings)."""
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.name == name:
-            for user in node.users:
-                if user.target is torch.ops.aten.embedding.default and user.args[1] is node:
-                    return 0, int(user.args[0].meta["val"].shape[0])  # weight may be a parameter or an input
-    lo, hi = int(t.min()), int(t.max()) + 1
-    return lo, hi
-
-
 def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = False) -> CapturedGraph:
     t0 = time.perf_counter()
     if not isinstance(example_inputs, tuple):
@@ -75,9 +65,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
     user_inputs = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     placeholders = []
     weights = {}
+    ph_by_name = {}
     for node in ep.graph_module.graph.nodes:
         if node.op != "placeholder":
             continue
+        ph_by_name[node.name] = node
         if node.name in ph_map:
             fqn = ph_map[node.name]
             weights[fqn] = state[fqn].detach().contiguous()
@@ -92,7 +84,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
         kind = input_kind(t.dtype)
         lo = hi = None
         if kind == "int":
-            lo, hi = _int_range(name, t, ep.graph_module, weights, ph_map)
+            lo, hi = int_range(ph_by_name[name], t)
         specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)

@@ -59,6 +59,7 @@ import torch
 import torch.fx
 
 from ..errors import BuildError
+from ..fxgraph import ancestors, descendants
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
 from .packing import PACK, UNPACK, packed_nbytes
 
@@ -171,28 +172,6 @@ class Partition:
 
 # ---------------------------------------------------------------- partition
 
-def _ancestors(nodes) -> set:
-    seen, todo = set(), [n for n in nodes if isinstance(n, torch.fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
-
-
-def _descendants(node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.users)
-    return seen
-
-
 def _fake_call(op, *args):
     """meta['val'] of op(*args) from its fake kernel, under the fake mode of args' values."""
     from torch._guards import detect_fake_mode
@@ -228,12 +207,12 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
     ph_kind = {name: kind for name, kind, _ in joint.placeholders}
     tangent = next(n for n in nodes if n.op == "placeholder" and n.name == joint.tangent)
 
-    fwd = _ancestors(user_outputs)
+    fwd = ancestors(user_outputs)
     if tangent in fwd:
         raise BuildError("a forward output depends on the tangent")
-    need_bwd = _ancestors([g for g in grad_outputs if isinstance(g, torch.fx.Node)])
+    need_bwd = ancestors([g for g in grad_outputs if isinstance(g, torch.fx.Node)])
     bwd_only = (need_bwd - fwd) - {tangent}
-    tangent_dep = _descendants(tangent)
+    tangent_dep = descendants(tangent)
     floating = {n for n in bwd_only if n not in tangent_dep and n.op == "call_function"}
     relevant = [n for n in nodes if (n in fwd or n in bwd_only) and n.op in ("placeholder", "call_function")]
 
@@ -351,7 +330,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             shape=tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
             dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else ""))
 
-    fwd_nodes = _ancestors(list(user_outputs) + saved_list)
+    fwd_nodes = ancestors(list(user_outputs) + saved_list)
     fwd_gm = _build_forward(gm, nodes, fwd_nodes, tangent, user_outputs, saved_list, saved_infos)
     bwd_gm = _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos)
     return Partition(fwd_gm=fwd_gm, bwd_gm=bwd_gm, saved=tuple(saved_infos),
