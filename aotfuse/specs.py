@@ -184,7 +184,7 @@ def _shape(spec: dict[str, Any]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _int_range(spec: dict[str, Any]) -> tuple[int, int]:
+def _spec_range(spec: dict[str, Any]) -> tuple[int, int]:
     # Without a recorded range, [0, 2) keeps index-like inputs in bounds and not all zeros.
     low = 0 if spec.get("low") is None else int(spec["low"])
     high = low + 2 if spec.get("high") is None else int(spec["high"])
@@ -202,7 +202,7 @@ def random_input(spec: dict[str, Any], *, device: str | torch.device = "cpu", ge
     elif kind == "bool":
         t = torch.randint(0, 2, shape, generator=generator).bool()
     else:
-        low, high = _int_range(spec)
+        low, high = _spec_range(spec)
         t = torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
     return t.to(device)
 

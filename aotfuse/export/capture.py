@@ -27,6 +27,13 @@ class InputSpec:
         return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype), "kind": self.kind,
                 "low": self.low, "high": self.high}
 
+    @classmethod
+    def of(cls, name: str, ph: torch.fx.Node, t: torch.Tensor) -> "InputSpec":
+        """The spec of example input `t` at placeholder `ph` (exported or joint graph alike)."""
+        kind = input_kind(t.dtype)
+        lo, hi = int_range(ph, t) if kind == "int" else (None, None)
+        return cls(name, tuple(t.shape), t.dtype, kind, lo, hi)
+
 
 @dataclasses.dataclass(frozen=True)
 class CapturedGraph:
@@ -78,14 +85,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
             placeholders.append((node.name, "input", user_inputs.index(node.name)))
         else:
             raise BuildError(f"placeholder {node.name} is neither a user input nor a weight")
-    specs = []
-    for idx, name in enumerate(user_inputs):
-        t = example_inputs[idx]
-        kind = input_kind(t.dtype)
-        lo = hi = None
-        if kind == "int":
-            lo, hi = int_range(ph_by_name[name], t)
-        specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
+    specs = [InputSpec.of(name, ph_by_name[name], example_inputs[idx]) for idx, name in enumerate(user_inputs)]
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,

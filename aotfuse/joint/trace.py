@@ -21,10 +21,8 @@ import torch
 import torch.fx
 
 from ..errors import AotfuseError, BuildError
-from ..dtypes import input_kind
-from ..export.ranges import int_range
-from ..fxgraph import ancestors
 from ..export.capture import InputSpec
+from ..fxgraph import ancestors
 from .decomp_train import sdpa_math_mode, training_decompositions
 
 aten = torch.ops.aten
@@ -319,16 +317,9 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     graph.lint()
     gm.recompile()
 
-    specs = []
     ph_by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     input_ph = {ref: name for name, kind, ref in placeholders if kind == "input"}
-    for idx, t in enumerate(example_inputs):
-        name = input_ph[idx]
-        kind = input_kind(t.dtype)
-        lo = hi = None
-        if kind == "int":
-            lo, hi = int_range(ph_by_name[name], t)
-        specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
+    specs = [InputSpec.of(input_ph[idx], ph_by_name[input_ph[idx]], t) for idx, t in enumerate(example_inputs)]
     return JointGraph(gm=gm, param_names=tuple(param_names), buffer_names=tuple(buffer_names), weights=weights,
                       inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
