@@ -25,9 +25,14 @@ TRITON: dict[str, str] = {n: t for n, _, t in _KERNEL}  # pointer signatures: "*
 FLOATS: tuple[str, ...] = tuple(n for n, dt, _ in _KERNEL if dt.is_floating_point)
 HALF: tuple[str, ...] = ("float16", "bfloat16")  # stored narrow, computed in float32
 
+def name_of(dtype: torch.dtype) -> str:
+    """The name of any torch dtype in this table's spelling ("float32"), known to the table or not."""
+    return str(dtype).removeprefix("torch.")
+
+
 # What an archive may name for a weight or a spec (a superset: weights are stored, not computed on).
 STORAGE: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
+    name_of(dt): dt
     for dt in (
         torch.float64, torch.float32, torch.float16, torch.bfloat16,
         torch.float8_e4m3fn, torch.float8_e5m2,

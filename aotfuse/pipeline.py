@@ -17,6 +17,7 @@ import torch
 from . import __version__
 from .archive import write_archive
 from .archive.format import write_atomically
+from .dtypes import TORCH
 from .emit.compile import compile_all
 from .emit.kernel_src import generate
 from .emit.program import build_program
@@ -189,7 +190,7 @@ def _pack(progs, programs, binaries, report, targets, train_info):
         "targets": list(targets),
         "programs": [p.name for p in progs],
         "inputs": [s.to_dict() for s in fwd.cg.inputs],
-        "outputs": [{"shape": list(o.view.shape), "dtype": str(_torch_dtype(bufs[o.view.buf].dtype))}
+        "outputs": [{"shape": list(o.view.shape), "dtype": str(TORCH[bufs[o.view.buf].dtype])}
                     for o in fwd.graph.outputs],
         "single_output": fwd.cg.single_output,
         "kernels": sorted(kpart),
@@ -204,9 +205,3 @@ def _pack(progs, programs, binaries, report, targets, train_info):
     for name, prog in programs.items():
         parts[f"program.{name}"] = pack(prog)  # no timings in the archive: builds are byte-for-byte reproducible
     return manifest, parts, weights
-
-
-def _torch_dtype(name: str):
-    from .runtime.executor import torch_dtype
-
-    return torch_dtype(name)

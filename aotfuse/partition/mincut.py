@@ -58,6 +58,7 @@ import networkx as nx
 import torch
 import torch.fx
 
+from ..dtypes import name_of
 from ..errors import BuildError
 from ..fxgraph import ancestors, descendants
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
@@ -328,7 +329,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         saved_infos.append(SavedTensor(
             name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
             shape=tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
-            dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else ""))
+            dtype=name_of(val.dtype) if isinstance(val, torch.Tensor) else ""))
 
     fwd_nodes = ancestors(list(user_outputs) + saved_list)
     fwd_gm = _build_forward(gm, nodes, fwd_nodes, tangent, user_outputs, saved_list, saved_infos)

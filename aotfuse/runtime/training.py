@@ -72,7 +72,7 @@ class PackagedModule(nn.Module):
             bwd_bound = frozenset(k - 1 for k, j in fwd.passthrough.items() if k >= 1)
             self._graphs = {"forward": fwd,
                             "backward": art.graphed("backward", bwd_bound)}
-        loss = TORCH.get(art.output_specs[0]["dtype"].removeprefix("torch."))
+        loss = TORCH.get(art.output_specs[0]["dtype"].removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
     def _run(self, program: str, inputs: list):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import ITEMSIZE, TORCH as DTYPES
+from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
 
@@ -367,7 +367,7 @@ class _Walk:
             t = weights.get(_str(fqn, w)) if type(fqn) is str else None
             if t is None:
                 _fail(w, f"names weight {_short(fqn)}, which the archive does not contain")
-            have = str(t.dtype).removeprefix("torch.")
+            have = name_of(t.dtype)
             if have not in DTYPES:
                 _fail(w, f"weight {fqn!r} has dtype {have}, which programs cannot use")
             if specs is not None:  # version 1 archives record no specs: the tensor defines the buffer
@@ -605,7 +605,7 @@ def _meta_check(fn, args: list, kwargs: dict, ov: dict, dtype: str, where: str) 
     if not isinstance(res, torch.Tensor):
         _fail(where, f"{fn} returns {type(res).__name__}, not a tensor")
     if list(res.shape) != list(ov["shape"]) or res.dtype != DTYPES[dtype]:
-        _fail(where, f"{fn} returns {str(res.dtype)[6:]}{list(res.shape)}, the output view is "
+        _fail(where, f"{fn} returns {name_of(res.dtype)}{list(res.shape)}, the output view is "
                      f"{dtype}{list(ov['shape'])}")
 
 
@@ -777,9 +777,9 @@ def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) 
     params = []
     for p in train["params"]:
         t = weights.get(p)
-        if t is None or str(t.dtype)[6:] not in DTYPES:
+        if t is None or name_of(t.dtype) not in DTYPES:
             _fail("manifest.train.params", f"parameter {p!r} is not a usable weight of the archive")
-        params.append((str(t.dtype)[6:], tuple(t.shape)))
+        params.append((name_of(t.dtype), tuple(t.shape)))
     fwd, bwd = sigs["forward"], sigs["backward"]
     _same("the forward program's inputs", "train params + manifest.inputs", params + ins, fwd.inputs)
     n_saved = train["n_saved"]
