@@ -332,6 +332,23 @@ fn_case("sdpa_causal_mask", lambda q, k, v, m: (F.scaled_dot_product_attention(q
 fn_case("sdpa_output_permuted", lambda q: F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, 5, 24) * 2,
         lambda dt: (randn(2, 3, 5, 8, dtype=dt),), ["aten.scaled_dot_product_attention.default", "aten.view.default"])
 
+# Train builds: ops only a backward graph holds (the op tier builds inference archives only; the
+# extern check in tests/test_truth.py lowers these too, so every allow-listed extern is emitted).
+class _EmbeddingLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+
+    def forward(self, idx):
+        return (self.emb(idx) ** 2).sum()
+
+
+TRAIN_CASES: list[OpCase] = [
+    OpCase("embedding_backward", lambda dt: (_EmbeddingLoss().to(dt).train(), (torch.randint(0, 11, (3, 4)),)),
+           ("aten.embedding_dense_backward.default",)),
+]
+
+
 # ---------------------------------------------------------------- composites (decomposed by aotfuse.export.decomp)
 
 

@@ -16,6 +16,8 @@ import torch
 
 from . import __version__
 from .archive import write_archive
+from .archive.format import write_atomically
+from .dtypes import TORCH
 from .emit.compile import compile_all
 from .emit.kernel_src import generate
 from .emit.program import build_program
@@ -37,18 +39,9 @@ class BuildResult:
 
     def save(self, path) -> int:
         import os
-        import tempfile
 
-        path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an archive is an ordinary file
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
+        write_atomically(path, (self.data,))
         return len(self.data)
 
 
@@ -198,7 +191,7 @@ def _pack(progs, programs, binaries, report, targets, train_info):
         "targets": list(targets),
         "programs": [p.name for p in progs],
         "inputs": [s.to_dict() for s in fwd.cg.inputs],
-        "outputs": [{"shape": list(o.view.shape), "dtype": str(_torch_dtype(bufs[o.view.buf].dtype))}
+        "outputs": [{"shape": list(o.view.shape), "dtype": str(TORCH[bufs[o.view.buf].dtype])}
                     for o in fwd.graph.outputs],
         "single_output": fwd.cg.single_output,
         "kernels": sorted(kpart),
@@ -213,9 +206,3 @@ def _pack(progs, programs, binaries, report, targets, train_info):
     for name, prog in programs.items():
         parts[f"program.{name}"] = pack(prog)  # no timings in the archive: builds are byte-for-byte reproducible
     return manifest, parts, weights
-
-
-def _torch_dtype(name: str):
-    from .runtime.executor import torch_dtype
-
-    return torch_dtype(name)

@@ -16,16 +16,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from aotfuse.dtypes import FLOATS, TORCH, TRITON, input_kind
 from aotfuse.errors import AotfuseError
 
 __all__ = ["ModelSpec", "parse_spec", "load_spec", "default_artifact_name", "random_inputs", "parse_dtype"]
 
 _SPEC_FORMS = "expected 'package.module:factory' or 'package.module:factory(key=value, ...)'"
 _FACTORY_RE = re.compile(r"^([A-Za-z_]\w*)\s*(?:\((.*)\))?$", re.DOTALL)
-_DTYPE_ALIASES = {
-    "fp32": torch.float32, "float": torch.float32, "fp16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "fp64": torch.float64, "double": torch.float64,
-}
+# Triton's short names ('bf16') are accepted too; 'float', 'half', 'double' are torch attributes already.
+_DTYPE_ALIASES = {TRITON[n]: TORCH[n] for n in FLOATS}
 
 
 class ModelSpec:
@@ -171,7 +170,7 @@ def default_artifact_name(spec: str) -> str:
 def _kind(spec: dict[str, Any], dtype: torch.dtype) -> str:
     kind = spec.get("kind")
     if kind is None:
-        kind = "float" if dtype.is_floating_point else "bool" if dtype == torch.bool else "int"
+        kind = input_kind(dtype)
     if kind not in ("float", "int", "bool"):
         raise AotfuseError(f"input {spec.get('name')!r} has unknown kind {kind!r}", remedy="expected float, int or bool")
     return kind
@@ -185,7 +184,7 @@ def _shape(spec: dict[str, Any]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _int_range(spec: dict[str, Any]) -> tuple[int, int]:
+def _spec_range(spec: dict[str, Any]) -> tuple[int, int]:
     # Without a recorded range, [0, 2) keeps index-like inputs in bounds and not all zeros.
     low = 0 if spec.get("low") is None else int(spec["low"])
     high = low + 2 if spec.get("high") is None else int(spec["high"])
@@ -203,7 +202,7 @@ def random_input(spec: dict[str, Any], *, device: str | torch.device = "cpu", ge
     elif kind == "bool":
         t = torch.randint(0, 2, shape, generator=generator).bool()
     else:
-        low, high = _int_range(spec)
+        low, high = _spec_range(spec)
         t = torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
     return t.to(device)
 

@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 import torch
 
+from aotfuse.dtypes import STORAGE
 from aotfuse.errors import ArchiveError
 
 FORMAT_VERSION = 1
@@ -43,17 +44,7 @@ MAX_MANIFEST_DEPTH = 64  # msgpack's C unpacker refuses nesting past ~1024; stay
 _IMPLAUSIBLE_VERSION = 1 << 16  # a version field this large is damage, not a future release
 
 # Allow-list: the only dtypes a file may name. Keyed by the name torch prints, minus "torch.".
-DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2,
-        torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8,
-        torch.uint64, torch.uint32, torch.uint16, torch.uint8,
-        torch.bool,
-    )
-}
+DTYPES: dict[str, torch.dtype] = STORAGE
 
 # First bytes of files people hand us by mistake, to say what they handed us.
 _FOREIGN = (

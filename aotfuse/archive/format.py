@@ -190,6 +190,15 @@ def save_archive(path, manifest: dict, parts: dict[str, bytes], weights: dict[st
     use never changes bytes under a live mapping. Chunks are streamed: no whole-file buffer.
     """
     chunks, size = _plan(manifest, parts, weights)
+    write_atomically(path, chunks)
+    return size
+
+
+def write_atomically(path, chunks) -> None:
+    """Write `chunks` to `path` through a temp file in the same directory, fsync, os.replace.
+
+    The one atomic file write (archives here, `BuildResult.save`): a reader that has the old file
+    mapped keeps its inode, and a crash leaves the old file or the new one, never half of one."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
@@ -216,7 +225,6 @@ def save_archive(path, manifest: dict, parts: dict[str, bytes], weights: dict[st
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    return size
 
 
 # ---------------------------------------------------------------- reading

@@ -5,13 +5,12 @@ import math
 
 import sympy
 
+from ..dtypes import NAMES, TRITON
 from ..schedule.indexing import FloorDiv, ModIdx
 
-TL_DTYPE = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16", "float64": "tl.float64",
-            "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16", "int8": "tl.int8", "uint8": "tl.uint8",
-            "bool": "tl.int1"}
-PTR_TYPE = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "float64": "*fp64", "int64": "*i64",
-            "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1"}
+# Source spellings of the one dtype table (aotfuse/dtypes.py): `tl.float32` in casts, `*fp32` in signatures.
+TL_DTYPE = {n: "tl.int1" if n == "bool" else f"tl.{n}" for n in NAMES}
+PTR_TYPE = {n: "*" + TRITON[n] for n in NAMES}
 
 
 def print_index(e: sympy.Expr, names: dict) -> str:

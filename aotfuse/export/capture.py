@@ -8,8 +8,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .ranges import int_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,13 @@ class InputSpec:
         return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype), "kind": self.kind,
                 "low": self.low, "high": self.high}
 
+    @classmethod
+    def of(cls, name: str, ph: torch.fx.Node, t: torch.Tensor) -> "InputSpec":
+        """The spec of example input `t` at placeholder `ph` (exported or joint graph alike)."""
+        kind = input_kind(t.dtype)
+        lo, hi = int_range(ph, t) if kind == "int" else (None, None)
+        return cls(name, tuple(t.shape), t.dtype, kind, lo, hi)
+
 
 @dataclasses.dataclass(frozen=True)
 class CapturedGraph:
@@ -37,23 +46,6 @@ class CapturedGraph:
     inputs: tuple[InputSpec, ...]
     single_output: bool
     seconds: float
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return "bool"
-    return "float" if dtype.is_floating_point else "int"
-
-
-def _int_range(name: str, t: torch.Tensor, gm: torch.fx.GraphModule, weights: dict, ph_to_weight: dict):
-    """Valid range of an integer input: an embedding index is in [0, num_embeddings)."""
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.name == name:
-            for user in node.users:
-                if user.target is torch.ops.aten.embedding.default and user.args[1] is node:
-                    return 0, int(user.args[0].meta["val"].shape[0])  # weight may be a parameter or an input
-    lo, hi = int(t.min()), int(t.max()) + 1
-    return lo, hi
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = False) -> CapturedGraph:
@@ -80,9 +72,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
     user_inputs = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
     placeholders = []
     weights = {}
+    ph_by_name = {}
     for node in ep.graph_module.graph.nodes:
         if node.op != "placeholder":
             continue
+        ph_by_name[node.name] = node
         if node.name in ph_map:
             fqn = ph_map[node.name]
             weights[fqn] = state[fqn].detach().contiguous()
@@ -91,14 +85,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
             placeholders.append((node.name, "input", user_inputs.index(node.name)))
         else:
             raise BuildError(f"placeholder {node.name} is neither a user input nor a weight")
-    specs = []
-    for idx, name in enumerate(user_inputs):
-        t = example_inputs[idx]
-        kind = _kind(t.dtype)
-        lo = hi = None
-        if kind == "int":
-            lo, hi = _int_range(name, t, ep.graph_module, weights, ph_map)
-        specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
+    specs = [InputSpec.of(name, ph_by_name[name], example_inputs[idx]) for idx, name in enumerate(user_inputs)]
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,

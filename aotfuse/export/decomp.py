@@ -11,17 +11,12 @@ import math
 
 import torch
 
+from ..runtime.externs import keep_whole
+
 aten = torch.ops.aten
 
-# Ops kept whole: the runtime calls them as allow-listed aten externs.
-KEEP_WHOLE = (
-    aten.scaled_dot_product_attention.default,
-    aten.embedding.default,
-    aten.convolution.default,
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-)
+# Ops kept whole: the runtime calls them as allow-listed aten externs (the one table: runtime/externs.py).
+KEEP_WHOLE = keep_whole(train=False)
 
 
 def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):

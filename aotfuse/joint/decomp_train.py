@@ -39,7 +39,8 @@ from typing import Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..export.decomp import KEEP_WHOLE, OURS
+from ..export.decomp import OURS
+from ..runtime.externs import keep_whole
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -362,9 +363,8 @@ TRAIN: dict = {
 }
 
 # Kept whole in training graphs: the inference externs (minus sdpa, which training decomposes)
-# and embedding_dense_backward (an allow-listed extern).
-KEEP_WHOLE_TRAIN: tuple = tuple(op for op in KEEP_WHOLE if op is not aten.scaled_dot_product_attention.default) + (
-    aten.embedding_dense_backward.default,)
+# and embedding_dense_backward (runtime/externs.py says which).
+KEEP_WHOLE_TRAIN: tuple = keep_whole(train=True)
 
 
 def training_decompositions() -> dict:

@@ -21,7 +21,8 @@ import torch
 import torch.fx
 
 from ..errors import AotfuseError, BuildError
-from ..export.capture import InputSpec, _kind
+from ..export.capture import InputSpec
+from ..fxgraph import ancestors
 from .decomp_train import sdpa_math_mode, training_decompositions
 
 aten = torch.ops.aten
@@ -87,64 +88,6 @@ def _strip(fqn: str) -> str:
     return fqn[len(_PREFIX):] if fqn.startswith(_PREFIX) else fqn
 
 
-# ---------------------------------------------------------------- input ranges
-
-_PASS_THROUGH = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.clone.default, aten.detach.default,
-    aten.alias.default, aten.permute.default, aten.t.default, aten.transpose.int, aten.slice.Tensor,
-    aten.select.int, aten._to_copy.default, torch.ops.prims.convert_element_type.default,
-}
-
-
-def _through_views(node):
-    """node and every node reachable from it through index-preserving view-like ops."""
-    seen, todo = [], [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.append(n)
-        todo.extend(u for u in n.users if u.op == "call_function" and u.target in _PASS_THROUGH and u.args[0] is n)
-    return seen
-
-
-def _arange_len(node):
-    """If node is (a view of) aten.arange(n) or arange(0, n), return n."""
-    while node is not None and hasattr(node, "target") and node.op == "call_function":
-        if node.target is aten.arange.default:
-            return int(node.args[0])
-        if node.target in (aten.arange.start, aten.arange.start_step) and int(node.args[0]) == 0 and \
-                (len(node.args) < 3 or int(node.args[2]) == 1) and node.kwargs.get("step", 1) == 1:
-            return int(node.args[1])
-        if node.target in _PASS_THROUGH:
-            node = node.args[0]
-            continue
-        return None
-    return None
-
-
-def _int_range(ph, t: torch.Tensor):
-    """[low, high) of an integer input: embedding indices are in [0, num_embeddings), class targets
-    (the one-hot `arange(C) == target` of our nll_loss decomposition) in [0, C)."""
-    for n in _through_views(ph):
-        for user in n.users:
-            if user.op != "call_function":
-                continue
-            if user.target is aten.embedding.default and len(user.args) > 1 and user.args[1] is n:
-                return 0, int(user.args[0].meta["val"].shape[0])
-            if user.target is aten.embedding_dense_backward.default and user.args[1] is n:
-                return 0, int(user.args[2])
-            if user.target in (aten.eq.Tensor, aten.ne.Tensor):
-                other = user.args[1] if user.args[0] is n else user.args[0]
-                c = _arange_len(other)
-                if c is not None:
-                    return 0, c
-    if t.numel() == 0:
-        return 0, 1
-    return int(t.min()), int(t.max()) + 1
-
-
 # ---------------------------------------------------------------- the tangent
 
 _SEEDS = {aten.ones_like.default, aten.full_like.default, aten.full.default, aten.ones.default,
@@ -164,19 +107,8 @@ def _is_one(node) -> bool:
     return False
 
 
-def _ancestors(nodes) -> set:
-    seen, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
-
-
 def _find_seed(gm, loss, user_outputs):
-    fwd = _ancestors(user_outputs)
+    fwd = ancestors(user_outputs)
     lv = loss.meta["val"]
     cands = []
     for n in gm.graph.nodes:
@@ -385,16 +317,9 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     graph.lint()
     gm.recompile()
 
-    specs = []
     ph_by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     input_ph = {ref: name for name, kind, ref in placeholders if kind == "input"}
-    for idx, t in enumerate(example_inputs):
-        name = input_ph[idx]
-        kind = _kind(t.dtype)
-        lo = hi = None
-        if kind == "int":
-            lo, hi = _int_range(ph_by_name[name], t)
-        specs.append(InputSpec(name, tuple(t.shape), t.dtype, kind, lo, hi))
+    specs = [InputSpec.of(input_ph[idx], ph_by_name[input_ph[idx]], t) for idx, t in enumerate(example_inputs)]
     return JointGraph(gm=gm, param_names=tuple(param_names), buffer_names=tuple(buffer_names), weights=weights,
                       inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,

@@ -58,100 +58,11 @@ import networkx as nx
 import torch
 import torch.fx
 
+from ..dtypes import name_of
 from ..errors import BuildError
+from ..fxgraph import ancestors, descendants
+from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
 from .packing import PACK, UNPACK, packed_nbytes
-
-aten = torch.ops.aten
-prims = torch.ops.prims
-
-
-# ---------------------------------------------------------------- op classes
-
-VIEW_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.transpose.int,
-    aten.t.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default,
-    aten.clone.default, aten.contiguous.default, aten.lift_fresh_copy.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten._reshape_alias.default,
-    aten.view_as.default, aten.expand_as.default, aten.squeeze_copy.dim, aten.view_copy.default,
-    aten.permute_copy.default, aten.unsqueeze_copy.default, aten.expand_copy.default, aten.t_copy.default,
-    aten.transpose_copy.int, aten.slice_copy.Tensor, aten.select_copy.int, aten.alias_copy.default,
-}
-CONSTANT_OPS = {
-    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.full_like.default,
-    aten.zeros.default, aten.zeros_like.default, aten.ones.default, aten.ones_like.default,
-    aten.scalar_tensor.default, aten.empty.memory_format, aten.empty_like.default, aten.new_zeros.default,
-    aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
-}
-EXTERN_OPS = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
-    aten.convolution_backward.default, aten._convolution.default, aten.embedding.default,
-    aten.embedding_dense_backward.default, aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_cudnn_attention.default, aten._flash_attention_forward.default,
-    aten._efficient_attention_forward.default,
-}
-RANDOM_OPS = {
-    aten.rand.default, aten.rand_like.default, aten.randn.default, aten.randn_like.default, aten.randint.default,
-    aten.randint_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.native_dropout.default,
-    aten.normal.Tensor_float, aten.uniform.default, aten.randperm.default, aten.rand.generator,
-}
-REDUCTION_OPS = {
-    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,
-    aten.max.dim, aten.min.dim, aten.max.default, aten.min.default, aten.any.dim, aten.any.dims, aten.any.default,
-    aten.all.dim, aten.all.default, aten.prod.dim_int, aten.prod.default, aten.argmax.default, aten.argmin.default,
-    aten.var.correction, aten.var_mean.correction, aten.logsumexp.default, aten.max_pool2d_with_indices.default,
-    aten.max_pool2d.default, aten.avg_pool2d.default, aten.cumsum.default, aten.norm.ScalarOpt_dim,
-}
-TRANSCENDENTAL = {
-    aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log1p.default,
-    aten.log2.default, aten.erf.default, aten.erfc.default, aten.tanh.default, aten.sigmoid.default,
-    aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar,
-    aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.reciprocal.default, aten.sin.default,
-    aten.cos.default, aten.atan2.default, aten.gelu.default, aten.silu.default,
-}
-POINTWISE_EXTRA = {
-    aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype, aten.where.self,
-    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.clamp.default, aten.clamp_min.default,
-    aten.clamp_max.default, aten.hardtanh.default, aten.relu.default,
-}
-COPY_OPS = {aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.flip.default,
-            aten.repeat.default, aten.index_select.default}
-TUPLE_VIEW_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
-
-
-def op_class(node: torch.fx.Node) -> str:
-    """view | constant | pointwise | transcendental | reduction | copy | extern | random | item | unknown."""
-    t = node.target
-    if t is operator.getitem:
-        parent = node.args[0]
-        return "view" if getattr(parent, "target", None) in TUPLE_VIEW_OPS else "item"
-    if t in VIEW_OPS:
-        return "view"
-    if t in CONSTANT_OPS:
-        return "constant"
-    if t in EXTERN_OPS:
-        return "extern"
-    tags = getattr(t, "tags", ())
-    if t in RANDOM_OPS or torch.Tag.nondeterministic_seeded in tags:
-        return "random"
-    if t in REDUCTION_OPS or torch.Tag.reduction in tags:
-        return "reduction"
-    if t in TRANSCENDENTAL:
-        return "transcendental"
-    if t in POINTWISE_EXTRA or torch.Tag.pointwise in tags:
-        return "pointwise"
-    if t in COPY_OPS:
-        return "copy"
-    return "unknown"
-
-
-BANNED_CLASSES = ("extern", "random", "unknown")
-
 
 def is_banned(node: torch.fx.Node) -> bool:
     """May this node NOT be recomputed in the backward?"""
@@ -262,28 +173,6 @@ class Partition:
 
 # ---------------------------------------------------------------- partition
 
-def _ancestors(nodes) -> set:
-    seen, todo = set(), [n for n in nodes if isinstance(n, torch.fx.Node)]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
-    return seen
-
-
-def _descendants(node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.users)
-    return seen
-
-
 def _fake_call(op, *args):
     """meta['val'] of op(*args) from its fake kernel, under the fake mode of args' values."""
     from torch._guards import detect_fake_mode
@@ -319,12 +208,12 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
     ph_kind = {name: kind for name, kind, _ in joint.placeholders}
     tangent = next(n for n in nodes if n.op == "placeholder" and n.name == joint.tangent)
 
-    fwd = _ancestors(user_outputs)
+    fwd = ancestors(user_outputs)
     if tangent in fwd:
         raise BuildError("a forward output depends on the tangent")
-    need_bwd = _ancestors([g for g in grad_outputs if isinstance(g, torch.fx.Node)])
+    need_bwd = ancestors([g for g in grad_outputs if isinstance(g, torch.fx.Node)])
     bwd_only = (need_bwd - fwd) - {tangent}
-    tangent_dep = _descendants(tangent)
+    tangent_dep = descendants(tangent)
     floating = {n for n in bwd_only if n not in tangent_dep and n.op == "call_function"}
     relevant = [n for n in nodes if (n in fwd or n in bwd_only) and n.op in ("placeholder", "call_function")]
 
@@ -440,9 +329,9 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         saved_infos.append(SavedTensor(
             name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
             shape=tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
-            dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else ""))
+            dtype=name_of(val.dtype) if isinstance(val, torch.Tensor) else ""))
 
-    fwd_nodes = _ancestors(list(user_outputs) + saved_list)
+    fwd_nodes = ancestors(list(user_outputs) + saved_list)
     fwd_gm = _build_forward(gm, nodes, fwd_nodes, tangent, user_outputs, saved_list, saved_infos)
     bwd_gm = _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos)
     return Partition(fwd_gm=fwd_gm, bwd_gm=bwd_gm, saved=tuple(saved_infos),

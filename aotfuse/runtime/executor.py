@@ -18,16 +18,12 @@ from typing import Callable
 
 import torch
 
+from ..dtypes import TORCH
 from ..errors import ArchiveError
 from ..knobs import knobs
 from .externs import resolve
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-          "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-          "uint8": torch.uint8, "bool": torch.bool}
-
-
-_ITEMSIZE = {dt: torch.empty((), dtype=dt).element_size() for dt in DTYPES.values()}
+DTYPES = TORCH  # program dtype names (aotfuse/dtypes.py); validate.py reads it from here too
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -149,7 +145,7 @@ class Executor:
             n = 1
             for d in shape:
                 n *= d
-            self.arena_allocs.append((slot, ins["offset"], shape, dt, n * _ITEMSIZE[dt]))
+            self.arena_allocs.append((slot, ins["offset"], shape, dt, n * dt.itemsize))
             return None  # bound once per state
         if op == "launch":
             launch = launchers.get(ins["kernel"])

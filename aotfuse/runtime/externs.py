@@ -1,5 +1,15 @@
-"""The allow-list of aten overloads the program may call. Nothing outside it is ever resolved."""
+"""The one table of externs: aten ops that stay whole and that a program calls through the runtime.
+
+The runtime owns it because it is the security boundary: `ALLOWED` is the only way a program
+reaches a torch function. Everything else derives from `EXTERNS`: export's and the joint trace's
+keep-whole sets (`keep_whole`), the lowering registry's extern entries (each lowers `graph_op` to a
+call of one of `targets`, and `LoweringCtx.extern` refuses any other target), and the partition's
+never-recompute set (`aotfuse/opclass.py`). tests/test_truth.py builds every op case and checks
+that what lowering emits is exactly `ALLOWED`.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -7,15 +17,41 @@ from ..errors import ArchiveError
 
 aten = torch.ops.aten
 
-ALLOWED = {
-    "aten.mm.out": aten.mm.out,
-    "aten.bmm.out": aten.bmm.out,
-    "aten.addmm.out": aten.addmm.out,
-    "aten.embedding.out": aten.embedding.out,
-    "aten.convolution.out": aten.convolution.out,
-    "aten.scaled_dot_product_attention.default": aten.scaled_dot_product_attention.default,
-    "aten.embedding_dense_backward.out": aten.embedding_dense_backward.out,
-}
+
+@dataclasses.dataclass(frozen=True)
+class ExternOp:
+    graph_op: object  # the overload the exported / joint graph keeps whole and lowering sees
+    calls: tuple  # the overloads the program may call for it (first: the usual one)
+    inference: bool = True  # kept whole by export's table
+    train: bool = True  # kept whole by the joint trace's table (training decomposes attention)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(_name(c) for c in self.calls)
+
+
+def _name(overload) -> str:
+    # "aten.mm.out": the spelling programs store (str(torch.ops.aten.mm.out) is "aten.mm.out").
+    return str(overload)
+
+
+EXTERNS: tuple[ExternOp, ...] = (
+    ExternOp(aten.scaled_dot_product_attention.default, (aten.scaled_dot_product_attention.default,), train=False),
+    ExternOp(aten.embedding.default, (aten.embedding.out,)),
+    ExternOp(aten.convolution.default, (aten.convolution.out,)),
+    ExternOp(aten.mm.default, (aten.mm.out,)),
+    # addmm with a bias that is not a broadcast row lowers to mm + a pointwise add
+    ExternOp(aten.addmm.default, (aten.addmm.out, aten.mm.out)),
+    ExternOp(aten.bmm.default, (aten.bmm.out,)),
+    ExternOp(aten.embedding_dense_backward.default, (aten.embedding_dense_backward.out,), inference=False),
+)
+
+ALLOWED = {_name(c): c for e in EXTERNS for c in e.calls}
+
+
+def keep_whole(train: bool) -> tuple:
+    """The graph ops a decomposition table must leave alone (export: train=False; joint trace: True)."""
+    return tuple(e.graph_op for e in EXTERNS if (e.train if train else e.inference))
 
 
 def resolve(target: str):

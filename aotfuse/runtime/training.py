@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..dtypes import TORCH
 from ..errors import AotfuseError, GuardError
 
 
@@ -71,8 +72,8 @@ class PackagedModule(nn.Module):
             bwd_bound = frozenset(k - 1 for k, j in fwd.passthrough.items() if k >= 1)
             self._graphs = {"forward": fwd,
                             "backward": art.graphed("backward", bwd_bound)}
-        self._loss_dtype = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16,
-                            "torch.float16": torch.float16}.get(art.output_specs[0]["dtype"], torch.float32)
+        loss = TORCH.get(art.output_specs[0]["dtype"].removeprefix("torch."))  # specs spell str(torch dtype)
+        self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
     def _run(self, program: str, inputs: list):
         with self._art.device_scope():

@@ -25,8 +25,8 @@ import dataclasses
 
 import torch
 
+from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
-from .executor import DTYPES, _ITEMSIZE
 from .externs import ALLOWED
 from .validate_extern import _Ref, _flat, _meta_check, _overlaps
 from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, KERNEL_PTR_ALIGN, KINDS,
@@ -261,7 +261,7 @@ class _Walk:
             t = weights.get(_str(fqn, w)) if type(fqn) is str else None
             if t is None:
                 _fail(w, f"names weight {_short(fqn)}, which the archive does not contain")
-            have = str(t.dtype).removeprefix("torch.")
+            have = name_of(t.dtype)
             if have not in DTYPES:
                 _fail(w, f"weight {fqn!r} has dtype {have}, which programs cannot use")
             if specs is not None:  # version 1 archives record no specs: the tensor defines the buffer
@@ -341,7 +341,7 @@ class _Walk:
 def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
     _dict(ins, where, ("buf", "offset", "shape", "dtype"))
     buf = _Buf(_dtype(ins["dtype"], f"{where}: dtype"), _shape(ins["shape"], f"{where}: shape"), "alloc")
-    nbytes = buf.numel * _ITEMSIZE[DTYPES[buf.dtype]]
+    nbytes = buf.numel * ITEMSIZE[buf.dtype]
     off = _int(ins["offset"], f"{where}: offset", -1, MAX_BYTES)
     if off < 0:
         w.own_bytes += nbytes
@@ -427,7 +427,7 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     else:
         buf = _Buf(dtype, shape, "extern")
         w._define(out, buf, f"{where}: out")
-        w.own_bytes += buf.numel * _ITEMSIZE[DTYPES[dtype]]
+        w.own_bytes += buf.numel * ITEMSIZE[dtype]
     _, ov = w._view(ins["out_view"], f"{where}: out_view")
     if ov["t"] != out:
         _fail(where, f"out_view is a view of {ov['t']!r}, not of the output {out!r}")
@@ -517,9 +517,9 @@ def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) 
     params = []
     for p in train["params"]:
         t = weights.get(p)
-        if t is None or str(t.dtype)[6:] not in DTYPES:
+        if t is None or name_of(t.dtype) not in DTYPES:
             _fail("manifest.train.params", f"parameter {p!r} is not a usable weight of the archive")
-        params.append((str(t.dtype)[6:], tuple(t.shape)))
+        params.append((name_of(t.dtype), tuple(t.shape)))
     fwd, bwd = sigs["forward"], sigs["backward"]
     _same("the forward program's inputs", "train params + manifest.inputs", params + ins, fwd.inputs)
     n_saved = train["n_saved"]

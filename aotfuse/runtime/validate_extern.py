@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .executor import DTYPES
+from ..dtypes import TORCH as DTYPES, name_of
 from .validate_fields import _fail, _short
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _meta_check(fn, args: list, kwargs: dict, ov: dict, dtype: str, where: str) 
     if not isinstance(res, torch.Tensor):
         _fail(where, f"{fn} returns {type(res).__name__}, not a tensor")
     if list(res.shape) != list(ov["shape"]) or res.dtype != DTYPES[dtype]:
-        _fail(where, f"{fn} returns {str(res.dtype)[6:]}{list(res.shape)}, the output view is "
+        _fail(where, f"{fn} returns {name_of(res.dtype)}{list(res.shape)}, the output view is "
                      f"{dtype}{list(ov['shape'])}")
 
 

@@ -9,7 +9,7 @@ import keyword
 import re
 
 from ..errors import ArchiveError
-from .executor import DTYPES
+from ..dtypes import TORCH as DTYPES
 
 PROGRAM_VERSIONS = (1, 2)  # 1: no weight specs, no per-argument element counts (golden v1 archives)
 MAX_BYTES = 1 << 40  # what one program may allocate (arena + own allocations): 1 TiB, beyond any device

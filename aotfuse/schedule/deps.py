@@ -29,6 +29,17 @@ class StarDep:
 Dep = Union[MemoryDep, StarDep]
 
 
+def update_reverse(index: dict, item, old, new) -> None:
+    """Keep a reverse index (key -> set of items) current when `item`'s keys change from `old` to
+    `new` (buffer -> readers for inlining, buffer pair -> groups for fusion): only the difference."""
+    for key in old:
+        if key not in new:
+            index[key].discard(item)
+    for key in new:
+        if key not in old:
+            index.setdefault(key, set()).add(item)
+
+
 def node_reads(node: Node) -> tuple[Dep, ...]:
     if isinstance(node, Extern):
         bufs = []

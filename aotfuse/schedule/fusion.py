@@ -25,7 +25,7 @@ import enum
 import heapq
 
 from ..knobs import knobs
-from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space
+from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
 from .ir import Extern, Load, LoopGraph, Node, Pointwise, Reduction, expr_loads
 
 
@@ -379,12 +379,7 @@ class _Candidates:
                 new.setdefault((g1, g2) if g1 < g2 else (g2, g1), "h")
         old = self.contrib[i]
         changed = {key for key in old if new.get(key) != old[key]} | {key for key in new if key not in old}
-        for key in old:
-            if key not in new:
-                self.pair_bufs[key].discard(i)
-        for key in new:
-            if key not in old:
-                self.pair_bufs.setdefault(key, set()).add(i)
+        update_reverse(self.pair_bufs, i, old, new)
         self.contrib[i] = new
         return changed
 

@@ -12,7 +12,7 @@ import dataclasses
 import heapq
 
 from ..knobs import knobs
-from .deps import classify_read
+from .deps import classify_read, update_reverse
 from .indexing import simplify, unravel
 from .ir import (Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
                  subs_expr)
@@ -167,12 +167,7 @@ class _Inliner:
         self.loads[name] = expr_loads(node.body)
         new = self.reads[name] = dict.fromkeys(ld.buf for ld in self.loads[name])
         self.cheap.pop(name, None)
-        for b in old:
-            if b not in new:
-                self.users[b].discard(name)
-        for b in new:
-            if b not in old:
-                self.users.setdefault(b, set()).add(name)
+        update_reverse(self.users, name, old, new)
         self._dirty(name)
         for b in (*old, *new):
             self._dirty(b)

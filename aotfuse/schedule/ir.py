@@ -13,16 +13,8 @@ from typing import Any, Union
 
 import sympy
 
+from ..dtypes import FLOATS, ITEMSIZE, NAMES as DTYPES, compute_dtype  # noqa: F401 (re-exported)
 from .indexing import syms
-
-# dtype names used in the IR and the archive; storage dtypes map to torch dtypes in one place.
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-FLOATS = ("float32", "float16", "bfloat16", "float64")
-
-
-def compute_dtype(dtype: str) -> str:
-    """Arithmetic happens in float32 for half types (as Inductor does)."""
-    return "float32" if dtype in ("float16", "bfloat16") else dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,25 +79,15 @@ class Buffer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return prod(self.shape)
 
     @property
     def nbytes(self) -> int:
         return self.numel * ITEMSIZE[self.dtype]
 
 
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
-            "int8": 1, "uint8": 1, "bool": 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class Pointwise:
-    name: str  # also the name of the buffer it writes
-    ranges: tuple[int, ...]
-    body: Expr
+class _OuterLoops:
+    """What Pointwise and Reduction share: the outer (kept) loops over `ranges`, variables p0.."""
 
     @property
     def pvars(self):
@@ -113,14 +95,21 @@ class Pointwise:
 
     @property
     def numel(self) -> int:
-        return _prod(self.ranges)
+        return prod(self.ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pointwise(_OuterLoops):
+    name: str  # also the name of the buffer it writes
+    ranges: tuple[int, ...]
+    body: Expr
 
 
 REDUCTIONS = ("sum", "max", "min", "prod", "any")
 
 
 @dataclasses.dataclass(frozen=True)
-class Reduction:
+class Reduction(_OuterLoops):
     name: str
     ranges: tuple[int, ...]  # outer (kept) ranges: p-vars
     rranges: tuple[int, ...]  # reduced ranges: r-vars
@@ -133,20 +122,12 @@ class Reduction:
             raise ValueError(f"unknown reduction {self.rtype!r}")
 
     @property
-    def pvars(self):
-        return syms("p", len(self.ranges))
-
-    @property
     def rvars(self):
         return syms("r", len(self.rranges))
 
     @property
-    def numel(self) -> int:
-        return _prod(self.ranges)
-
-    @property
     def rnumel(self) -> int:
-        return _prod(self.rranges)
+        return prod(self.rranges)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +177,8 @@ class LoopGraph:
         return {b.name: b for b in self.buffers}
 
 
-def _prod(xs) -> int:
+def prod(xs) -> int:
+    """Element count of a shape (ints or sympy integers); 1 for a scalar."""
     n = 1
     for x in xs:
         n *= int(x)

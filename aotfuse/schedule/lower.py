@@ -31,14 +31,6 @@ def _is_const(x, consts) -> bool:
     return True
 
 
-def _const_value(x, consts):
-    if isinstance(x, torch.fx.Node):
-        return consts[x]
-    if isinstance(x, (list, tuple)):
-        return type(x)(_const_value(a, consts) for a in x)
-    return x
-
-
 def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, LoweringCtx]:
     """Lower one program's graph. Folded constants are named __const__.<program>.<buf> in the archive."""
     ctx = LoweringCtx()
@@ -75,7 +67,7 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                     info.category in ("pointwise", "view") and node.all_input_nodes
                     and all(_is_const(a, consts) for a in node.args)):
                 # Depends on no input or weight: fold at build time into a stored constant.
-                val = node.target(*_const_value(node.args, consts), **_const_value(node.kwargs, consts))
+                val = node.target(*_map_args(node.args, consts), **_map_args(node.kwargs, consts))
                 consts[node] = val
                 if isinstance(val, torch.Tensor):
                     name = f"c{const_id}"

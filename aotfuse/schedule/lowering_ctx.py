@@ -7,16 +7,15 @@ from typing import Sequence
 import sympy
 import torch
 
+from ..dtypes import NAME_OF, TORCH
+from ..errors import BuildError
+from ..runtime.externs import ALLOWED
 from .indexing import simplify, syms
 from .ir import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
 from .views import View
 
-TORCH_TO_NAME = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
-    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8",
-    torch.bool: "bool",
-}
-NAME_TO_TORCH = {v: k for k, v in TORCH_TO_NAME.items()}
+TORCH_TO_NAME = NAME_OF
+NAME_TO_TORCH = TORCH
 
 
 def dtype_name(dt: torch.dtype, where: str = "") -> str:
@@ -91,6 +90,9 @@ class LoweringCtx:
                storage_perm: Sequence[int] | None = None) -> View:
         """An extern writing a fresh buffer. storage_perm: the buffer holds the result permuted
         (result.permute(storage_perm) is contiguous), so the logical view is the inverse permute."""
+        if target not in ALLOWED:  # a program the runtime would refuse must not get built
+            raise BuildError(f"lowering emitted extern {target!r}, which is not on the runtime's allow-list "
+                             f"(aotfuse/runtime/externs.py)")
         name = self.fresh("ext")
         out_shape = tuple(int(s) for s in out_shape)
         if storage_perm is None:

@@ -7,19 +7,22 @@ from typing import Callable
 import sympy
 import torch
 
+from .. import opclass
 from ..errors import UnsupportedOpError
+from ..runtime.externs import EXTERNS
 from .indexing import syms
 from .ir import FLOATS, Const, IndexValue, Op, compute_dtype
 from .lowering_ctx import LoweringCtx, as_dtype, dtype_name
 from .views import View
 
 aten = torch.ops.aten
+_EXTERN_GRAPH_OPS = {e.graph_op for e in EXTERNS}
 
 
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
     op: str  # "aten.add.Tensor"
-    category: str  # pointwise | reduction | view | extern | constant | structural
+    category: str  # a class of aotfuse/opclass.py: pointwise | reduction | view | extern | constant | random | structural
     fn: Callable
     note: str = ""
 
@@ -28,6 +31,12 @@ REGISTRY: dict[object, OpInfo] = {}
 
 
 def register(*ops, category: str, note: str = ""):
+    # One taxonomy (aotfuse/opclass.py); an extern lowering must be of an op the runtime's table keeps whole.
+    if category not in opclass.CLASSES:
+        raise ValueError(f"unknown op class {category!r} (aotfuse/opclass.py)")
+    if category == opclass.EXTERN and not all(op in _EXTERN_GRAPH_OPS for op in ops):
+        raise ValueError(f"extern lowerings {ops} are not all in the runtime's extern table (runtime/externs.py)")
+
     def deco(fn):
         for op in ops:
             REGISTRY[op] = OpInfo(str(op), category, fn, note)

@@ -285,10 +285,6 @@ def _sdpa(ctx, node, args, kwargs):
                       False, storage_perm=perm)
 
 
-EXTERN_TARGETS = ("aten.mm.out", "aten.bmm.out", "aten.addmm.out", "aten.embedding.out", "aten.convolution.out",
-                  "aten.scaled_dot_product_attention.default", "aten.embedding_dense_backward.out")
-
-
 # ---------------------------------------------------------------- randomness
 
 @register(aten.rand_like.default, aten.rand.default, category="random",

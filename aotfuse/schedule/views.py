@@ -7,7 +7,7 @@ from typing import Sequence
 import sympy
 
 from .indexing import flat_index, linear_strides, simplify, syms, unravel
-from .ir import TensorArg
+from .ir import TensorArg, prod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +115,7 @@ class View:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return prod(self.shape)
 
     def as_strided(self) -> TensorArg | None:
         """The view as (shape, stride, offset) if it is affine in its index, else None."""

@@ -1,0 +1,28 @@
+"""Walks over FX graphs that several stages need (the joint trace, the partition)."""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+
+def closure(nodes: Iterable, step: Callable[[torch.fx.Node], Iterable]) -> set:
+    """The FX nodes among `nodes` and all reachable from them by `step` (non-nodes are skipped)."""
+    seen, todo = set(), [n for n in nodes if isinstance(n, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo.extend(step(n))
+    return seen
+
+
+def ancestors(nodes: Iterable) -> set:
+    """`nodes` and every node they read, transitively."""
+    return closure(nodes, lambda n: n.all_input_nodes)
+
+
+def descendants(node: torch.fx.Node) -> set:
+    """`node` and every node that reads it, transitively."""
+    return closure([node], lambda n: n.users)

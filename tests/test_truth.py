@@ -1,0 +1,121 @@
+"""One source of truth: what lowering emits is what the runtime allows, and the op taxonomy, the
+extern table and the dtype table are the ones every stage reads.
+
+The extern check lowers every op case (export + lower, no codegen or compile: externs are decided at
+lowering, and later passes never add or rename one) and the train cases (joint trace + partition +
+lower of both programs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotfuse import dtypes, opclass
+from aotfuse.export.capture import capture
+from aotfuse.export.decomp import KEEP_WHOLE
+from aotfuse.joint import trace_joint
+from aotfuse.joint.decomp_train import KEEP_WHOLE_TRAIN
+from aotfuse.knobs import override
+from aotfuse.opcases import CASES, TRAIN_CASES
+from aotfuse.partition import partition
+from aotfuse.pipeline_train import train_graphs
+from aotfuse.runtime.externs import ALLOWED, EXTERNS
+from aotfuse.schedule.ir import Extern
+from aotfuse.schedule.lower import REGISTRY, lower
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _externs(cg, program: str) -> set[str]:
+    graph, _ = lower(cg, program)
+    return {n.target for n in graph.nodes if isinstance(n, Extern)}
+
+
+@pytest.fixture(scope="module")
+def emitted() -> dict[str, set[str]]:
+    """extern target -> the cases whose lowering emits it."""
+    out: dict[str, set[str]] = {}
+    for case in CASES:
+        if case.known_issue:
+            continue
+        # One dtype a case: which extern an op lowers to depends on its consumers, never on the dtype.
+        torch.manual_seed(0)
+        model, example = case.make(case.dtypes[0])
+        with override(**dict(case.knobs)):
+            for t in _externs(capture(model, example), "forward"):
+                out.setdefault(t, set()).add(case.name)
+    for case in TRAIN_CASES:
+        for dt in case.dtypes:
+            model, example = case.make(dt)
+            joint = trace_joint(model, example)
+            fwd, bwd, _ = train_graphs(joint, partition(joint, 1.0))
+            for cg, program in ((fwd, "forward"), (bwd, "backward")):
+                for t in _externs(cg, program):
+                    out.setdefault(t, set()).add(case.name)
+    return out
+
+
+def test_every_emitted_extern_is_allowed(emitted):
+    bad = {t: sorted(cs) for t, cs in emitted.items() if t not in ALLOWED}
+    assert not bad, f"lowering emits externs the runtime refuses: {bad}"
+
+
+def test_nothing_on_the_allow_list_is_dead(emitted):
+    dead = sorted(set(ALLOWED) - set(emitted))
+    assert not dead, f"allow-listed externs no op case emits (add a case to aotfuse/opcases.py, or drop them): {dead}"
+
+
+def test_keep_whole_sets_and_registry_externs_come_from_the_table():
+    assert set(KEEP_WHOLE) == {e.graph_op for e in EXTERNS if e.inference}
+    assert set(KEEP_WHOLE_TRAIN) == {e.graph_op for e in EXTERNS if e.train}
+    registered = {op for op, info in REGISTRY.items() if info.category == opclass.EXTERN}
+    assert registered == {e.graph_op for e in EXTERNS}
+    assert {e.graph_op for e in EXTERNS} <= opclass.EXTERN_OPS  # the partition never recomputes them
+
+
+class _Node:  # op_class looks at .op, .target and (for getitem) .args
+    op = "call_function"
+    args = ()
+
+    def __init__(self, target):
+        self.target = target
+
+
+# Where the registry files an op under a coarser class than the partition's cost model gives it.
+# Today's pairs, pinned: a new one means the two views of an op drifted apart.
+_COARSER = {
+    ("pointwise", "transcendental"): None,  # any op: lowering does not care how costly a pointwise op is
+    ("pointwise", "reduction"): {"aten.max_pool2d_with_indices.default", "aten.max_pool2d.default",
+                                 "aten.avg_pool2d.default"},  # windowed pointwise lowering, reduction cost
+    ("view", "copy"): {"aten.flip.default"},  # index math to lowering; the partition prices it as a copy
+    ("pointwise", "copy"): {"aten.cat.default"},  # a gather by index to lowering; a copy to the cost model
+    ("pointwise", "unknown"): {"aten.rsub.Tensor", "aotfuse.pack_bits.default", "aotfuse.unpack_bits.default"},
+    ("structural", "unknown"): {"aten._assert_tensor_metadata.default"},
+}
+
+
+def test_registry_classes_agree_with_the_taxonomy():
+    drift = []
+    for op, info in REGISTRY.items():
+        assert info.category in opclass.CLASSES, info.op
+        cls = opclass.op_class(_Node(op))
+        if cls == info.category:
+            continue
+        allowed = _COARSER.get((info.category, cls), set())
+        if allowed is not None and info.op not in allowed:
+            drift.append((info.op, info.category, cls))
+    assert not drift, f"registry class vs aotfuse/opclass.py: {drift}"
+
+
+def test_dtype_table_is_the_one_every_stage_reads():
+    from aotfuse.archive import _layout
+    from aotfuse.emit import printer
+    from aotfuse.runtime import executor, validate
+    from aotfuse.schedule import ir, lowering_ctx
+
+    assert ir.DTYPES == dtypes.NAMES and ir.ITEMSIZE is dtypes.ITEMSIZE
+    assert executor.DTYPES is dtypes.TORCH and validate.DTYPES is dtypes.TORCH
+    assert lowering_ctx.TORCH_TO_NAME is dtypes.NAME_OF and _layout.DTYPES is dtypes.STORAGE
+    assert set(printer.PTR_TYPE) == set(printer.TL_DTYPE) == set(dtypes.NAMES)
+    assert set(dtypes.NAMES) <= set(dtypes.STORAGE)
+    for name in dtypes.NAMES:
+        assert dtypes.ITEMSIZE[name] == torch.empty((), dtype=dtypes.TORCH[name]).element_size()
