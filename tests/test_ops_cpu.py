@@ -1,4 +1,4 @@
-"""Op tier: each case of the op table (aotfuse/opcases.py) built to an archive, run on the CPU path
+"""Op tier: each case of the op table (aotfuse/testing/opcases.py) built to an archive, run on the CPU path
 (Triton interpreter) with fresh random inputs, and compared with eager. Plus: the table covers the
 lowering registry, unsupported ops fail naming the op and the node, and docs/ops.md is current."""
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import aotfuse
-from aotfuse import opcases, pipeline
+from aotfuse import pipeline
+from aotfuse.testing import opcases
 from aotfuse.export.decomp import decomposition_table
 from aotfuse.knobs import override
-from aotfuse.opcases import CASES, UNTESTED, Fn
+from aotfuse.testing.opcases import CASES, UNTESTED, Fn
 from aotfuse.schedule.lower import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ def exported_ops(monkeypatch):
 @pytest.mark.parametrize("case,dtype", PARAMS)
 def test_op_matches_eager_on_cpu(case, dtype, exported_ops, request):
     repro = (f"repro: python -m pytest -q 'tests/test_ops_cpu.py::{request.node.name}' "
-             f"(case {case.name!r} in aotfuse/opcases.py)")
+             f"(case {case.name!r} in aotfuse/testing/opcases.py)")
     torch.manual_seed(_seed(case.name, 0))
     model, example = case.make(dtype)
     with override(**dict(case.knobs)):
@@ -141,7 +142,7 @@ def test_every_registered_op_is_covered_or_excused():
     assert not set(UNTESTED) - registered, f"UNTESTED names unregistered ops: {sorted(set(UNTESTED) - registered)}"
     assert not set(UNTESTED) & covered, f"ops both covered and excused: {sorted(set(UNTESTED) & covered)}"
     missing = registered - covered - set(UNTESTED)
-    assert not missing, (f"registered ops no case exercises: {sorted(missing)}; add a case to aotfuse/opcases.py "
+    assert not missing, (f"registered ops no case exercises: {sorted(missing)}; add a case to aotfuse/testing/opcases.py "
                          "or list it in UNTESTED with a reason")
     assert all(c.dtypes and c.dtypes[0] == torch.float32 for c in CASES), "every case runs in float32"
 

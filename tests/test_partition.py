@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 from aotfuse.joint import trace_joint
 from aotfuse.partition import is_banned, op_class, partition
 from aotfuse.partition.mincut import torch_min_cut_saved, torch_saved_bytes
-from aotfuse.partition.packing import PACK, UNPACK, pack_bits, packed_nbytes, unpack_bits
+from aotfuse.packops import PACK, UNPACK, pack_bits, packed_nbytes, unpack_bits
 from aotfuse.specs import load_spec
 
 DEMO = "aotfuse.examples.gpt:demo_train"

@@ -15,7 +15,7 @@ from aotfuse.export.decomp import KEEP_WHOLE
 from aotfuse.joint import trace_joint
 from aotfuse.joint.decomp_train import KEEP_WHOLE_TRAIN
 from aotfuse.knobs import override
-from aotfuse.opcases import CASES, TRAIN_CASES
+from aotfuse.testing.opcases import CASES, TRAIN_CASES
 from aotfuse.partition import partition
 from aotfuse.pipeline_train import train_graphs
 from aotfuse.runtime.externs import ALLOWED, EXTERNS
@@ -61,7 +61,7 @@ def test_every_emitted_extern_is_allowed(emitted):
 
 def test_nothing_on_the_allow_list_is_dead(emitted):
     dead = sorted(set(ALLOWED) - set(emitted))
-    assert not dead, f"allow-listed externs no op case emits (add a case to aotfuse/opcases.py, or drop them): {dead}"
+    assert not dead, f"allow-listed externs no op case emits (add a case to aotfuse/testing/opcases.py, or drop them): {dead}"
 
 
 def test_keep_whole_sets_and_registry_externs_come_from_the_table():

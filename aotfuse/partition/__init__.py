@@ -1,7 +1,7 @@
 """partition/: (--train) min-cut split of the joint graph into forward and backward graphs, with recompute
 and bit-packed boolean activations."""
 from .mincut import Partition, SavedTensor, is_banned, op_class, partition
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from ..packops import pack_bits, packed_nbytes, unpack_bits
 
 __all__ = ["partition", "Partition", "SavedTensor", "is_banned", "op_class", "pack_bits", "unpack_bits",
            "packed_nbytes"]

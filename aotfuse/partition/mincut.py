@@ -62,7 +62,7 @@ from ..dtypes import name_of
 from ..errors import BuildError
 from ..fxgraph import ancestors, descendants
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
-from .packing import PACK, UNPACK, packed_nbytes
+from ..packops import PACK, UNPACK, packed_nbytes
 
 def is_banned(node: torch.fx.Node) -> bool:
     """May this node NOT be recomputed in the backward?"""

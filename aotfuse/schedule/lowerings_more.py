@@ -348,7 +348,7 @@ def _cat(ctx, node, args, kwargs):
 
 def _register_packing():
     try:
-        from ..partition import packing  # noqa: F401  (defines torch.ops.aotfuse.*)
+        from .. import packops  # noqa: F401  (defines torch.ops.aotfuse.*)
     except ImportError:
         return
     ops = torch.ops.aotfuse

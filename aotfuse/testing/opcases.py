@@ -7,7 +7,7 @@ reached from a model. `make(dtype)` returns (module, example inputs); floating i
 parameters take `dtype`. Sizes are small and deliberately not powers of two; called twice under
 different seeds, `make` yields fresh inputs of the same shapes and value ranges.
 
-    python -m aotfuse.opcases            # list the cases
+    python -m aotfuse.testing.opcases            # list the cases
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ fn_case("cat", lambda x, y: (torch.cat([x, y], 1), torch.cat([y * 2, x[:, :2], y
 
 
 def _packing():
-    from .partition import packing  # registers torch.ops.aotfuse.pack_bits / unpack_bits
+    from .. import packops as packing  # registers torch.ops.aotfuse.pack_bits / unpack_bits
 
     return packing
 
