@@ -1,18 +1,23 @@
 """What an archive holds, as one JSON-able dict (`aotfuse inspect --json`)."""
 from __future__ import annotations
 
-import msgpack
-
 from ..archive import Archive, read_archive
+from ..errors import ArchiveError
+from .artifact import _unpack
+from .validate import validate_archive, validate_manifest
 
 
 def describe(archive: Archive) -> dict:
+    """The archive's contents, after the same checks `aotfuse.load` makes (a malformed archive is an
+    ArchiveError here too, never a KeyError); the report part is informational and only type-checked."""
     m = archive.manifest
-    kernels = msgpack.unpackb(archive.part("kernels"), raw=False, strict_map_key=False)
-    report = msgpack.unpackb(archive.part("report"), raw=False, strict_map_key=False)
+    validate_manifest(m)
+    kernels = _unpack(archive.part("kernels"), "kernels")
+    progs = {name: _unpack(archive.part(f"program.{name}"), name) for name in m["programs"]}
+    validate_archive(m, kernels, progs, archive.weights)
+    report = _report(_unpack(archive.part("report"), "report"))
     programs = {}
-    for name in m["programs"]:
-        p = msgpack.unpackb(archive.part(f"program.{name}"), raw=False, strict_map_key=False)
+    for name, p in progs.items():
         ops = {}
         for ins in p["instructions"]:
             ops[ins["op"]] = ops.get(ins["op"], 0) + 1
@@ -41,6 +46,19 @@ def describe(archive: Archive) -> dict:
     if "partition" in report:
         out["partition"] = report["partition"]
     return out
+
+
+def _report(report) -> dict:
+    """The sections `describe` shows, each a dict (an archive's report is not load-bearing)."""
+    if not isinstance(report, dict):
+        raise ArchiveError("part 'report' is not a map")
+    for key in ("fusion_summary", "memory", "timings", "backward", "partition"):
+        if key in report and not isinstance(report[key], dict):
+            raise ArchiveError(f"part 'report': {key!r} is not a map")
+    for key in ("fusion_summary", "memory"):
+        if key in report.get("backward", {}) and not isinstance(report["backward"][key], dict):
+            raise ArchiveError(f"part 'report': backward.{key} is not a map")
+    return report
 
 
 def inspect_archive(src) -> dict:

@@ -45,7 +45,7 @@ def _spec(v, where: str, named: bool) -> tuple[str, tuple[int, ...]]:
 
 
 def validate_manifest(manifest) -> None:
-    """The manifest fields `load` and a call read: format, programs, inputs, outputs, train."""
+    """The manifest fields `load`, a call and `inspect` read: format, programs, inputs, outputs, targets, train."""
     if type(manifest) is not dict or manifest.get("format") != "aotfuse":
         raise ArchiveError("archive manifest does not say format 'aotfuse'")
     m = _dict(manifest, "manifest", ("programs", "inputs", "outputs"))
@@ -60,6 +60,9 @@ def validate_manifest(manifest) -> None:
         _spec(s, f"manifest.outputs[{i}]", named=False)
     if "single_output" in m:
         _bool(m["single_output"], "manifest.single_output")
+    for i, t in enumerate(_list(m.get("targets", []), "manifest.targets", 0, 16)):  # shown by inspect
+        if type(t) is not str or not _ARCH.match(t):
+            _fail(f"manifest.targets[{i}]", f"is not an architecture like 'sm_90': {_short(t)}")
     if m.get("train") is not None:
         _train_info(m["train"], progs)
         if m["train"].get("user_inputs", m["inputs"]) != m["inputs"]:
