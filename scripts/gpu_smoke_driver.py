@@ -42,7 +42,7 @@ def build(out: Path, archs: list[int]) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from aotfuse.runtime.cuda_driver import KernelSpec
+    from aotfuse.runtime.kernel_spec import KernelSpec
 
     @triton.jit
     def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -121,6 +121,7 @@ def run_child(d: Path) -> list[dict]:
     import torch
 
     from aotfuse.runtime import cuda_driver as cd
+    from aotfuse.runtime import kernel_spec
 
     rows: list[dict] = []
 
@@ -130,11 +131,11 @@ def run_child(d: Path) -> list[dict]:
     dev = torch.cuda.current_device()
     my_arch = cd.device_arch(dev)
     torch.manual_seed(0)
-    specs: dict[int, dict[str, cd.KernelSpec]] = {}
+    specs: dict[int, dict[str, kernel_spec.KernelSpec]] = {}
     for js in sorted(d.glob("*.json")):
         meta = json.loads(js.read_text())
         kname = meta.pop("kernel")
-        specs.setdefault(meta["arch"], {})[kname] = cd.KernelSpec.from_json(meta, js.with_suffix(".cubin").read_bytes())
+        specs.setdefault(meta["arch"], {})[kname] = kernel_spec.KernelSpec.from_json(meta, js.with_suffix(".cubin").read_bytes())
 
     def maxerr(a, b) -> str:
         return f"max|err|={(a.float() - b.float()).abs().max().item():.2e}"
@@ -216,7 +217,7 @@ def run_child(d: Path) -> list[dict]:
             grid = ((M + 31) // 32, (N + 63) // 64, 1)
             x = torch.randn(M, N, device="cuda")
             out = torch.zeros_like(x)
-            gbytes, pbytes = cd.scratch_bytes(s, grid)
+            gbytes, pbytes = kernel_spec.scratch_bytes(s, grid)
             gbuf = torch.empty(max(gbytes, 1), dtype=torch.uint8, device="cuda")
             f.launch(grid, s.num_warps, s.shared, stream, [x.data_ptr(), out.data_ptr(), M, N], s.arg_types,
                      global_scratch=gbuf.data_ptr() if gbytes else 0)

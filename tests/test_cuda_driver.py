@@ -19,6 +19,7 @@ import torch
 
 from aotfuse.errors import AotfuseError
 from aotfuse.runtime import cuda_driver as cd
+from aotfuse.runtime import kernel_spec as ks
 
 # --- pure packing --------------------------------------------------------------------------------
 
@@ -88,11 +89,11 @@ def test_unknown_arg_type():
 
 def test_scratch_bytes():
     meta = {"global_scratch_size": 0, "profile_scratch_size": 0, "num_ctas": 1}
-    assert cd.scratch_bytes(meta, (7, 1, 1)) == (0, 0)
+    assert ks.scratch_bytes(meta, (7, 1, 1)) == (0, 0)
     meta = {"global_scratch_size": 128, "global_scratch_align": 16, "profile_scratch_size": 64, "num_ctas": 2}
-    assert cd.scratch_bytes(meta, (3, 2, 1)) == (128 * 12, 64 * 12)
+    assert ks.scratch_bytes(meta, (3, 2, 1)) == (128 * 12, 64 * 12)
     with pytest.raises(AotfuseError, match="alignment"):
-        cd.scratch_bytes({"global_scratch_size": 8, "global_scratch_align": 1024}, (1, 1, 1))
+        ks.scratch_bytes({"global_scratch_size": 8, "global_scratch_align": 1024}, (1, 1, 1))
 
 
 def test_kernel_spec_from_fake_compiled():
@@ -125,14 +126,14 @@ def test_kernel_spec_from_fake_compiled():
         asm = {"cubin": b"\x7fELF..."}
         src = Src()
 
-    spec = cd.KernelSpec.from_compiled(Compiled())
+    spec = ks.KernelSpec.from_compiled(Compiled())
     assert spec.arg_types == ("ptr", "ptr", "i64", "fp32")
     assert spec.arg_names == ("x", "y", "n", "alpha")
     assert (spec.name, spec.num_warps, spec.shared, spec.arch) == ("k", 8, 1024, 90)
-    assert cd.KernelSpec.from_json(spec.to_json(), spec.cubin) == spec
+    assert ks.KernelSpec.from_json(spec.to_json(), spec.cubin) == spec
     Meta.num_ctas = 2
     with pytest.raises(AotfuseError, match="num_ctas"):
-        cd.KernelSpec.from_compiled(Compiled())
+        ks.KernelSpec.from_compiled(Compiled())
 
 
 # --- import hygiene / missing driver ------------------------------------------------------------
@@ -366,7 +367,7 @@ def _compile(kind: str, arch: int):
         src = ASTSource(rowsum_kernel, {"x_ptr": "*fp32", "out_ptr": "*fp32", "ncols": "i32", "scale": "fp32",
                                         "row_stride": "i64", "BLOCK": "constexpr"}, {"BLOCK": 1024})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
-    return cd.KernelSpec.from_compiled(compiled)
+    return ks.KernelSpec.from_compiled(compiled)
 
 
 def test_spec_from_real_triton_compile_on_cpu():
@@ -376,7 +377,7 @@ def test_spec_from_real_triton_compile_on_cpu():
     assert spec.cubin.startswith(b"\x7fELF") and spec.name == "rowsum_kernel" and spec.arch == 90
     assert spec.arg_types == ("ptr", "ptr", "i32", "fp32", "i64")
     assert spec.num_warps == 4 and spec.num_ctas == 1
-    assert cd.scratch_bytes(spec, (37, 1, 1)) == (0, 0)
+    assert ks.scratch_bytes(spec, (37, 1, 1)) == (0, 0)
 
 
 @pytest.mark.gpu
@@ -385,7 +386,7 @@ def test_gpu_vector_add_and_graph():
     dev = torch.cuda.current_device()
     spec = _compile("add", cd.device_arch(dev))
     assert spec.arg_types == ("ptr", "ptr", "ptr", "i32")
-    assert cd.scratch_bytes(spec, (1, 1, 1)) == (0, 0)
+    assert ks.scratch_bytes(spec, (1, 1, 1)) == (0, 0)
     mod, fn = spec.load()
     n = 1000003
     x, y = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
