@@ -18,7 +18,7 @@ from aotfuse.export import capture
 from aotfuse.schedule import fusion, inline
 from aotfuse.schedule.fusion import fuse
 from aotfuse.schedule.inline import inline_pointwise
-from aotfuse.schedule.ir import format_node
+from aotfuse.ir.loop import format_node
 from aotfuse.schedule.lower import lower
 
 LAYERS = (2, 4, 8, 16)
@@ -262,7 +262,7 @@ def _rounds_reference(graph):
 
     from aotfuse.knobs import knobs
     from aotfuse.schedule.deps import classify_read
-    from aotfuse.schedule.ir import Extern, Pointwise, expr_loads, expr_op_count
+    from aotfuse.ir.loop import Extern, Pointwise, expr_loads, expr_op_count
 
     def reads(node, buf):
         if isinstance(node, Extern):

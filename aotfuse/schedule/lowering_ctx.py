@@ -10,9 +10,9 @@ import torch
 from ..dtypes import NAME_OF, TORCH
 from ..errors import BuildError
 from ..runtime.externs import ALLOWED
-from .indexing import simplify, syms
-from .ir import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
-from .views import View
+from ..ir.indexing import simplify, syms
+from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
+from ..ir.views import View
 
 TORCH_TO_NAME = NAME_OF
 NAME_TO_TORCH = TORCH

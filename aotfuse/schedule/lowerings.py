@@ -10,10 +10,10 @@ import torch
 from .. import opclass
 from ..errors import UnsupportedOpError
 from ..runtime.externs import EXTERNS
-from .indexing import syms
-from .ir import FLOATS, Const, IndexValue, Op, compute_dtype
+from ..ir.indexing import syms
+from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
 from .lowering_ctx import LoweringCtx, as_dtype, dtype_name
-from .views import View
+from ..ir.views import View
 
 aten = torch.ops.aten
 _EXTERN_GRAPH_OPS = {e.graph_op for e in EXTERNS}

@@ -5,11 +5,11 @@ import sympy
 import torch
 
 from ..errors import UnsupportedOpError
-from .indexing import syms
-from .ir import FLOATS, Const, Op, compute_dtype
+from ..ir.indexing import syms
+from ..ir.loop import FLOATS, Const, Op, compute_dtype
 from .lowering_ctx import as_dtype
 from .lowerings import meta, out_dtype, out_shape, register
-from .views import View
+from ..ir.views import View
 
 aten = torch.ops.aten
 
@@ -290,8 +290,8 @@ def _sdpa(ctx, node, args, kwargs):
 @register(aten.rand_like.default, aten.rand.default, category="random",
           note="Philox stream per op from the call's seed; never recomputed (the partition saves its result)")
 def _rand(ctx, node, args, kwargs):
-    from .indexing import flat_index
-    from .ir import IndexValue, Load
+    from ..ir.indexing import flat_index
+    from ..ir.loop import IndexValue, Load
 
     shape = out_shape(node)
     dt = out_dtype(node)
@@ -338,7 +338,7 @@ def _cat(ctx, node, args, kwargs):
         if body is None:
             body = val
         else:
-            from .ir import IndexValue
+            from ..ir.loop import IndexValue
             cond = Op("lt", (IndexValue(pv[dim], "int64"), Const(off + t.shape[dim], "int64")), "bool")
             body = Op("where", (cond, val, body), cdt)
     return ctx.pointwise(shape, dt, body, hint="cat")
@@ -355,8 +355,8 @@ def _register_packing():
 
     @register(ops.pack_bits.default, category="pointwise", note="bool -> uint8, element j is bit j%8 of byte j//8")
     def _pack_bits(ctx, node, args, kwargs):
-        from .indexing import unravel
-        from .ir import IndexValue
+        from ..ir.indexing import unravel
+        from ..ir.loop import IndexValue
 
         src = args[0]
         n = src.numel
@@ -376,8 +376,8 @@ def _register_packing():
 
     @register(ops.unpack_bits.default, category="pointwise", note="uint8 -> bool, inverse of pack_bits")
     def _unpack_bits(ctx, node, args, kwargs):
-        from .indexing import FloorDiv, ModIdx, flat_index
-        from .ir import IndexValue
+        from ..ir.indexing import FloorDiv, ModIdx, flat_index
+        from ..ir.loop import IndexValue
 
         packed = args[0]
         shape = out_shape(node)
