@@ -19,7 +19,7 @@ from aotfuse.schedule import fusion, inline
 from aotfuse.schedule.fusion import fuse
 from aotfuse.schedule.inline import inline_pointwise
 from aotfuse.ir.loop import format_node
-from aotfuse.schedule.lower import lower
+from aotfuse.lower import lower
 
 LAYERS = (2, 4, 8, 16)
 TARGET_16_S = 0.3  # acceptance: 16 layers fuse in at most this on the 2-core dev machine

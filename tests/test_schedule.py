@@ -13,7 +13,7 @@ from aotfuse.knobs import override
 from aotfuse.schedule.fusion import fuse
 from aotfuse.ir.indexing import FloorDiv, ModIdx, flat_index, simplify, sym, unravel
 from aotfuse.schedule.inline import inline_pointwise
-from aotfuse.schedule.lower import lower
+from aotfuse.lower import lower
 from aotfuse.schedule.memplan import plan_memory
 from aotfuse.ir.views import View
 

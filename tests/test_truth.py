@@ -20,7 +20,7 @@ from aotfuse.partition import partition
 from aotfuse.pipeline_train import train_graphs
 from aotfuse.runtime.externs import ALLOWED, EXTERNS
 from aotfuse.ir.loop import Extern
-from aotfuse.schedule.lower import REGISTRY, lower
+from aotfuse.lower import REGISTRY, lower
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -111,7 +111,7 @@ def test_dtype_table_is_the_one_every_stage_reads():
     from aotfuse.emit import printer
     from aotfuse.runtime import executor, validate
     from aotfuse.ir import loop
-    from aotfuse.schedule import lowering_ctx
+    from aotfuse.lower import ctx as lowering_ctx
 
     assert loop.DTYPES == dtypes.NAMES and loop.ITEMSIZE is dtypes.ITEMSIZE
     assert executor.DTYPES is dtypes.TORCH and validate.DTYPES is dtypes.TORCH

@@ -39,6 +39,18 @@ def as_dtype(e: Expr, dtype: str) -> Expr:
     return e if e.dtype == dtype else Cast(e, dtype)
 
 
+def meta(node):
+    return node.meta["val"]
+
+
+def out_dtype(node) -> str:
+    return dtype_name(meta(node).dtype, node.name)
+
+
+def out_shape(node) -> tuple[int, ...]:
+    return tuple(int(s) for s in meta(node).shape)
+
+
 @dataclasses.dataclass
 class LoweringCtx:
     # Mutable while one graph lowers; the result is frozen into a LoopGraph.
