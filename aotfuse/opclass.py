@@ -2,7 +2,7 @@
 
 - the partition (partition/mincut.py) prices recomputation by class and never recomputes
   BANNED_CLASSES;
-- the lowering registry (schedule/lowerings.py) files each lowering under a class; `register`
+- the lowering registry (lower/registry.py) files each lowering under a class; `register`
   refuses a name outside CLASSES, and an "extern" entry must be on the runtime's extern table;
 - the joint trace (joint/trace.py) follows INDEX_PRESERVING ops to find what an integer input indexes.
 

@@ -25,7 +25,7 @@ from .export import capture
 from .knobs import knobs
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
-from .schedule.lower import lower
+from .lower import lower
 from .schedule.memplan import plan_memory
 
 Progress = Callable[[str, dict], None]

@@ -15,7 +15,7 @@ from aotfuse.export import capture
 from aotfuse.specs import load_spec
 from aotfuse.schedule.fusion import fuse
 from aotfuse.schedule.inline import inline_pointwise
-from aotfuse.schedule.lower import lower
+from aotfuse.lower import lower
 
 
 def _graphs(spec: str, train: bool):

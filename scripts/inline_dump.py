@@ -14,8 +14,8 @@ import sys
 import time
 
 from aotfuse.schedule.inline import inline_pointwise
-from aotfuse.schedule.ir import format_node
-from aotfuse.schedule.lower import lower
+from aotfuse.ir.loop import format_node
+from aotfuse.lower import lower
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from fusion_groups import _graphs  # noqa: E402

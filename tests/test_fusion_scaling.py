@@ -18,8 +18,8 @@ from aotfuse.export import capture
 from aotfuse.schedule import fusion, inline
 from aotfuse.schedule.fusion import fuse
 from aotfuse.schedule.inline import inline_pointwise
-from aotfuse.schedule.ir import format_node
-from aotfuse.schedule.lower import lower
+from aotfuse.ir.loop import format_node
+from aotfuse.lower import lower
 
 LAYERS = (2, 4, 8, 16)
 TARGET_16_S = 0.3  # acceptance: 16 layers fuse in at most this on the 2-core dev machine
@@ -262,7 +262,7 @@ def _rounds_reference(graph):
 
     from aotfuse.knobs import knobs
     from aotfuse.schedule.deps import classify_read
-    from aotfuse.schedule.ir import Extern, Pointwise, expr_loads, expr_op_count
+    from aotfuse.ir.loop import Extern, Pointwise, expr_loads, expr_op_count
 
     def reads(node, buf):
         if isinstance(node, Extern):

@@ -16,7 +16,7 @@ from aotfuse.testing import opcases
 from aotfuse.export.decomp import decomposition_table
 from aotfuse.knobs import override
 from aotfuse.testing.opcases import CASES, UNTESTED, Fn
-from aotfuse.schedule.lower import REGISTRY
+from aotfuse.lower import REGISTRY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = ("sm_90",)

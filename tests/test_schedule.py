@@ -11,11 +11,11 @@ import torch.nn as nn
 from aotfuse.export import capture
 from aotfuse.knobs import override
 from aotfuse.schedule.fusion import fuse
-from aotfuse.schedule.indexing import FloorDiv, ModIdx, flat_index, simplify, sym, unravel
+from aotfuse.ir.indexing import FloorDiv, ModIdx, flat_index, simplify, sym, unravel
 from aotfuse.schedule.inline import inline_pointwise
-from aotfuse.schedule.lower import lower
+from aotfuse.lower import lower
 from aotfuse.schedule.memplan import plan_memory
-from aotfuse.schedule.views import View
+from aotfuse.ir.views import View
 
 
 def test_reshape_roundtrip_simplifies_to_identity():

@@ -19,8 +19,8 @@ from aotfuse.testing.opcases import CASES, TRAIN_CASES
 from aotfuse.partition import partition
 from aotfuse.pipeline_train import train_graphs
 from aotfuse.runtime.externs import ALLOWED, EXTERNS
-from aotfuse.schedule.ir import Extern
-from aotfuse.schedule.lower import REGISTRY, lower
+from aotfuse.ir.loop import Extern
+from aotfuse.lower import REGISTRY, lower
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -110,9 +110,10 @@ def test_dtype_table_is_the_one_every_stage_reads():
     from aotfuse.archive import _layout
     from aotfuse.emit import printer
     from aotfuse.runtime import executor, validate
-    from aotfuse.schedule import ir, lowering_ctx
+    from aotfuse.ir import loop
+    from aotfuse.lower import ctx as lowering_ctx
 
-    assert ir.DTYPES == dtypes.NAMES and ir.ITEMSIZE is dtypes.ITEMSIZE
+    assert loop.DTYPES == dtypes.NAMES and loop.ITEMSIZE is dtypes.ITEMSIZE
     assert executor.DTYPES is dtypes.TORCH and validate.DTYPES is dtypes.TORCH
     assert lowering_ctx.TORCH_TO_NAME is dtypes.NAME_OF and _layout.DTYPES is dtypes.STORAGE
     assert set(printer.PTR_TYPE) == set(printer.TL_DTYPE) == set(dtypes.NAMES)

@@ -17,8 +17,8 @@ import sympy
 from ..errors import BuildError
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
-from ..schedule.indexing import simplify, unravel
-from ..schedule.ir import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, subs_expr)
+from ..ir.indexing import simplify, unravel
+from ..ir.loop import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, subs_expr)
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
@@ -180,13 +180,13 @@ def _kernelize(node, x: int, r: int):
 
 
 def _simplify_loads(e, rng):
-    from ..schedule.ir import rewrite_expr
+    from ..ir.loop import rewrite_expr
 
     return rewrite_expr(e, index=lambda ix: simplify(ix, rng))
 
 
 def _levels(nodes: list, names: set) -> dict[str, int]:
-    from ..schedule.ir import expr_loads
+    from ..ir.loop import expr_loads
 
     level: dict[str, int] = {}
     for n in nodes:
@@ -241,7 +241,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     knodes = [k for k, _ in kernelized]
     stores = {k.name: st for k, st in kernelized}
     names = set(group.nodes)
-    from ..schedule.ir import expr_loads
+    from ..ir.loop import expr_loads
 
     ins: list[str] = []
     for n in knodes:

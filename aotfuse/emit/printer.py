@@ -6,7 +6,7 @@ import math
 import sympy
 
 from ..dtypes import NAMES, TRITON
-from ..schedule.indexing import FloorDiv, ModIdx
+from ..ir.indexing import FloorDiv, ModIdx
 
 # Source spellings of the one dtype table (aotfuse/dtypes.py): `tl.float32` in casts, `*fp32` in signatures.
 TL_DTYPE = {n: "tl.int1" if n == "bool" else f"tl.{n}" for n in NAMES}

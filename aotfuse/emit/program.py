@@ -14,7 +14,7 @@ The kernels part records per argument the element count it was generated for (se
 from __future__ import annotations
 
 from ..schedule.fusion import Schedule
-from ..schedule.ir import Extern, LoopGraph, TensorArg
+from ..ir.loop import Extern, LoopGraph, TensorArg
 from ..schedule.memplan import MemoryPlan
 from .kernel_src import KernelSource
 

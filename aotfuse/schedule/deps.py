@@ -11,8 +11,8 @@ from typing import Union
 
 import sympy
 
-from .indexing import FloorDiv, flat_index, simplify
-from .ir import Extern, LoopGraph, Node, Pointwise, Reduction, TensorArg, expr_loads
+from ..ir.indexing import FloorDiv, flat_index, simplify
+from ..ir.loop import Extern, LoopGraph, Node, Pointwise, Reduction, TensorArg, expr_loads
 
 
 @dataclasses.dataclass(frozen=True)

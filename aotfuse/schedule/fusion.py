@@ -26,7 +26,7 @@ import heapq
 
 from ..knobs import knobs
 from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
-from .ir import Extern, Load, LoopGraph, Node, Pointwise, Reduction, expr_loads
+from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, expr_loads
 
 
 class FuseRefusal(enum.Enum):

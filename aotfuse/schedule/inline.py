@@ -13,8 +13,8 @@ import heapq
 
 from ..knobs import knobs
 from .deps import classify_read, update_reverse
-from .indexing import simplify, unravel
-from .ir import (Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
+from ..ir.indexing import simplify, unravel
+from ..ir.loop import (Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
                  subs_expr)
 from .deps import iteration
 

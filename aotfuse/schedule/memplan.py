@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .fusion import Schedule
-from .ir import Extern, LoopGraph
+from ..ir.loop import Extern, LoopGraph
 
 ALIGN = 256
 

@@ -7,7 +7,7 @@ from typing import Sequence
 import sympy
 
 from .indexing import flat_index, linear_strides, simplify, syms, unravel
-from .ir import TensorArg, prod
+from .loop import TensorArg, prod
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,9 @@ import torch
 from ..dtypes import NAME_OF, TORCH
 from ..errors import BuildError
 from ..runtime.externs import ALLOWED
-from .indexing import simplify, syms
-from .ir import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
-from .views import View
+from ..ir.indexing import simplify, syms
+from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
+from ..ir.views import View
 
 TORCH_TO_NAME = NAME_OF
 NAME_TO_TORCH = TORCH
@@ -37,6 +37,18 @@ def as_dtype(e: Expr, dtype: str) -> Expr:
             v = float(v)
         return Const(v, dtype)
     return e if e.dtype == dtype else Cast(e, dtype)
+
+
+def meta(node):
+    return node.meta["val"]
+
+
+def out_dtype(node) -> str:
+    return dtype_name(meta(node).dtype, node.name)
+
+
+def out_shape(node) -> tuple[int, ...]:
+    return tuple(int(s) for s in meta(node).shape)
 
 
 @dataclasses.dataclass

@@ -8,11 +8,10 @@ import torch.fx
 
 from ..errors import UnsupportedOpError
 from ..export import CapturedGraph
-from .ir import LoopGraph, OutputRef
-from .lowering_ctx import LoweringCtx, dtype_name
-from .lowerings import REGISTRY
-from . import lowerings_more  # noqa: F401  (registers reductions, externs, pooling)
-from .views import View
+from ..ir.loop import LoopGraph, OutputRef
+from ..ir.views import View
+from .ctx import LoweringCtx, dtype_name
+from .registry import REGISTRY
 
 
 def _map_args(x, env):

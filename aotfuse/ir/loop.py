@@ -3,7 +3,7 @@
 Every node writes one buffer. A Pointwise node over `ranges` computes `body` at each point of the
 iteration space, with loop variables p0..p{n-1}. A Reduction node has outer `ranges` (p-vars) and
 `rranges` (r-vars) and reduces `body` over the r-vars. Loads name a buffer and a flat offset
-expression into it (buffers are contiguous; views are index math, see lower.py). An Extern node
+expression into it (buffers are contiguous; views are index math, see views.py). An Extern node
 calls an allow-listed aten op on views of buffers.
 """
 from __future__ import annotations

@@ -1,59 +1,19 @@
-"""ATen op -> loop IR. One registry, also the source of docs/ops.md and the op tests."""
+"""Pointwise lowerings: element-wise ops, conversions, constants, pooling windows and concatenation."""
 from __future__ import annotations
-
-import dataclasses
-from typing import Callable
 
 import sympy
 import torch
 
-from .. import opclass
 from ..errors import UnsupportedOpError
-from ..runtime.externs import EXTERNS
-from .indexing import syms
-from .ir import FLOATS, Const, IndexValue, Op, compute_dtype
-from .lowering_ctx import LoweringCtx, as_dtype, dtype_name
-from .views import View
+from ..ir.indexing import syms
+from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
+from ..ir.views import View
+from .ctx import LoweringCtx, as_dtype, dtype_name, meta, out_dtype, out_shape
+from .rules import collector
 
 aten = torch.ops.aten
-_EXTERN_GRAPH_OPS = {e.graph_op for e in EXTERNS}
-
-
-@dataclasses.dataclass(frozen=True)
-class OpInfo:
-    op: str  # "aten.add.Tensor"
-    category: str  # a class of aotfuse/opclass.py: pointwise | reduction | view | extern | constant | random | structural
-    fn: Callable
-    note: str = ""
-
-
-REGISTRY: dict[object, OpInfo] = {}
-
-
-def register(*ops, category: str, note: str = ""):
-    # One taxonomy (aotfuse/opclass.py); an extern lowering must be of an op the runtime's table keeps whole.
-    if category not in opclass.CLASSES:
-        raise ValueError(f"unknown op class {category!r} (aotfuse/opclass.py)")
-    if category == opclass.EXTERN and not all(op in _EXTERN_GRAPH_OPS for op in ops):
-        raise ValueError(f"extern lowerings {ops} are not all in the runtime's extern table (runtime/externs.py)")
-
-    def deco(fn):
-        for op in ops:
-            REGISTRY[op] = OpInfo(str(op), category, fn, note)
-        return fn
-    return deco
-
-
-def meta(node):
-    return node.meta["val"]
-
-
-def out_dtype(node) -> str:
-    return dtype_name(meta(node).dtype, node.name)
-
-
-def out_shape(node) -> tuple[int, ...]:
-    return tuple(int(s) for s in meta(node).shape)
+RULES: list = []
+rule = collector(RULES)
 
 
 # ---------------------------------------------------------------- pointwise
@@ -103,17 +63,17 @@ for _name, _ops in {
     "floor": [aten.floor.default], "ceil": [aten.ceil.default], "reciprocal": [aten.reciprocal.default],
     "relu": [aten.relu.default], "sign": [aten.sign.default], "neg": [aten.neg.default],
 }.items():
-    register(*_ops, category="pointwise")(_unary(_name))
+    rule(*_ops, category="pointwise")(_unary(_name))
 
 
-@register(aten.logical_not.default, aten.bitwise_not.default, category="pointwise", note="bool only for bitwise_not")
+@rule(aten.logical_not.default, aten.bitwise_not.default, category="pointwise", note="bool only for bitwise_not")
 def _not(ctx, node, args, kwargs):
     if node.target is aten.bitwise_not.default and meta(node).dtype != torch.bool:
         raise UnsupportedOpError(str(node.target), node.name, "bitwise_not on integers")
     return _pointwise(ctx, node, [args[0]], lambda a, t: Op("not", (as_dtype(a, "bool"),), "bool"))
 
 
-@register(aten.isnan.default, category="pointwise")
+@rule(aten.isnan.default, category="pointwise")
 def _isnan(ctx, node, args, kwargs):
     src = args[0]
     return _pointwise(ctx, node, [src], lambda a, t: Op("isnan", (a,), "bool"), cmp=True)
@@ -132,21 +92,21 @@ def _binary(opname):
     return fn
 
 
-register(aten.add.Tensor, aten.add.Scalar, category="pointwise")(_binary("add"))
-register(aten.sub.Tensor, aten.sub.Scalar, category="pointwise")(_binary("sub"))
-register(aten.mul.Tensor, aten.mul.Scalar, category="pointwise")(_binary("mul"))
-register(aten.maximum.default, category="pointwise")(_binary("maximum"))
-register(aten.minimum.default, category="pointwise")(_binary("minimum"))
-register(aten.pow.Tensor_Tensor, category="pointwise")(_binary("pow"))
-register(aten.remainder.Tensor, aten.remainder.Scalar, category="pointwise")(_binary("mod"))
+rule(aten.add.Tensor, aten.add.Scalar, category="pointwise")(_binary("add"))
+rule(aten.sub.Tensor, aten.sub.Scalar, category="pointwise")(_binary("sub"))
+rule(aten.mul.Tensor, aten.mul.Scalar, category="pointwise")(_binary("mul"))
+rule(aten.maximum.default, category="pointwise")(_binary("maximum"))
+rule(aten.minimum.default, category="pointwise")(_binary("minimum"))
+rule(aten.pow.Tensor_Tensor, category="pointwise")(_binary("pow"))
+rule(aten.remainder.Tensor, aten.remainder.Scalar, category="pointwise")(_binary("mod"))
 
 
-@register(aten.rsub.Scalar, aten.rsub.Tensor, category="pointwise")
+@rule(aten.rsub.Scalar, aten.rsub.Tensor, category="pointwise")
 def _rsub(ctx, node, args, kwargs):
     return _pointwise(ctx, node, [args[1], args[0]], lambda y, x, t: Op("sub", (y, x), t))
 
 
-@register(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode, category="pointwise",
+@rule(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode, category="pointwise",
           note="rounding_mode None, 'floor', 'trunc'")
 def _div(ctx, node, args, kwargs):
     mode = kwargs.get("rounding_mode", args[2] if len(args) > 2 else None)
@@ -157,7 +117,7 @@ def _div(ctx, node, args, kwargs):
     return _pointwise(ctx, node, [args[0], args[1]], lambda x, y, t: Op(name, (x, y), t))
 
 
-@register(aten.pow.Tensor_Scalar, category="pointwise", note="any exponent; integer ones become multiplies")
+@rule(aten.pow.Tensor_Scalar, category="pointwise", note="any exponent; integer ones become multiplies")
 def _pow(ctx, node, args, kwargs):
     e = args[1]
 
@@ -186,7 +146,7 @@ def _compare(opname):
 for _name, _ops in {"eq": [aten.eq.Tensor, aten.eq.Scalar], "ne": [aten.ne.Tensor, aten.ne.Scalar],
                     "lt": [aten.lt.Tensor, aten.lt.Scalar], "le": [aten.le.Tensor, aten.le.Scalar],
                     "gt": [aten.gt.Tensor, aten.gt.Scalar], "ge": [aten.ge.Tensor, aten.ge.Scalar]}.items():
-    register(*_ops, category="pointwise")(_compare(_name))
+    rule(*_ops, category="pointwise")(_compare(_name))
 
 
 def _logical(opname):
@@ -196,7 +156,7 @@ def _logical(opname):
     return fn
 
 
-register(aten.logical_and.default, category="pointwise")(_logical("and"))
+rule(aten.logical_and.default, category="pointwise")(_logical("and"))
 
 
 def _bitwise(bool_op: str, int_op: str):
@@ -209,14 +169,14 @@ def _bitwise(bool_op: str, int_op: str):
     return fn
 
 
-register(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, category="pointwise")(_bitwise("and", "bitand"))
-register(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, category="pointwise")(_bitwise("or", "bitor"))
-register(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, category="pointwise")(_bitwise("xor", "xor"))
-register(aten.logical_or.default, category="pointwise")(_logical("or"))
-register(aten.logical_xor.default, category="pointwise")(_logical("xor"))
+rule(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, category="pointwise")(_bitwise("and", "bitand"))
+rule(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, category="pointwise")(_bitwise("or", "bitor"))
+rule(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, category="pointwise")(_bitwise("xor", "xor"))
+rule(aten.logical_or.default, category="pointwise")(_logical("or"))
+rule(aten.logical_xor.default, category="pointwise")(_logical("xor"))
 
 
-@register(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, category="pointwise")
+@rule(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, category="pointwise")
 def _where(ctx, node, args, kwargs):
     cond, a, b = args[:3]
     shape = out_shape(node)
@@ -230,7 +190,7 @@ def _where(ctx, node, args, kwargs):
     return ctx.pointwise(shape, dt, Op("where", (c, x, y), cdt))
 
 
-@register(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default,
+@rule(aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default,
           category="pointwise")
 def _clamp(ctx, node, args, kwargs):
     if node.target is aten.clamp_min.default:
@@ -252,7 +212,7 @@ def _clamp(ctx, node, args, kwargs):
     return _pointwise(ctx, node, [args[0]], build)
 
 
-@register(aten._to_copy.default, aten.to.dtype, category="pointwise", note="dtype conversion on the same device")
+@rule(aten._to_copy.default, aten.to.dtype, category="pointwise", note="dtype conversion on the same device")
 def _to_copy(ctx, node, args, kwargs):
     dt = out_dtype(node)
     return _convert(ctx, node, args[0], dt)
@@ -268,20 +228,20 @@ def _convert(ctx, node, src, dt):
     return ctx.pointwise(shape, dt, as_dtype(x, compute_dtype(dt) if dt != "bool" else "bool"))
 
 
-@register(aten._assert_tensor_metadata.default, category="structural",
+@rule(aten._assert_tensor_metadata.default, category="structural",
           note="export's check on the input of x.to(dtype); shapes and dtypes are static: nothing to run")
 def _assert_tensor_metadata(ctx, node, args, kwargs):
     return None
 
 
-@register(torch.ops.prims.convert_element_type.default, category="pointwise")
+@rule(torch.ops.prims.convert_element_type.default, category="pointwise")
 def _convert_element_type(ctx, node, args, kwargs):
     return _convert(ctx, node, args[0], out_dtype(node))
 
 
 # ---------------------------------------------------------------- constants
 
-@register(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
+@rule(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
           aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
           category="constant")
 def _full(ctx, node, args, kwargs):
@@ -301,7 +261,7 @@ def _full(ctx, node, args, kwargs):
     return ctx.pointwise(shape, dt, Const(value, compute_dtype(dt)))
 
 
-@register(aten.arange.default, aten.arange.start, aten.arange.start_step, category="constant")
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, category="constant")
 def _arange(ctx, node, args, kwargs):
     shape = out_shape(node)
     dt = out_dtype(node)
@@ -317,61 +277,100 @@ def _arange(ctx, node, args, kwargs):
     return ctx.pointwise(shape, dt, as_dtype(body, compute_dtype(dt)))
 
 
-# ---------------------------------------------------------------- views
+# ---------------------------------------------------------------- pooling as pointwise windows
 
-def _view_op(fn):
-    def lower(ctx, node, args, kwargs):
-        v = args[0]
-        if not isinstance(v, View):
-            raise UnsupportedOpError(str(node.target), node.name, "view of a non-tensor")
-        return fn(v, node, *args[1:], **kwargs)
-    return lower
-
-
-register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, category="view")(
-    _view_op(lambda v, node, shape: v.reshape(shape)))
-register(aten.permute.default, category="view")(_view_op(lambda v, node, dims: v.permute(dims)))
-register(aten.transpose.int, category="view")(_view_op(
-    lambda v, node, a, b: v.permute(_swap(len(v.shape), a, b))))
-register(aten.t.default, category="view")(_view_op(lambda v, node: v.permute(list(range(len(v.shape)))[::-1])))
-register(aten.expand.default, category="view")(_view_op(lambda v, node, sizes, implicit=False: v.expand(sizes)))
-register(aten.unsqueeze.default, category="view")(_view_op(lambda v, node, d: v.unsqueeze(d)))
-register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, category="view")(_view_op(
-    lambda v, node, dims=None: v.squeeze(None if dims is None else ([dims] if isinstance(dims, int) else dims))))
-register(aten.slice.Tensor, category="view")(_view_op(
-    lambda v, node, dim=0, start=None, end=None, step=1: v.slice(dim, start, end, step)))
-register(aten.flip.default, category="view", note="index math; copied when an extern needs it")(
-    _view_op(lambda v, node, dims: v.flip(dims)))
-register(aten.select.int, category="view")(_view_op(lambda v, node, dim, i: v.select(dim, i)))
-register(aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
-         aten.contiguous.default, category="view", note="values are immutable: a clone is the same view")(
-    _view_op(lambda v, node, **kw: v))
-
-
-@register(aten.split_with_sizes.default, aten.split.Tensor, category="view")
-def _split(ctx, node, args, kwargs):
-    v, sizes = args[0], args[1]
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    dim = dim % len(v.shape)
-    if isinstance(sizes, int):
-        n = v.shape[dim]
-        sizes = [min(sizes, n - s) for s in range(0, n, sizes)]
-    out, start = [], 0
-    for s in sizes:
-        out.append(v.slice(dim, start, start + s))
-        start += s
-    return tuple(out)
+@rule(aten.max_pool2d_with_indices.default, aten.max_pool2d.default, category="pointwise",
+          note="each output reads its k x k window; indices output refused")
+def _max_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    k = _pair(args[1])
+    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
+    pad = _pair(args[3] if len(args) > 3 else 0)
+    dil = _pair(args[4] if len(args) > 4 else 1)
+    ceil_mode = args[5] if len(args) > 5 else False
+    if node.target is aten.max_pool2d_with_indices.default:
+        for user in node.users:
+            if user.args[1] != 0:
+                raise UnsupportedOpError(str(node.target), node.name, "pooling indices are not supported")
+    if pad != (0, 0) or ceil_mode:
+        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode",
+                                 remedy="use padding=0 and ceil_mode=False")
+    m = meta(node)[0] if isinstance(meta(node), (tuple, list)) else meta(node)
+    shape = tuple(int(s) for s in m.shape)
+    dt = x.dtype
+    cdt = compute_dtype(dt)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    lead = pv[:-2]
+    acc = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            idx = list(lead) + [pv[-2] * stride[0] + i * dil[0], pv[-1] * stride[1] + j * dil[1]]
+            v = ctx.load_compute(x, idx, ranges)
+            acc = v if acc is None else Op("maximum", (acc, v), cdt)
+    out = ctx.pointwise(shape, dt, acc, hint="pool")
+    return (out, None) if node.target is aten.max_pool2d_with_indices.default else out
 
 
-@register(aten.unbind.int, category="view")
-def _unbind(ctx, node, args, kwargs):
-    v = args[0]
-    dim = (args[1] if len(args) > 1 else 0) % len(v.shape)
-    return tuple(v.select(dim, i) for i in range(v.shape[dim]))
+@rule(aten.avg_pool2d.default, category="pointwise", note="no padding")
+def _avg_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    k = _pair(args[1])
+    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
+    pad = _pair(args[3] if len(args) > 3 else 0)
+    if pad != (0, 0) or (len(args) > 4 and args[4]):
+        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode")
+    shape = out_shape(node)
+    cdt = compute_dtype(x.dtype)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    acc = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            idx = list(pv[:-2]) + [pv[-2] * stride[0] + i, pv[-1] * stride[1] + j]
+            v = ctx.load_compute(x, idx, ranges)
+            acc = v if acc is None else Op("add", (acc, v), cdt)
+    return ctx.pointwise(shape, x.dtype, Op("mul", (acc, Const(1.0 / (k[0] * k[1]), cdt)), cdt), hint="pool")
 
 
-def _swap(n, a, b):
-    dims = list(range(n))
-    a, b = a % n, b % n
-    dims[a], dims[b] = dims[b], dims[a]
-    return dims
+def _pair(v):
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return v if len(v) == 2 else (v[0], v[0])
+
+
+# ---------------------------------------------------------------- concatenation
+
+@rule(aten.cat.default, category="pointwise", note="each output element selects its source; loads are clamped in bounds")
+def _cat(ctx, node, args, kwargs):
+    tensors = [t for t in args[0] if isinstance(t, View) and t.numel > 0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(out_shape(node))
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    cdt = compute_dtype(dt) if dt != "bool" else "bool"
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    offsets, acc = [], 0
+    for t in tensors:
+        offsets.append(acc)
+        acc += t.shape[dim]
+    body = None
+    for t, off in reversed(list(zip(tensors, offsets))):
+        local = pv[dim] - off
+        idx = list(pv)
+        idx[dim] = sympy.Max(sympy.Min(local, t.shape[dim] - 1), 0)  # clamped: never read out of bounds
+        val = as_dtype(ctx.load_compute(t, idx, ranges), cdt)
+        if body is None:
+            body = val
+        else:
+            from ..ir.loop import IndexValue
+            cond = Op("lt", (IndexValue(pv[dim], "int64"), Const(off + t.shape[dim], "int64")), "bool")
+            body = Op("where", (cond, val, body), cdt)
+    return ctx.pointwise(shape, dt, body, hint="cat")
+
+
+def register_all(register) -> None:
+    """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
+    for r in RULES:
+        register(*r.ops, category=r.category, note=r.note)(r.fn)

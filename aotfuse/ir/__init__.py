@@ -1,0 +1,12 @@
+"""The loop IR: nodes and graphs (`loop`), the index algebra (`indexing`), views as index math (`views`).
+
+Every middle-end stage (lower/, schedule/) and the emitter read these; none of them defines IR.
+"""
+from .indexing import FloorDiv, ModIdx, flat_index, simplify, sym, syms, unravel
+from .loop import (Buffer, Cast, Const, Extern, IndexValue, Load, LoopGraph, Node, Op, OutputRef, Pointwise,
+                   Reduction, TensorArg, expr_loads, format_node)
+from .views import View
+
+__all__ = ["FloorDiv", "ModIdx", "flat_index", "simplify", "sym", "syms", "unravel",
+           "Buffer", "Cast", "Const", "Extern", "IndexValue", "Load", "LoopGraph", "Node", "Op", "OutputRef",
+           "Pointwise", "Reduction", "TensorArg", "expr_loads", "format_node", "View"]

@@ -1,0 +1,133 @@
+"""Extern lowerings: matmuls, convolution, attention and embedding, kept whole and called on strided views."""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ..errors import UnsupportedOpError
+from ..ir.indexing import syms
+from ..ir.loop import Const, Op, compute_dtype
+from ..ir.views import View
+from .ctx import out_dtype, out_shape
+from .rules import collector
+
+aten = torch.ops.aten
+RULES: list = []
+rule = collector(RULES)
+
+
+# ---------------------------------------------------------------- externs
+
+def _targ(ctx, v, node, what):
+    if not isinstance(v, View):
+        raise UnsupportedOpError(str(node.target), node.name, f"{what} is not a tensor")
+    return ctx.tensor_arg(v, f"{what} of {node.name} is not strided")
+
+
+@rule(aten.mm.default, category="extern")
+def _mm(ctx, node, args, kwargs):
+    a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
+    return ctx.extern("aten.mm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
+
+
+@rule(aten.bmm.default, category="extern")
+def _bmm(ctx, node, args, kwargs):
+    a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
+    return ctx.extern("aten.bmm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
+
+
+@rule(aten.addmm.default, category="extern",
+          note="kept whole when only externs consume it; else mm + a bias add that fuses with its consumers")
+def _addmm(ctx, node, args, kwargs):
+    bias, a, b = args[:3]
+    beta = kwargs.get("beta", 1)
+    alpha = kwargs.get("alpha", 1)
+    consumers_fusible = _feeds_fusible(node)
+    ta, tb = _targ(ctx, a, node, "lhs"), _targ(ctx, b, node, "rhs")
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    if not consumers_fusible and beta == 1 and alpha == 1:
+        tbias = _targ(ctx, bias, node, "bias")
+        ctx.decisions.append({"addmm": node.name, "kept": True, "why": "no fusible consumer: cuBLAS adds the bias"})
+        return ctx.extern("aten.addmm.out", (tbias, ta, tb), {}, shape, dt, True)
+    ctx.decisions.append({"addmm": node.name, "kept": False, "why": "bias add fuses into the consumer"})
+    mm = ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    cdt = compute_dtype(dt)
+    lead = len(shape) - len(bias.shape)
+    bidx = [sympy.Integer(0) if bias.shape[j] == 1 else pv[j + lead] for j in range(len(bias.shape))]
+    prod = ctx.load_compute(mm, pv, ranges)
+    badd = ctx.load_compute(bias, bidx, ranges)
+    if alpha != 1:
+        prod = Op("mul", (prod, Const(alpha, cdt)), cdt)
+    if beta != 1:
+        badd = Op("mul", (badd, Const(beta, cdt)), cdt)
+    return ctx.pointwise(shape, dt, Op("add", (prod, badd), cdt), hint="bias")
+
+
+def _feeds_fusible(node) -> bool:
+    """Does a pointwise or reduction op consume node, directly or through views?"""
+    from .registry import REGISTRY
+
+    for user in node.users:
+        info = REGISTRY.get(user.target)
+        if info is None:
+            continue
+        if info.category in ("pointwise", "reduction"):
+            return True
+        if info.category == "view" and _feeds_fusible(user):
+            return True
+    return False
+
+
+@rule(aten.embedding.default, category="extern")
+def _embedding(ctx, node, args, kwargs):
+    w, idx = args[0], args[1]
+    tw, ti = _targ(ctx, w, node, "weight"), _targ(ctx, idx, node, "indices")
+    pad = args[2] if len(args) > 2 else -1
+    return ctx.extern("aten.embedding.out", (tw, ti, pad), {}, out_shape(node), out_dtype(node), True)
+
+
+@rule(aten.convolution.default, category="extern")
+def _convolution(ctx, node, args, kwargs):
+    x, w, b = args[:3]
+    rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
+    tx, tw = _targ(ctx, x, node, "input"), _targ(ctx, w, node, "weight")
+    tb = None if b is None else _targ(ctx, b, node, "bias")
+    return ctx.extern("aten.convolution.out", (tx, tw, tb) + rest, {}, out_shape(node), out_dtype(node), True)
+
+
+@rule(aten.scaled_dot_product_attention.default, category="extern",
+          note="dropout_p must be 0; the result buffer is laid out [B, T, H, D] as the flash kernels write it")
+def _sdpa(ctx, node, args, kwargs):
+    q, k, v = args[:3]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
+    gqa = kwargs.get("enable_gqa", False)
+    if dropout:
+        raise UnsupportedOpError(str(node.target), node.name, "attention dropout",
+                                 remedy="set dropout_p=0 (or put dropout after the attention)")
+    tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
+    tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    shape = out_shape(node)
+    perm = [0, 2, 1, 3] if len(shape) == 4 else None
+    kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
+    return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),
+                      False, storage_perm=perm)
+
+
+@rule(aten.embedding_dense_backward.default, category="extern")
+def _embedding_backward(ctx, node, args, kwargs):
+    grad, idx, num_weights, padding_idx, scale = args[:5]
+    tg, ti = _targ(ctx, grad, node, "grad"), _targ(ctx, idx, node, "indices")
+    return ctx.extern("aten.embedding_dense_backward.out", (tg, ti, num_weights, padding_idx, scale), {},
+                      out_shape(node), out_dtype(node), True)
+
+
+def register_all(register) -> None:
+    """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
+    for r in RULES:
+        register(*r.ops, category=r.category, note=r.note)(r.fn)

@@ -1,0 +1,126 @@
+"""Reduction lowerings: sum / mean / max / min / prod / any along any set of dims."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedOpError
+from ..ir.indexing import syms
+from ..ir.loop import FLOATS, Const, Op, compute_dtype
+from ..ir.views import View
+from .ctx import as_dtype, meta, out_dtype, out_shape
+from .rules import collector
+
+aten = torch.ops.aten
+RULES: list = []
+rule = collector(RULES)
+
+
+# ---------------------------------------------------------------- reductions
+
+def _reduce(ctx, node, src: View, dims, keepdim: bool, rtype: str, *, scale: float | None = None):
+    nd = len(src.shape)
+    dims = sorted({d % nd for d in (range(nd) if dims in (None, []) else dims)})
+    outer = [i for i in range(nd) if i not in dims]
+    pv = syms("p", len(outer))
+    rv = syms("r", len(dims))
+    idx = [None] * nd
+    for j, i in enumerate(outer):
+        idx[i] = pv[j]
+    for j, i in enumerate(dims):
+        idx[i] = rv[j]
+    ranges = {**dict(zip(pv, [src.shape[i] for i in outer])), **dict(zip(rv, [src.shape[i] for i in dims]))}
+    dt = out_dtype(node)
+    if rtype in ("sum", "prod"):
+        acc = compute_dtype(dt) if dt in FLOATS else "int64"
+    elif rtype == "any":
+        acc = "bool"
+    else:
+        acc = compute_dtype(src.dtype) if src.dtype != "bool" else "bool"
+    body = as_dtype(ctx.load_compute(src, idx, ranges), acc)
+    out_sh = out_shape(node)
+    ranges_out = [src.shape[i] for i in outer]
+    rranges = [src.shape[i] for i in dims]
+    if scale is None:
+        return ctx.reduction(out_sh, ranges_out, rranges, body, rtype, acc, dt)
+    red = ctx.reduction(out_sh, ranges_out, rranges, body, rtype, acc, compute_dtype(dt))
+    opv = syms("p", len(out_sh))
+    oranges = dict(zip(opv, out_sh))
+    x = ctx.load_compute(red, opv, oranges)
+    return ctx.pointwise(out_sh, dt, Op("mul", (x, Const(scale, compute_dtype(dt))), compute_dtype(dt)), hint="mean")
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default, category="reduction")
+def _sum(ctx, node, args, kwargs):
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return _reduce(ctx, node, args[0], dims, keep, "sum")
+
+
+@rule(aten.mean.dim, aten.mean.default, category="reduction")
+def _mean(ctx, node, args, kwargs):
+    src = args[0]
+    dims = args[1] if len(args) > 1 else None
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    nd = len(src.shape)
+    ds = range(nd) if dims in (None, []) else [d % nd for d in dims]
+    n = 1
+    for d in set(ds):
+        n *= src.shape[d]
+    return _reduce(ctx, node, src, dims, keep, "sum", scale=1.0 / n)
+
+
+@rule(aten.amax.default, category="reduction")
+def _amax(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], args[1] if len(args) > 1 else None, False, "max")
+
+
+@rule(aten.amin.default, category="reduction")
+def _amin(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], args[1] if len(args) > 1 else None, False, "min")
+
+
+@rule(aten.max.default, category="reduction", note="all elements")
+def _max_all(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], None, False, "max")
+
+
+@rule(aten.min.default, category="reduction", note="all elements")
+def _min_all(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], None, False, "min")
+
+
+@rule(aten.prod.dim_int, category="reduction")
+def _prod(ctx, node, args, kwargs):
+    return _reduce(ctx, node, args[0], [args[1]], False, "prod")
+
+
+@rule(aten.any.dim, aten.any.dims, aten.any.default, category="reduction")
+def _any(ctx, node, args, kwargs):
+    dims = args[1] if len(args) > 1 else None
+    if isinstance(dims, int):
+        dims = [dims]
+    return _reduce(ctx, node, args[0], dims, False, "any")
+
+
+@rule(aten.max.dim, aten.min.dim, category="reduction", note="values only; the indices output is refused")
+def _max_dim(ctx, node, args, kwargs):
+    for user in node.users:
+        if user.args[1] != 0:
+            raise UnsupportedOpError(str(node.target), node.name, "the indices output (argmax) is not supported")
+    rtype = "max" if node.target is aten.max.dim else "min"
+    val = _reduce_values(ctx, node, args[0], [args[1]], rtype)
+    return (val, None)
+
+
+def _reduce_values(ctx, node, src, dims, rtype):
+    class _N:  # the values output's meta stands in for the node's
+        name = node.name
+        meta = {"val": meta(node)[0]}
+        target = node.target
+    return _reduce(ctx, _N, src, dims, False, rtype)
+
+
+def register_all(register) -> None:
+    """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
+    for r in RULES:
+        register(*r.ops, category=r.category, note=r.note)(r.fn)

@@ -1,0 +1,78 @@
+"""View lowerings: index math on a View, never a node."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedOpError
+from ..ir.views import View
+from .rules import collector
+
+aten = torch.ops.aten
+RULES: list = []
+rule = collector(RULES)
+
+
+# ---------------------------------------------------------------- views
+
+def _view_op(fn):
+    def lower(ctx, node, args, kwargs):
+        v = args[0]
+        if not isinstance(v, View):
+            raise UnsupportedOpError(str(node.target), node.name, "view of a non-tensor")
+        return fn(v, node, *args[1:], **kwargs)
+    return lower
+
+
+rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, category="view")(
+    _view_op(lambda v, node, shape: v.reshape(shape)))
+rule(aten.permute.default, category="view")(_view_op(lambda v, node, dims: v.permute(dims)))
+rule(aten.transpose.int, category="view")(_view_op(
+    lambda v, node, a, b: v.permute(_swap(len(v.shape), a, b))))
+rule(aten.t.default, category="view")(_view_op(lambda v, node: v.permute(list(range(len(v.shape)))[::-1])))
+rule(aten.expand.default, category="view")(_view_op(lambda v, node, sizes, implicit=False: v.expand(sizes)))
+rule(aten.unsqueeze.default, category="view")(_view_op(lambda v, node, d: v.unsqueeze(d)))
+rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, category="view")(_view_op(
+    lambda v, node, dims=None: v.squeeze(None if dims is None else ([dims] if isinstance(dims, int) else dims))))
+rule(aten.slice.Tensor, category="view")(_view_op(
+    lambda v, node, dim=0, start=None, end=None, step=1: v.slice(dim, start, end, step)))
+rule(aten.flip.default, category="view", note="index math; copied when an extern needs it")(
+    _view_op(lambda v, node, dims: v.flip(dims)))
+rule(aten.select.int, category="view")(_view_op(lambda v, node, dim, i: v.select(dim, i)))
+rule(aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
+         aten.contiguous.default, category="view", note="values are immutable: a clone is the same view")(
+    _view_op(lambda v, node, **kw: v))
+
+
+@rule(aten.split_with_sizes.default, aten.split.Tensor, category="view")
+def _split(ctx, node, args, kwargs):
+    v, sizes = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    dim = dim % len(v.shape)
+    if isinstance(sizes, int):
+        n = v.shape[dim]
+        sizes = [min(sizes, n - s) for s in range(0, n, sizes)]
+    out, start = [], 0
+    for s in sizes:
+        out.append(v.slice(dim, start, start + s))
+        start += s
+    return tuple(out)
+
+
+@rule(aten.unbind.int, category="view")
+def _unbind(ctx, node, args, kwargs):
+    v = args[0]
+    dim = (args[1] if len(args) > 1 else 0) % len(v.shape)
+    return tuple(v.select(dim, i) for i in range(v.shape[dim]))
+
+
+def _swap(n, a, b):
+    dims = list(range(n))
+    a, b = a % n, b % n
+    dims[a], dims[b] = dims[b], dims[a]
+    return dims
+
+
+def register_all(register) -> None:
+    """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
+    for r in RULES:
+        register(*r.ops, category=r.category, note=r.note)(r.fn)
