@@ -12,7 +12,7 @@
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
-| graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with a graph of their own per program (LRU beyond) |
+| graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
 """
 from __future__ import annotations

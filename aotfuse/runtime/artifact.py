@@ -16,7 +16,7 @@ import torch
 from ..archive import Archive, read_archive
 from ..errors import ArchiveError, GuardError
 from ..knobs import knobs
-from .executor import Executor, new_seed
+from .executor import Executor
 from .validate import validate_archive, validate_manifest, validate_sources
 
 _UNPACK = dict(raw=False, strict_map_key=False)
