@@ -103,8 +103,7 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
     train_info = None
     if train:
         from .joint import trace_joint
-        from .partition import partition
-        from .pipeline_train import train_graphs as _train_graphs
+        from .partition import partition, train_graphs as _train_graphs
 
         joint = st.run("joint", trace_joint, model, example_inputs)
         part = st.run("partition", partition, joint, memory_budget)

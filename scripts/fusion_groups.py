@@ -25,7 +25,7 @@ def _graphs(spec: str, train: bool):
         return
     from aotfuse.joint import trace_joint
     from aotfuse.partition import partition
-    from aotfuse.pipeline_train import train_graphs
+    from aotfuse.partition import train_graphs
 
     joint = trace_joint(model, tuple(inputs))
     fwd, bwd, _ = train_graphs(joint, partition(joint, 1.0))

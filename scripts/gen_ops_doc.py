@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from aotfuse.testing import opcases  # noqa: E402
 from aotfuse.errors import UnsupportedOpError  # noqa: E402
 from aotfuse.export import decomp  # noqa: E402
-from aotfuse.lower import REGISTRY  # noqa: E402
+from aotfuse.lower import registry  # noqa: E402
 
 DOC = ROOT / "docs" / "ops.md"
 
@@ -88,7 +88,7 @@ def render() -> str:
         for op in c.aten_ops:
             if c.known_issue and op not in passing:
                 issues.setdefault(op, []).append(c.name)
-    infos = {info.op: info for info in REGISTRY.values()}
+    infos = {info.op: info for info in registry().values()}
     by_cat: dict[str, list] = {}
     for info in infos.values():
         by_cat.setdefault(info.category, []).append(info)

@@ -16,7 +16,7 @@ from aotfuse.testing import opcases
 from aotfuse.export.decomp import decomposition_table
 from aotfuse.knobs import override
 from aotfuse.testing.opcases import CASES, UNTESTED, Fn
-from aotfuse.lower import REGISTRY
+from aotfuse.lower import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS = ("sm_90",)
@@ -132,7 +132,7 @@ def test_rand_is_uniform_fresh_per_call_and_follows_torch_seed():
 # ---------------------------------------------------------------- the table covers the registry
 
 def _registered() -> dict[str, object]:
-    return {info.op: op for op, info in REGISTRY.items()}
+    return {info.op: op for op, info in registry().items()}
 
 
 def test_every_registered_op_is_covered_or_excused():

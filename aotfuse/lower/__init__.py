@@ -1,6 +1,6 @@
-"""Stage: the captured FX graph -> LoopGraph (`graph.lower`), by the rules in `registry.REGISTRY`."""
+"""Stage: the captured FX graph -> LoopGraph (`graph.lower`), by the rules in `registry.registry()`."""
 from .ctx import LoweringCtx
 from .graph import lower
-from .registry import REGISTRY, OpInfo
+from .registry import OpInfo, registry
 
-__all__ = ["LoweringCtx", "OpInfo", "REGISTRY", "lower"]
+__all__ = ["LoweringCtx", "OpInfo", "lower", "registry"]

@@ -68,10 +68,10 @@ def _addmm(ctx, node, args, kwargs):
 
 def _feeds_fusible(node) -> bool:
     """Does a pointwise or reduction op consume node, directly or through views?"""
-    from .registry import REGISTRY
+    from .registry import registry
 
     for user in node.users:
-        info = REGISTRY.get(user.target)
+        info = registry().get(user.target)
         if info is None:
             continue
         if info.category in ("pointwise", "reduction"):

@@ -11,7 +11,7 @@ from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name
-from .registry import REGISTRY
+from .registry import registry
 
 
 def _map_args(x, env):
@@ -39,6 +39,7 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     ph = {name: (kind, ref) for name, kind, ref in cg.placeholders}
     outputs = []
     const_id = 0
+    rules = registry()
     for node in cg.gm.graph.nodes:
         if node.op == "placeholder":
             kind, ref = ph[node.name]
@@ -59,7 +60,7 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 if node.args[0] in consts:
                     consts[node] = consts[node.args[0]][node.args[1]]
                 continue
-            info = REGISTRY.get(node.target)
+            info = rules.get(node.target)
             if info is None:
                 raise UnsupportedOpError(str(node.target), node.name, _where(node))
             if info.category == "constant" or (

@@ -1,4 +1,4 @@
-"""Pointwise lowerings: element-wise ops, conversions, constants, pooling windows and concatenation."""
+"""Pointwise lowerings: element-wise ops and conversions."""
 from __future__ import annotations
 
 import sympy
@@ -6,7 +6,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..ir.indexing import syms
-from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
+from ..ir.loop import FLOATS, Const, Op, compute_dtype
 from ..ir.views import View
 from .ctx import LoweringCtx, as_dtype, dtype_name, meta, out_dtype, out_shape
 from .rules import collector
@@ -237,137 +237,6 @@ def _assert_tensor_metadata(ctx, node, args, kwargs):
 @rule(torch.ops.prims.convert_element_type.default, category="pointwise")
 def _convert_element_type(ctx, node, args, kwargs):
     return _convert(ctx, node, args[0], out_dtype(node))
-
-
-# ---------------------------------------------------------------- constants
-
-@rule(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
-          aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-          category="constant")
-def _full(ctx, node, args, kwargs):
-    shape = out_shape(node)
-    dt = out_dtype(node)
-    t = node.target
-    if t is aten.full.default:
-        value = args[1]
-    elif t is aten.scalar_tensor.default:
-        value = args[0]
-    elif t is aten.full_like.default:
-        value = args[1]
-    elif t in (aten.ones.default, aten.ones_like.default):
-        value = 1
-    else:
-        value = 0
-    return ctx.pointwise(shape, dt, Const(value, compute_dtype(dt)))
-
-
-@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, category="constant")
-def _arange(ctx, node, args, kwargs):
-    shape = out_shape(node)
-    dt = out_dtype(node)
-    start = args[0] if len(args) > 1 else 0
-    step = args[2] if len(args) > 2 else 1
-    pv = syms("p", 1)
-    if all(isinstance(v, int) for v in (start, step)):
-        body = IndexValue(start + step * pv[0], "int64")
-    else:
-        body = Op("add", (Const(float(start), "float32"),
-                          Op("mul", (as_dtype(IndexValue(pv[0], "int64"), "float32"), Const(float(step), "float32")),
-                             "float32")), "float32")
-    return ctx.pointwise(shape, dt, as_dtype(body, compute_dtype(dt)))
-
-
-# ---------------------------------------------------------------- pooling as pointwise windows
-
-@rule(aten.max_pool2d_with_indices.default, aten.max_pool2d.default, category="pointwise",
-          note="each output reads its k x k window; indices output refused")
-def _max_pool2d(ctx, node, args, kwargs):
-    x = args[0]
-    k = _pair(args[1])
-    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
-    pad = _pair(args[3] if len(args) > 3 else 0)
-    dil = _pair(args[4] if len(args) > 4 else 1)
-    ceil_mode = args[5] if len(args) > 5 else False
-    if node.target is aten.max_pool2d_with_indices.default:
-        for user in node.users:
-            if user.args[1] != 0:
-                raise UnsupportedOpError(str(node.target), node.name, "pooling indices are not supported")
-    if pad != (0, 0) or ceil_mode:
-        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode",
-                                 remedy="use padding=0 and ceil_mode=False")
-    m = meta(node)[0] if isinstance(meta(node), (tuple, list)) else meta(node)
-    shape = tuple(int(s) for s in m.shape)
-    dt = x.dtype
-    cdt = compute_dtype(dt)
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
-    lead = pv[:-2]
-    acc = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            idx = list(lead) + [pv[-2] * stride[0] + i * dil[0], pv[-1] * stride[1] + j * dil[1]]
-            v = ctx.load_compute(x, idx, ranges)
-            acc = v if acc is None else Op("maximum", (acc, v), cdt)
-    out = ctx.pointwise(shape, dt, acc, hint="pool")
-    return (out, None) if node.target is aten.max_pool2d_with_indices.default else out
-
-
-@rule(aten.avg_pool2d.default, category="pointwise", note="no padding")
-def _avg_pool2d(ctx, node, args, kwargs):
-    x = args[0]
-    k = _pair(args[1])
-    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
-    pad = _pair(args[3] if len(args) > 3 else 0)
-    if pad != (0, 0) or (len(args) > 4 and args[4]):
-        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode")
-    shape = out_shape(node)
-    cdt = compute_dtype(x.dtype)
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
-    acc = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            idx = list(pv[:-2]) + [pv[-2] * stride[0] + i, pv[-1] * stride[1] + j]
-            v = ctx.load_compute(x, idx, ranges)
-            acc = v if acc is None else Op("add", (acc, v), cdt)
-    return ctx.pointwise(shape, x.dtype, Op("mul", (acc, Const(1.0 / (k[0] * k[1]), cdt)), cdt), hint="pool")
-
-
-def _pair(v):
-    if isinstance(v, int):
-        return (v, v)
-    v = tuple(v)
-    return v if len(v) == 2 else (v[0], v[0])
-
-
-# ---------------------------------------------------------------- concatenation
-
-@rule(aten.cat.default, category="pointwise", note="each output element selects its source; loads are clamped in bounds")
-def _cat(ctx, node, args, kwargs):
-    tensors = [t for t in args[0] if isinstance(t, View) and t.numel > 0]
-    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(out_shape(node))
-    shape = out_shape(node)
-    dt = out_dtype(node)
-    cdt = compute_dtype(dt) if dt != "bool" else "bool"
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
-    offsets, acc = [], 0
-    for t in tensors:
-        offsets.append(acc)
-        acc += t.shape[dim]
-    body = None
-    for t, off in reversed(list(zip(tensors, offsets))):
-        local = pv[dim] - off
-        idx = list(pv)
-        idx[dim] = sympy.Max(sympy.Min(local, t.shape[dim] - 1), 0)  # clamped: never read out of bounds
-        val = as_dtype(ctx.load_compute(t, idx, ranges), cdt)
-        if body is None:
-            body = val
-        else:
-            from ..ir.loop import IndexValue
-            cond = Op("lt", (IndexValue(pv[dim], "int64"), Const(off + t.shape[dim], "int64")), "bool")
-            body = Op("where", (cond, val, body), cdt)
-    return ctx.pointwise(shape, dt, body, hint="cat")
 
 
 def register_all(register) -> None:

@@ -1,19 +1,21 @@
 """ATen op -> lowering rule. One registry, also the source of docs/ops.md and the op tests.
 
-Built explicitly by `build()`: each rule module (pointwise, view, reduction, extern, random, pack) files its
-rules through `register_all(register)`, in the fixed order of MODULES; importing a module registers nothing.
+Built explicitly by `build()`: each rule module (pointwise, constant, pool, concat, view, reduction, extern,
+random, pack) files its rules through `register_all(register)`, in the fixed order of MODULES; importing a
+module registers nothing. `registry()` builds it once, on first use (not at import).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 from .. import opclass
 from ..runtime.externs import EXTERNS
-from . import extern, pack, pointwise, random, reduction, view
+from . import concat, constant, extern, pack, pointwise, pool, random, reduction, view
 
 _EXTERN_GRAPH_OPS = {e.graph_op for e in EXTERNS}
-MODULES = (pointwise, view, reduction, extern, random, pack)
+MODULES = (pointwise, constant, pool, concat, view, reduction, extern, random, pack)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,4 +47,7 @@ def build() -> dict[object, OpInfo]:
     return registry
 
 
-REGISTRY: dict[object, OpInfo] = build()
+@functools.cache
+def registry() -> dict[object, OpInfo]:
+    """The registry, built on first use; the same dict afterwards (never mutate it)."""
+    return build()

@@ -1,4 +1,5 @@
-"""--train: the partitioned forward and backward FX graphs as two CapturedGraphs for the scheduler.
+"""--train, the partition stage's output: the forward and backward FX graphs as two CapturedGraphs for the
+scheduler, and the train info the runtime needs to bind them (parameters, gradients, saved tensors).
 
 Forward program inputs: the trainable parameters, then the user inputs (non-trainable buffers are
 archive weights). Its outputs: the loss, then the tensors saved for the backward. Backward program
@@ -8,8 +9,8 @@ load_state_dict that replaces them) is seen on the next call.
 """
 from __future__ import annotations
 
-from .errors import BuildError
-from .export import CapturedGraph, InputSpec
+from ..errors import BuildError
+from ..export import CapturedGraph, InputSpec
 
 
 def _placeholders(gm):
