@@ -263,6 +263,33 @@ def test_launch_passes_grid_block_stream_and_params(fake_driver):
         fn.launch((1, 1, 1), 4, 0, 0, [1, 2, 3, 4.0, 5], types)
 
 
+def test_prepared_launch_has_its_own_params_and_checks(fake_driver):
+    lib = fake_driver.lib
+    mod, fn = _fake_function(fake_driver)
+    types = ("ptr", "ptr")
+    lib.fake_set_nparams(len(types) + 2)
+    bound = fn.bind(types, num_warps=4, shared_bytes=256)
+    a, b = bound.prepare((7, 1, 1)), bound.prepare((2, 3, 1))
+    assert a.pack.buffer is not b.pack.buffer and a.pack.buffer is not bound.pack.buffer
+    a.launch(0xBEEF0, [0x10, 0x20])
+    last = lib.fake_last()
+    assert [last[i] for i in range(9)] == [0x2000, 7, 1, 1, 128, 1, 1, 256, 0xBEEF0]
+    assert struct.unpack_from("<QQQQ", bytes(lib.fake_params()[:32])) == (0x10, 0x20, 0, 0)
+    b.launch(0, [0x30, 0x40])
+    assert [last[i] for i in (1, 2)] == [2, 3]
+    n = lib.fake_launches()
+    bound.prepare((0, 1, 1)).launch(0, [1, 2])  # empty grid: nothing launched
+    assert lib.fake_launches() == n
+    with pytest.raises(AotfuseError, match="bad launch grid"):
+        bound.prepare((1.0, 1, 1))
+    lib.fake_fail_next(719)
+    with pytest.raises(cd.CudaDriverError, match="CUDA_ERROR_LAUNCH_FAILED"):
+        a.launch(0, [1, 2])
+    mod.close()
+    with pytest.raises(AotfuseError, match="module was closed"):
+        a.launch(0, [1, 2])
+
+
 def test_launch_error_names_call_and_cuerror(fake_driver):
     _, fn = _fake_function(fake_driver)
     fake_driver.lib.fake_set_nparams(3)

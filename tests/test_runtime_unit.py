@@ -7,7 +7,7 @@ import torch
 from aotfuse.errors import ArchiveError, GuardError
 from aotfuse.runtime import gpu
 from aotfuse.runtime.executor import Executor
-from aotfuse.runtime.externs import resolve
+from aotfuse.runtime.externs import ALLOWED, BINDINGS, resolve
 from aotfuse.runtime.interpret import check_source
 
 
@@ -28,10 +28,26 @@ def test_pick_arch_refuses_missing_arch_naming_it(monkeypatch):
 
 
 def test_externs_only_from_allow_list():
-    assert resolve("aten.mm.out") is torch.ops.aten.mm.out
+    assert resolve("aten.embedding.out") is torch.ops.aten.embedding.out
+    assert resolve("aten.mm.out") is torch.mm  # a faster binding of the same op (BINDINGS)
     for bad in ("aten.mm", "os.system", "builtins.eval", "torch.ops.aten.mm.out"):
         with pytest.raises(ArchiveError, match="allow-list"):
             resolve(bad)
+
+
+@pytest.mark.parametrize("target", sorted(BINDINGS))
+def test_extern_bindings_match_their_overloads(target):
+    # The binding is called exactly as the overload would be: positional args, beta/alpha, out=.
+    g = torch.Generator().manual_seed(0)
+    mats = {"aten.mm.out": ((5, 7), (7, 3)), "aten.bmm.out": ((2, 5, 7), (2, 7, 3)),
+            "aten.addmm.out": ((3,), (5, 7), (7, 3))}[target]
+    args = [torch.randn(s, generator=g) for s in mats]
+    kwargs = {"beta": 0.5, "alpha": 2.0} if target == "aten.addmm.out" else {}
+    ref = ALLOWED[target](*args, **kwargs, out=torch.empty(0))
+    out = torch.empty_like(ref)
+    res = BINDINGS[target](*args, **kwargs, out=out)
+    assert res is out
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_program_with_unknown_instruction_or_kernel_is_refused():

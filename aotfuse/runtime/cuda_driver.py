@@ -45,8 +45,7 @@ __all__ = [
     "CudaModule",
     "CudaFunction",
     "BoundLaunch",
-    "KernelSpec",
-    "scratch_bytes",
+    "PreparedLaunch",
     "ARG_TYPES",
 ]
 
@@ -602,3 +601,48 @@ class BoundLaunch:
                  global_scratch: int = 0, profile_scratch: int = 0) -> None:
         self.function._launch(self.pack, grid, self.block_x, self.shared_bytes, stream, args,
                               global_scratch, profile_scratch)
+
+    def prepare(self, grid: tuple[int, int, int]) -> "PreparedLaunch":
+        """A launch of this kernel with a fixed grid and a parameter buffer of its own (see PreparedLaunch)."""
+        return PreparedLaunch(self, grid)
+
+
+class PreparedLaunch:
+    """One launch site of a linked program: grid, block and shared memory checked once, and a kernel
+    parameter buffer of its own, so a caller that owns it (an executor state, whose calls are
+    serialized by its lock) launches without the function's shared-buffer lock or per-call checks."""
+
+    __slots__ = ("bound", "grid", "pack", "_stream", "_fn", "_handle", "_dims", "_empty")
+
+    def __init__(self, bound: BoundLaunch, grid: tuple[int, int, int]):
+        gx, gy, gz = grid
+        if not all(v.__class__ is int and v >= 0 for v in grid):
+            raise AotfuseError(f"bad launch grid for {bound.function.name!r}: {tuple(grid)!r}",
+                               remedy="grid dimensions must be non-negative Python ints")
+        self.bound = bound
+        self.grid = (gx, gy, gz)
+        self.pack = _ArgPack(bound.pack.arg_types)  # its own buffer: never shared with another caller
+        self._stream = ctypes.c_void_p()
+        fn = bound.function
+        self._fn = fn._launch_fn
+        self._handle = fn._handle_arg
+        self._dims = (gx, gy, gz, bound.block_x, 1, 1, bound.shared_bytes)
+        self._empty = gx * gy * gz == 0
+
+    def launch(self, stream: int, args: Sequence[int]) -> None:
+        """Launch with `args` (device addresses in argument order) on `stream`."""
+        if self._empty:
+            return
+        if self.bound.function._handle is None:
+            raise AotfuseError(f"cannot launch {self.bound.function.name!r}: its module was closed")
+        pack = self.pack
+        pack.fill(args)
+        self._stream.value = stream
+        gx, gy, gz, bx, by, bz, sh = self._dims
+        rc = self._fn(self._handle, gx, gy, gz, bx, by, bz, sh, self._stream, pack.params, None)
+        if rc == CUDA_ERROR_INVALID_CONTEXT and self.bound.function._adopt_context():
+            rc = self._fn(self._handle, gx, gy, gz, bx, by, bz, sh, self._stream, pack.params, None)
+        if rc != CUDA_SUCCESS:
+            f = self.bound.function
+            raise f._driver.error(rc, f"cuLaunchKernel({f.name!r}, grid={self.grid}, block=({bx}, 1, 1), "
+                                      f"shared={sh}, stream=0x{stream or 0:x})")

@@ -38,6 +38,16 @@ def new_seed(device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64).to(device, non_blocking=True)
 
 
+def current_stream(index: int) -> int:
+    """The raw handle of the current CUDA stream of device `index` (what cuLaunchKernel takes)."""
+    return _RAW_STREAM(index) if _RAW_STREAM is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+# torch's binding for the raw current stream (used by its own generated wrappers); about 20x
+# cheaper than torch.cuda.current_stream(...).cuda_stream, which builds a Stream object.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _contig_strides(shape):
     out, acc = [], 1
     for d in reversed(shape):
@@ -66,6 +76,14 @@ def _flat(xs):
             yield x
 
 
+def _prepared(step: tuple) -> tuple:
+    """A GPU launch step with a parameter buffer of its own; other steps (and CPU launches) as they are."""
+    if step[0] == "launch" and hasattr(step[1], "prepare"):
+        _, launch, grid, slots = step
+        return ("prepared", launch.prepare(grid).launch, slots)
+    return step
+
+
 class State:
     """What one caller (a stream, or a CUDA-graph instance) runs on: the arena and the slots.
     Calls on one state are serialized by its lock."""
@@ -81,7 +99,9 @@ class State:
             self._set(slot, self.arena[off:off + nbytes].view(dt).view(shape))
         # Extern arguments that view weights or the arena are the same tensors on every call: made
         # once here. Only views of per-call buffers (inputs, extern results, outputs) stay _View.
+        # GPU launches get a parameter buffer of their own (this state's calls are serialized).
         self.externs: list = [None] * ex.n_externs
+        self.steps = [_prepared(step) for step in ex.steps]
         for step in ex.steps:
             if step[0] == "extern":
                 _, i, _fn, args, kwargs, _ov_flag, ov, *_ = step
@@ -193,7 +213,7 @@ class Executor:
     # ---------------------------------------------------------------- run
     def run(self, inputs: list[torch.Tensor], seed: torch.Tensor | None = None,
             state: State | None = None) -> list[torch.Tensor]:
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        stream = current_stream(self.device.index) if self.device.type == "cuda" else 0
         st = state or self._state_for_caller(stream)
         with st.lock:
             try:
@@ -213,9 +233,11 @@ class Executor:
             t = seed if seed is not None else new_seed(dev)
             env[self.rng_slot] = t
             addr[self.rng_slot] = t.data_ptr()
-        for step in self.steps:
+        for step in st.steps:
             kind = step[0]
-            if kind == "launch":
+            if kind == "prepared":
+                step[1](stream, [addr[s] for s in step[2]])
+            elif kind == "launch":
                 _, launch, grid, slots = step
                 launch(grid, stream, [addr[s] for s in slots] if by_addr else [env[s] for s in slots])
             elif kind == "new":

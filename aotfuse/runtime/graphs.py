@@ -38,7 +38,7 @@ import torch
 
 from ..errors import AotfuseError
 from ..knobs import knobs
-from .executor import Executor, new_seed
+from .executor import Executor, current_stream, new_seed
 
 
 def _copy(dst: list, src: list) -> None:
@@ -74,23 +74,23 @@ class GraphedProgram:
         return sum(i.captures for i in list(self._instances.values()))
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        stream = torch.cuda.current_stream(self.device)
-        inst = self._instance(stream)
+        inst = self._instance(current_stream(self.device.index))
         with inst.lock:
             if inst.released:  # evicted between lookup and lock: take a fresh one
                 return self(inputs)
-            return inst.run(inputs, stream)
+            return inst.run(inputs)
 
-    def _instance(self, stream: torch.cuda.Stream) -> "_Instance":
+    def _instance(self, stream: int) -> "_Instance":
         with self._lock:
             if self._released:
                 raise AotfuseError("this artifact was closed; its CUDA graphs are gone",
                                    remedy="load the archive again")
-            inst = self._instances.get(stream.cuda_stream)
+            inst = self._instances.get(stream)
             if inst is not None:
-                self._instances.move_to_end(stream.cuda_stream)
+                self._instances.move_to_end(stream)
                 return inst
-            inst = self._instances[stream.cuda_stream] = _Instance(self, stream)
+            # made on the caller's thread with its stream current: the instance keeps that Stream
+            inst = self._instances[stream] = _Instance(self, torch.cuda.current_stream(self.device))
             evicted = []
             while len(self._instances) > max(1, knobs.graph_streams):
                 evicted.append(self._instances.popitem(last=False)[1])
@@ -119,10 +119,10 @@ class _Instance:
         self.released = False
         self.captures = 0
 
-    def run(self, inputs: list[torch.Tensor], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         p = self.prog
         if self.graph is None or any(inputs[i].data_ptr() != self.bound_ptrs[i] for i in p.bound):
-            self._capture(inputs, stream)
+            self._capture(inputs)
         _copy(self.copy_to, [inputs[i] for i in self.copy_idx])
         if self.seed is not None:
             self.seed.copy_(new_seed(p.device))
@@ -137,8 +137,8 @@ class _Instance:
             outs[k] = inputs[j].as_strided(o.shape, o.stride(), o.storage_offset())
         return outs
 
-    def _capture(self, inputs: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
-        p = self.prog
+    def _capture(self, inputs: list[torch.Tensor]) -> None:
+        p, stream = self.prog, self.stream
         self.graph = None  # a recapture (bound address changed): the old graph and pool go first
         self.static = [x if i in p.bound else x.detach().clone() for i, x in enumerate(inputs)]
         # addresses at capture: a Parameter whose .data is swapped keeps its identity, not its address
