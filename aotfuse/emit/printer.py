@@ -49,6 +49,12 @@ def literal(value, dtype: str) -> str:
     return repr(v)
 
 
+# Math with no triton.language op of its own: one call of CUDA's libdevice each (the kernel header
+# imports it). Triton's interpreter cannot run libdevice, so the CPU path binds the name to
+# runtime/interpret.py's INTERPRETER_LIBDEVICE, the same functions written with triton.language.
+LIBDEVICE = {"tanh": 1, "expm1": 1, "log1p": 1, "pow": 2}
+
+
 def op_source(op: str, a: list[str], dtype: str) -> str:
     """One loop-IR op applied to already-named operands."""
     is_float = dtype.startswith("float")
@@ -77,23 +83,8 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
         return f"({q} - ((({a[0]} % {a[1]}) != 0) & (({a[0]} < 0) != ({a[1]} < 0))).to({TL_DTYPE[dtype]}))"
     if op == "truncdiv":
         return _trunc(f"({a[0]} / {a[1]})") if is_float else f"({a[0]} // {a[1]})"
-    # tanh, expm1, log1p and pow are written with triton.language alone, no libdevice: the CPU path
-    # runs kernels in Triton's interpreter, which cannot execute libdevice externs.
-    if op == "tanh":  # tanh|x| = -e / (e + 2) with e = expm1(-2|x|) in [-1, 0]: no overflow, no cancellation
-        e = _expm1(f"(-2.0 * tl.abs({a[0]}))")
-        return f"tl.where({a[0]} < 0, {e} / ({e} + 2.0), -{e} / ({e} + 2.0))"
-    if op == "expm1":
-        return _expm1(a[0])
-    if op == "log1p":  # log(u) * x / (u - 1) with u = 1 + x: the rounding error of u cancels (Goldberg)
-        u = f"(1.0 + {a[0]})"
-        return (f"tl.where({u} == 1.0, {a[0]}, tl.where({u} - 1.0 == {u}, tl.log({u}), "
-                f"tl.log({u}) * ({a[0]} / ({u} - 1.0))))")
-    if op == "pow":  # exp2(y * log2|x|) with C pow's rules: x < 0 needs an integer y, and odd y keeps the sign
-        x, y = a
-        r = f"tl.exp2({y} * tl.log2(tl.abs({x})))"
-        r = (f"tl.where(({x} < 0) & (tl.floor({y}) != {y}), float(\"nan\"), "
-             f"tl.where(({x} < 0) & (tl.floor({y} * 0.5) * 2.0 != {y}), -{r}, {r}))")
-        return f"tl.where(({y} == 0) | ({x} == 1), 1.0, {r})"
+    if op in LIBDEVICE:  # one libdevice call (the CPU path binds `libdevice` to runtime/interpret.py's)
+        return f"libdevice.{op}({', '.join(a)})"
     if op == "mod":
         r = f"({a[0]} % {a[1]})"
         return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"
@@ -102,9 +93,3 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
 
 def _trunc(x: str) -> str:
     return f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"
-
-
-def _expm1(x: str) -> str:
-    # Kahan: for |x| < 0.5, (u - 1) * x / log(u) with u = exp(x) is accurate: the error in u cancels.
-    u = f"tl.exp({x})"
-    return f"tl.where(tl.abs({x}) < 0.5, tl.where({u} == 1.0, {x}, ({u} - 1.0) * ({x} / tl.log({u}))), {u} - 1.0)"

@@ -19,6 +19,51 @@ from .kernel_source import TRITON_STATE_LOCK, load_source
 _ALLOWED_IMPORTS = {"triton", "triton.language", "triton.language.extra"}
 
 
+class _InterpreterLibdevice:
+    """What `libdevice.<fn>` means in a kernel run by Triton's interpreter, which cannot call CUDA's
+    libdevice: the functions emit/printer.py's LIBDEVICE names, written with triton.language alone
+    (evaluated on the interpreter's tensors; accurate to a few fp32 ulps, like libdevice)."""
+
+    @staticmethod
+    def expm1(x):
+        # Kahan: for |x| < 0.5, (u - 1) * x / log(u) with u = exp(x) is accurate: the error in u cancels.
+        import triton.language as tl
+
+        u = tl.exp(x)
+        small = tl.where(u == 1.0, x, (u - 1.0) * (x / tl.log(u)))
+        return tl.where(tl.abs(x) < 0.5, small, u - 1.0)
+
+    @staticmethod
+    def tanh(x):
+        # tanh|x| = -e / (e + 2) with e = expm1(-2|x|) in [-1, 0]: no overflow, no cancellation
+        import triton.language as tl
+
+        e = _InterpreterLibdevice.expm1(-2.0 * tl.abs(x))
+        t = -e / (e + 2.0)
+        return tl.where(x < 0, -t, t)
+
+    @staticmethod
+    def log1p(x):
+        # log(u) * x / (u - 1) with u = 1 + x: the rounding error of u cancels (Goldberg)
+        import triton.language as tl
+
+        u = 1.0 + x
+        return tl.where(u == 1.0, x, tl.where(u - 1.0 == u, tl.log(u), tl.log(u) * (x / (u - 1.0))))
+
+    @staticmethod
+    def pow(x, y):
+        # exp2(y * log2|x|) with C pow's rules: x < 0 needs an integer y, and odd y keeps the sign
+        import triton.language as tl
+
+        r = tl.exp2(y * tl.log2(tl.abs(x)))
+        r = tl.where((x < 0) & (tl.floor(y) != y), float("nan"),
+                     tl.where((x < 0) & (tl.floor(y * 0.5) * 2.0 != y), -r, r))
+        return tl.where((y == 0) | (x == 1), 1.0, r)
+
+
+INTERPRETER_LIBDEVICE = _InterpreterLibdevice()
+
+
 def check_source(name: str, source: str, params: list[str] | None = None) -> None:
     """`params`: the kernel's argument names as the kernels part records them (the launch passes
     exactly those, so the source must take exactly those)."""
@@ -65,7 +110,9 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             if src is None:
                 raise ArchiveError(f"kernel {name} has no stored source for the CPU path")
             check_source(name, src, [a["name"] for a in kernels[name]["args"]])
-            fn = getattr(load_source(name, src), name)
+            mod = load_source(name, src)
+            mod.libdevice = INTERPRETER_LIBDEVICE  # the stored source imports CUDA's; not runnable here
+            fn = getattr(mod, name)
             launchers[name] = _launcher(fn, triton.knobs.runtime)
     return launchers
 
