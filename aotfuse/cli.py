@@ -496,10 +496,16 @@ def bench_cmd(
     warmup: int = typer.Option(20, "--warmup", min=0, help="Untimed calls first."),
     arch: Optional[str] = typer.Option(None, "--arch", help="Targets to build [default: this GPU's]."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Append a dated section to this file."),
+    train: bool = typer.Option(False, "--train", help="Time training steps (loss.backward()); SPEC returns a loss."),
+    optimizer: bool = typer.Option(False, "--optimizer", help="With --train: an AdamW step in each step too."),
 ):
     """GPU: eager vs torch.compile vs aotfuse in one process, plus build and load times."""
     batches = _batches(batch, spec)
     targets = _targets(arch) if arch else None
+    if train:
+        _bench_train(spec, batches, iters=iters, warmup=warmup, targets=targets, optimizer=optimizer,
+                     markdown=markdown)
+        return
     results = _bench.bench_spec(spec, batches=batches, iters=iters, warmup=warmup, targets=targets,
                                 log=lambda s: typer.echo(s, err=True))
     env = _bench.environment("cuda")
@@ -509,4 +515,26 @@ def bench_cmd(
         typer.echo(line)
     if markdown is not None:
         _bench.append_markdown(markdown, _bench.markdown_section(results, iters=iters, warmup=warmup, env=env))
+        typer.echo(f"appended to {markdown}")
+
+
+def _bench_train(spec, batches, *, iters, warmup, targets, optimizer, markdown):
+    import datetime
+
+    from aotfuse import bench_train as _bt
+
+    results = [_bt.bench_train_spec(spec, batch=b, iters=iters, warmup=min(warmup, 10), targets=targets,
+                                    optimizer=optimizer, log=lambda s: typer.echo(s, err=True)) for b in batches]
+    env = _bench.environment("cuda")
+    head = ", ".join(f"{k} {v}" for k, v in env.items()) + f"; median of {iters} steps"
+    typer.echo(head)
+    typer.echo(_bt.train_table(results))
+    for r in results:
+        if r.saved_bytes is not None:
+            typer.echo(f"batch {r.batch}: partition.saved_bytes {r.saved_bytes / 2**20:.0f} MiB")
+    if markdown is not None:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        section = "\n".join([f"## {now:%Y-%m-%d %H:%M} UTC: `{spec}` --train" + (" --optimizer" if optimizer else ""),
+                              "", head + " (`aotfuse bench --train`)", "", _bt.train_table(results, markdown=True), ""])
+        _bench.append_markdown(markdown, section)
         typer.echo(f"appended to {markdown}")

@@ -21,6 +21,7 @@ class GPTConfig:
     layers: int = 2
     mlp_ratio: int = 4
     dropout: float = 0.0
+    gelu: str = "none"  # F.gelu's `approximate`: "none" (erf) or "tanh" (GPT-2's)
 
 
 class Block(nn.Module):
@@ -34,6 +35,7 @@ class Block(nn.Module):
         self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
         self.out = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
+        self.gelu = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -43,7 +45,7 @@ class Block(nn.Module):
         v = v.view(b, t, self.heads, c // self.heads).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(self.drop(F.gelu(self.fc(self.ln2(x)))))
+        return x + self.out(self.drop(F.gelu(self.fc(self.ln2(x)), approximate=self.gelu)))
 
 
 class GPT(nn.Module):
@@ -65,7 +67,7 @@ class GPT(nn.Module):
 
 
 class GPTWithLoss(nn.Module):
-    """The demo GPT returning the mean cross-entropy of next-token prediction."""
+    """The demo GPT returning the mean cross-entropy of next-token prediction (on fp32 logits)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -73,7 +75,7 @@ class GPTWithLoss(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.gpt(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _init(model: nn.Module, seed: int) -> nn.Module:
@@ -115,3 +117,25 @@ MEDIUM = GPTConfig(vocab=8192, seq=256, dim=768, heads=12, layers=4)
 def medium(batch: int = 8, dtype: torch.dtype = torch.bfloat16):
     """A GPT-2-small-width model (4 layers) for benchmarks where kernels, not launches, dominate."""
     return demo(batch=batch, dtype=dtype, cfg=MEDIUM)
+
+
+# The anchor of the training and serving issues: GPT-2-small width, 4 layers, T = 1024, tanh GELU.
+ANCHOR = GPTConfig(vocab=8192, seq=1024, dim=768, heads=12, layers=4, gelu="tanh")
+
+
+def anchor(batch: int = 8, seq: int = 1024, dtype: torch.dtype = torch.bfloat16):
+    """Inference: (model, (tokens [batch, seq],)) of the anchor GPT, bf16 weights."""
+    cfg = dataclasses.replace(ANCHOR, seq=seq)
+    model = _init(GPT(cfg), seed=0).to(dtype).eval()
+    tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model, (tokens,)
+
+
+def anchor_train(batch: int = 8, seq: int = 1024, dtype: torch.dtype = torch.bfloat16):
+    """Training: the anchor GPT with cross-entropy on logits.float(), dropout off: (model, (tokens, targets))."""
+    cfg = dataclasses.replace(ANCHOR, seq=seq)
+    model = _init(GPTWithLoss(cfg), seed=0).to(dtype).train()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=g)
+    targets = torch.randint(0, cfg.vocab, (batch, seq), generator=g)
+    return model, (tokens, targets)
