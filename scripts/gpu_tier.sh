@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU tier in one call on the device machine (repo root, torch/triton preinstalled there).
 # Archives under build/gpu are built on the machine itself if missing (building needs no GPU).
-# STAGES picks what runs (default: all): repro host pytest sanitize check driver train bench.
+# STAGES picks what runs (default: all): repro host pytest sanitize check driver train bench kernels trainbench.
+# kernels: scripts/bench_kernels.py (memory-bound cases, % of copy); trainbench: `aotfuse bench --train` of
+# TRAIN_SPECS (default: the anchor GPT, batch 8 x 1024, bf16).
 # host: host time per call, this tree vs an older one unpacked in build/old (git archive REV aotfuse).
 # Logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -9,7 +11,7 @@ OUT="${OUT:-/tmp/aotfuse_gpu}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-STAGES=" ${STAGES:-repro host pytest sanitize check driver train bench} "
+STAGES=" ${STAGES:-repro host pytest sanitize check driver train bench kernels trainbench} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 status=()
@@ -43,6 +45,13 @@ if want bench; then
     run "bench_${spec##*:}" python3 -m aotfuse bench "$spec" --batch 1,8 --iters ${BENCH_ITERS:-200} --markdown "$OUT/benchmarks.md"
   done
 fi
+want kernels && run kernels python3 scripts/bench_kernels.py --iters ${KERNEL_ITERS:-50} --markdown "$OUT/kernels.md"
+if want trainbench; then
+  for spec in ${TRAIN_SPECS:-aotfuse.examples.gpt:anchor_train}; do
+    run "trainbench_${spec##*:}" python3 -m aotfuse bench "$spec" --train --batch ${TRAIN_BATCH:-8} \
+      --iters ${TRAIN_ITERS:-30} --markdown "$OUT/trainbench.md"
+  done
+fi
 echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
 [ -f "$OUT/replay_crash.log" ] && echo "replay_crash: $(tail -1 "$OUT/replay_crash.log")"
@@ -54,4 +63,6 @@ for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "E
 [ -f "$OUT/check.log" ] && grep -h "PASS\|FAIL" "$OUT/check.log" | tail -20
 [ -f "$OUT/benchmarks.md" ] && grep -h "^|" "$OUT/benchmarks.md" | head -60
 [ -f "$OUT/train.log" ] && sed -n '/== training/,$p' "$OUT/train.log"
+[ -f "$OUT/kernels.md" ] && grep -h "^|" "$OUT/kernels.md"
+[ -f "$OUT/trainbench.md" ] && grep -h "^|" "$OUT/trainbench.md"
 exit 0
