@@ -94,6 +94,9 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
         r = (f"tl.where(({x} < 0) & (tl.floor({y}) != {y}), float(\"nan\"), "
              f"tl.where(({x} < 0) & (tl.floor({y} * 0.5) * 2.0 != {y}), -{r}, {r}))")
         return f"tl.where(({y} == 0) | ({x} == 1), 1.0, {r})"
+    if op == "fmod":  # C fmod: the result takes the dividend's sign (whichever sign `%` gives)
+        r = f"({a[0]} % {a[1]})"
+        return f"tl.where(({r} != 0) & (({r} < 0) != ({a[0]} < 0)), {r} - {a[1]}, {r})"
     if op == "mod":
         r = f"({a[0]} % {a[1]})"
         return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"

@@ -76,7 +76,7 @@ Expr = Union[Load, Const, IndexValue, Op, Cast, Gather]
 
 # op name -> arity. Codegen has one line per op (emit/triton_ops.py).
 OPS = {
-    "add": 2, "sub": 2, "mul": 2, "div": 2, "floordiv": 2, "truncdiv": 2, "mod": 2, "maximum": 2, "minimum": 2,
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "floordiv": 2, "truncdiv": 2, "mod": 2, "fmod": 2, "maximum": 2, "minimum": 2,
     "pow": 2, "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2, "xor": 2,
     "neg": 1, "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "erf": 1, "tanh": 1, "sigmoid": 1, "abs": 1,
     "sin": 1, "cos": 1, "log1p": 1, "expm1": 1, "floor": 1, "ceil": 1, "not": 1, "reciprocal": 1,

@@ -99,6 +99,7 @@ rule(aten.maximum.default, category="pointwise")(_binary("maximum"))
 rule(aten.minimum.default, category="pointwise")(_binary("minimum"))
 rule(aten.pow.Tensor_Tensor, category="pointwise")(_binary("pow"))
 rule(aten.remainder.Tensor, aten.remainder.Scalar, category="pointwise")(_binary("mod"))
+rule(aten.fmod.Tensor, aten.fmod.Scalar, category="pointwise", note="C fmod: the dividend's sign")(_binary("fmod"))
 
 
 @rule(aten.rsub.Scalar, aten.rsub.Tensor, category="pointwise")
