@@ -80,7 +80,7 @@ OPS = {
     "pow": 2, "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2, "xor": 2,
     "neg": 1, "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "erf": 1, "tanh": 1, "sigmoid": 1, "abs": 1,
     "sin": 1, "cos": 1, "log1p": 1, "expm1": 1, "floor": 1, "ceil": 1, "not": 1, "reciprocal": 1,
-    "relu": 1, "sign": 1, "isnan": 1,
+    "relu": 1, "sign": 1, "isnan": 1, "round": 1,
     "shr": 2, "shl": 2, "bitand": 2, "bitor": 2,
     "rand": 2,  # rand(seed, offset): Philox uniform [0, 1) at this offset of this seed's stream
     "where": 3,

@@ -60,7 +60,7 @@ for _name, _ops in {
     "rsqrt": [aten.rsqrt.default], "erf": [aten.erf.default], "tanh": [aten.tanh.default],
     "sigmoid": [aten.sigmoid.default], "abs": [aten.abs.default], "sin": [aten.sin.default],
     "cos": [aten.cos.default], "log1p": [aten.log1p.default], "expm1": [aten.expm1.default],
-    "floor": [aten.floor.default], "ceil": [aten.ceil.default], "reciprocal": [aten.reciprocal.default],
+    "floor": [aten.floor.default], "ceil": [aten.ceil.default], "round": [aten.round.default], "reciprocal": [aten.reciprocal.default],
     "relu": [aten.relu.default], "sign": [aten.sign.default], "neg": [aten.neg.default],
 }.items():
     rule(*_ops, category="pointwise")(_unary(_name))
