@@ -57,7 +57,11 @@ def _gather(ctx, node, x: View, coords: list, indexed: dict, ranges) -> View:
         offset = term if offset is None else Op("add", (offset, term), "int64")
     body = Gather(x.buf, simplify(rest, ranges), offset, x.dtype)
     dt = out_dtype(node)
-    return ctx.pointwise(out_shape(node), dt, as_dtype(body, dt) if dt == "bool" else body, hint="gather")
+    out = ctx.pointwise(out_shape(node), dt, as_dtype(body, dt) if dt == "bool" else body, hint="gather")
+    ctx.decisions.append({"gather": out.buf, "of": x.buf, "op": str(node.target),
+                          "why": "indices wrapped (negatives from the end) and clamped to the indexed extent: "
+                                 "an out-of-range index reads the nearest row, never outside the buffer"})
+    return out
 
 
 @rule(aten.index_select.default, category="pointwise", note="indices wrapped and clamped (never read out of bounds)")

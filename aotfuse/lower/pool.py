@@ -18,7 +18,6 @@ from __future__ import annotations
 import sympy
 import torch
 
-from ..errors import UnsupportedOpError
 from ..ir.indexing import FloorDiv, ModIdx, bounds, simplify, syms
 from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
 from .ctx import as_dtype, meta, out_dtype, out_shape
@@ -65,7 +64,7 @@ def _clamp(e, n: int, ranges):
     return e
 
 
-def _pool_args(args, default_stride_is_kernel=True):
+def _pool_args(args):
     k = _pair(args[1])
     stride = _pair(args[2] if len(args) > 2 and args[2] else k)
     pad = _pair(args[3] if len(args) > 3 else 0)
@@ -75,7 +74,7 @@ def _pool_args(args, default_stride_is_kernel=True):
 # ---------------------------------------------------------------- max pool
 
 def _max_taps(x, k, stride, pad, dil, pv, ranges):
-    """[(value Expr, flat position in the plane (sympy), valid Expr | None)] in row-major tap order."""
+    """[(flat position in the plane (sympy), valid Expr | None, clamped load index)] in row-major tap order."""
     H, W = x.shape[-2], x.shape[-1]
     taps = []
     for i in range(k[0]):
@@ -84,7 +83,7 @@ def _max_taps(x, k, stride, pad, dil, pv, ranges):
             w = pv[-1] * stride[1] - pad[1] + j * dil[1]
             valid = _and(_in_range(h, 0, H, ranges), _in_range(w, 0, W, ranges))
             idx = list(pv[:-2]) + [_clamp(h, H, ranges), _clamp(w, W, ranges)]
-            taps.append((None, h * W + w, valid, idx))
+            taps.append((h * W + w, valid, idx))
     return taps
 
 
@@ -104,7 +103,7 @@ def _max_pool2d(ctx, node, args, kwargs):
     ranges = dict(zip(pv, shape))
     low = Const(float("-inf"), cdt) if cdt in FLOATS else Const(-(2 ** 31), cdt)
     best, where_ = low, Const(-1, I64)
-    for _, flat, valid, idx in _max_taps(x, k, stride, pad, dil, pv, ranges):
+    for flat, valid, idx in _max_taps(x, k, stride, pad, dil, pv, ranges):
         v = ctx.load_compute(x, idx, ranges)
         take = Op("or", (Op("gt", (v, best), "bool"), Op("eq", (where_, Const(-1, I64)), "bool")), "bool")
         if cdt in FLOATS:
@@ -115,7 +114,11 @@ def _max_pool2d(ctx, node, args, kwargs):
     out = ctx.pointwise(shape, dt, best, hint="pool")
     if not with_idx:
         return out
-    return out, (ctx.pointwise(shape, "int64", where_, hint="pool_idx") if want_idx else None)
+    idx = ctx.pointwise(shape, "int64", where_, hint="pool_idx") if want_idx else None
+    ctx.decisions.append({"pool_indices": out.buf, "node": node.name,
+                          "why": f"indices computed in {idx.buf} (ATen's order: first max, NaN wins)" if idx else
+                                 "indices not computed: nothing reads them"})
+    return out, idx
 
 
 def _windows_of(pos, p: int, tap: int, s: int, n_out: int, ranges):
@@ -144,14 +147,14 @@ def _windows_of(pos, p: int, tap: int, s: int, n_out: int, ranges):
       note="any window (overlapping too): each input element gathers the gradient of the windows whose "
            "index names it")
 def _max_pool2d_backward(ctx, node, args, kwargs):
-    g, x = args[0], args[1]
+    g = args[0]
     k, stride, pad = _pool_args([None, args[2], args[3], args[4]])
     dil = _pair(args[5])
     indices = args[7]
     shape = out_shape(node)
     dt = out_dtype(node)
     cdt = compute_dtype(dt)
-    H, W = shape[-2], shape[-1]
+    W = shape[-1]
     Ho, Wo = g.shape[-2], g.shape[-1]
     pv = syms("p", len(shape))
     ranges = dict(zip(pv, shape))
@@ -227,7 +230,7 @@ def _avg_pool2d(ctx, node, args, kwargs):
 @rule(aten.avg_pool2d_backward.default, category="pointwise",
       note="each input element gathers grad / divisor of the windows that contain it")
 def _avg_pool2d_backward(ctx, node, args, kwargs):
-    g, x = args[0], args[1]
+    g = args[0]
     k, stride, pad, _ceil, cip, divisor = _avg_params(args[1:], {})
     shape = out_shape(node)
     dt = out_dtype(node)
@@ -297,7 +300,7 @@ def _adaptive_avg_pool2d(ctx, node, args, kwargs):
 @rule(aten._adaptive_avg_pool2d_backward.default, category="pointwise",
       note="each input element gathers grad / size of the windows that contain it")
 def _adaptive_avg_pool2d_backward(ctx, node, args, kwargs):
-    g, x = args[0], args[1]
+    g = args[0]
     shape = out_shape(node)
     dt = out_dtype(node)
     cdt = compute_dtype(dt)

@@ -1,8 +1,8 @@
 """ATen op -> lowering rule. One registry, also the source of docs/ops.md and the op tests.
 
 Built explicitly by `build()`: each rule module (pointwise, constant, pool, concat, view, reduction,
-scan, gather, extern, random, pack) files its rules through `register_all(register)`, in the fixed order of MODULES; importing a
-module registers nothing. `registry()` builds it once, on first use (not at import).
+scan, gather, extern, random, pack) files its rules through `register_all(register)`, in the fixed
+order of MODULES; importing a module registers nothing. `registry()` builds it once, on first use (not at import).
 """
 from __future__ import annotations
 

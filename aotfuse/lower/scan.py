@@ -19,7 +19,6 @@ def _scan(ctx, node, args, kwargs, stype: str):
     dt = out_dtype(node)  # torch's promotion: int and bool inputs give int64 unless dtype= says otherwise
     acc = compute_dtype(dt) if dt in FLOATS else "int64"
     if not shape:  # a 0-d tensor: its own prefix
-        pv, ranges = (), {}
         return ctx.pointwise(shape, dt, as_dtype(ctx.load_compute(src, [], {}), acc), hint="scan")
     dim %= len(shape)
     pv = syms("p", len(shape))
