@@ -85,7 +85,8 @@ POINTWISE_EXTRA = {
     aten.clamp_max.default, aten.hardtanh.default, aten.relu.default,
 }
 COPY_OPS = {aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.flip.default,
-            aten.repeat.default, aten.index_select.default, aten.index.Tensor, aten.gather.default}
+            aten.repeat.default, aten.index_select.default, aten.index.Tensor, aten.gather.default,
+            aten.slice_scatter.default, aten.copy.default}
 TUPLE_VIEW_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 

@@ -331,6 +331,22 @@ fn_case("roll", lambda x: (torch.roll(x, 2, 1), torch.roll(x, (1, -3), (0, 2))),
 fn_case("fmod", lambda x, y, a, b: (torch.fmod(x, y), torch.fmod(x, -1.5), torch.fmod(a, b), torch.fmod(a, 4)),
         lambda dt: (randn(*S, dtype=dt) * 4, away(*S, dtype=dt), ints(*S), ints(*S, nonzero=True)),
         ["aten.fmod.Tensor", "aten.fmod.Scalar"])
+def _mask_helper(x, s, am):
+    """Slice assignment (copy + slice_scatter) and the causal/padding-mask and position-id code of HF decoders."""
+    y = x.clone()
+    y[:, 1:4] = s
+    z = x.clone()
+    z[..., 1::3] = s[:, :1, :3] * 2
+    t = am.shape[1]
+    cm = torch.full((t, t), -1e9).triu(1)[None, None].expand(am.shape[0], 1, t, t).clone()
+    cm[..., :t] = cm[..., :t].masked_fill((cm + am[:, None, None, :]) == 0, -1e9)
+    pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
+    return y, z, cm, pos
+
+
+fn_case("slice_assign_masks", _mask_helper,
+        lambda dt: (randn(5, 7, 9, dtype=dt), randn(5, 3, 9, dtype=dt), torch.randint(0, 2, (2, 5))),
+        ["aten.slice_scatter.default", "aten.copy.default", "aten.cumsum.default"])
 fn_case("round", lambda x: (torch.round(x), torch.round(x * 3.7)), _x(*S, kind=rounded), ["aten.round.default"])
 
 # ---------------------------------------------------------------- externs
