@@ -68,7 +68,9 @@ REDUCTION_OPS = {
     aten.max.dim, aten.min.dim, aten.max.default, aten.min.default, aten.any.dim, aten.any.dims, aten.any.default,
     aten.all.dim, aten.all.default, aten.prod.dim_int, aten.prod.default, aten.argmax.default, aten.argmin.default,
     aten.var.correction, aten.var_mean.correction, aten.logsumexp.default, aten.max_pool2d_with_indices.default,
-    aten.max_pool2d.default, aten.avg_pool2d.default, aten.cumsum.default, aten.norm.ScalarOpt_dim,
+    aten.max_pool2d.default, aten.avg_pool2d.default, aten.cumsum.default, aten.cumprod.default,
+    aten.norm.ScalarOpt_dim, aten.max_pool2d_with_indices_backward.default, aten.avg_pool2d_backward.default,
+    aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
 }
 TRANSCENDENTAL = {
     aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log1p.default,
@@ -83,7 +85,8 @@ POINTWISE_EXTRA = {
     aten.clamp_max.default, aten.hardtanh.default, aten.relu.default,
 }
 COPY_OPS = {aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.flip.default,
-            aten.repeat.default, aten.index_select.default}
+            aten.repeat.default, aten.index_select.default, aten.index.Tensor, aten.gather.default,
+            aten.slice_scatter.default, aten.copy.default}
 TUPLE_VIEW_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 

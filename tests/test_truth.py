@@ -85,9 +85,12 @@ class _Node:  # op_class looks at .op, .target and (for getitem) .args
 _COARSER = {
     ("pointwise", "transcendental"): None,  # any op: lowering does not care how costly a pointwise op is
     ("pointwise", "reduction"): {"aten.max_pool2d_with_indices.default", "aten.max_pool2d.default",
-                                 "aten.avg_pool2d.default"},  # windowed pointwise lowering, reduction cost
+                                 "aten.avg_pool2d.default", "aten.max_pool2d_with_indices_backward.default",
+                                 "aten.avg_pool2d_backward.default", "aten._adaptive_avg_pool2d.default",
+                                 "aten._adaptive_avg_pool2d_backward.default"},  # windowed pointwise lowering, reduction cost
     ("view", "copy"): {"aten.flip.default"},  # index math to lowering; the partition prices it as a copy
-    ("pointwise", "copy"): {"aten.cat.default"},  # a gather by index to lowering; a copy to the cost model
+    ("pointwise", "copy"): {"aten.cat.default", "aten.index_select.default", "aten.gather.default",
+                            "aten.index.Tensor", "aten.slice_scatter.default", "aten.copy.default"},  # a gather by index to lowering; a copy to the cost model
     ("pointwise", "unknown"): {"aten.rsub.Tensor", "aotfuse.pack_bits.default", "aotfuse.unpack_bits.default"},
     ("structural", "unknown"): {"aten._assert_tensor_metadata.default"},
 }

@@ -5,6 +5,11 @@ Kernel shapes:
 - reduction, persistent (r fits in registers): each program holds XBLOCK rows x RBLOCK >= r columns;
   the group's reductions and their pointwise producers/consumers are computed level by level.
 - reduction, looped: one `for roffset` loop per level; values a later loop needs are recomputed.
+- scan (a group of one Scan node, its pointwise producers inlined into its body): each program holds
+  XBLOCK rows; persistent when the scanned length fits one block (`tl.cumsum` / `tl.associative_scan`
+  along axis 1), else looped over blocks of RBLOCK columns in order, each block's scan offset by the
+  running total of the blocks before it (carried in registers). Reported with the reduction kinds
+  (persistent_reduction / looped_reduction): the runtime launches both alike.
 Numels and block sizes are literals: shapes are static, and literals give the best code.
 """
 from __future__ import annotations
@@ -18,7 +23,9 @@ from ..errors import BuildError
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from ..ir.indexing import simplify, unravel
-from ..ir.loop import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, subs_expr)
+from ..ir.loop import (FLOATS, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, Scan,
+                       subs_expr)
+from ..ir.indexing import flat_index
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
@@ -140,6 +147,10 @@ class _Emitter:
             return f"{inner}.to({TL_DTYPE[e.dtype]})"
         if isinstance(e, Op):
             return op_source(e.op, [self.emit(a) for a in e.args], e.dtype)
+        if isinstance(e, Gather):  # the lowering bounded the offset: the address stays in the buffer
+            off = self.emit(e.offset)
+            base = print_index(e.base, {SX: "xindex", SR: "rindex"})
+            return f"tl.load({self.args[e.buf]} + {base} + {off}, {self.mask()}, other=0)"
         raise BuildError(f"internal: cannot emit {type(e).__name__}")
 
     def node_value(self, name: str, index) -> str:
@@ -166,6 +177,11 @@ def _kernelize(node, x: int, r: int):
         mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
         mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges))))
         store = SX
+    elif isinstance(node, Scan):  # rows: the other dims, in order; columns: the scanned dim
+        outer = [i for i in range(len(node.ranges)) if i != node.dim]
+        mapping = dict(zip([node.pvars[i] for i in outer], unravel(SX, [node.ranges[i] for i in outer])))
+        mapping[node.pvars[node.dim]] = SR
+        store = flat_index([mapping[v] for v in node.pvars], node.ranges)
     elif r > 1 and node.numel == x * r:
         mapping = dict(zip(node.pvars, unravel(SX * r + SR, node.ranges)))
         store = SX * r + SR
@@ -236,6 +252,8 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     if x * r > INDEX_LIMIT or any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes):
         raise BuildError(f"group {group.name} indexes more than 2**31 elements",
                          remedy="split the batch; 64-bit indexing is not supported yet")
+    if group.kind == "scan":
+        return _generate_scan(group, graph, nodes_by[group.nodes[0]])
     kind, xb, rb, warps = _blocks(x, r)
     kernelized = [_kernelize(nodes_by[n], x, r) for n in group.nodes]
     knodes = [k for k, _ in kernelized]
@@ -327,6 +345,65 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
+    return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
+                        group.name, kind, group.nodes, xb, rb, int(x), int(r))
+
+
+_SCAN_IDENT = {"sum": "0", "prod": "1"}
+
+
+def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSource:
+    x, r = group.xnumel, group.rnumel
+    if len(group.nodes) != 1:
+        raise BuildError(f"internal: scan group {group.name} has {len(group.nodes)} nodes (scans are not fused)")
+    if r == 1:
+        kind, xb, rb, warps = "persistent_reduction", min(1024, _next_pow2(x)), 1, 1
+    else:
+        kind, xb, rb, warps = _blocks(x, r)
+    knode, st = _kernelize(node, x, r)
+    from ..ir.loop import expr_loads
+
+    ins: list[str] = []
+    for ld in expr_loads(knode.body):
+        if ld.buf not in ins:
+            ins.append(ld.buf)
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", int(graph.buffer(b).numel))
+            for i, b in enumerate(ins)]
+    args.append(KernelArg("out_ptr0", node.name, graph.buffer(node.name).dtype, "out",
+                          int(graph.buffer(node.name).numel)))
+    em = _Emitter(graph, {}, {a.buf: a.name for a in args if a.role == "in"}, kind)
+    em.xnumel, em.stores = x, {}
+    acc, ident = TL_DTYPE[node.acc_dtype], _SCAN_IDENT[node.stype]
+    looped = kind == "looped_reduction"
+    em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
+    em.line(f"xmask = xindex < {x}")
+    if looped:
+        em.line(f"carry = tl.full([{xb}, 1], {ident}, {acc})")
+        em.line(f"for roffset in range(0, {r}, {rb}):")
+        em.depth += 1
+        em.scopes.append({})
+        em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")
+    else:
+        em.line(f"rindex = tl.arange(0, {rb})[None, :]")
+    em.line(f"rmask = rindex < {r}")
+    em.ctx = "xr"
+    v = em.emit(knode.body)
+    v = em.tmp(f"tl.where(xmask & rmask, {v}, tl.full([1], {ident}, {acc}))")
+    scanned = em.tmp(f"tl.cumsum({v}, 1)" if node.stype == "sum" else f"tl.associative_scan({v}, 1, _prod_combine)")
+    if looped:
+        scanned = em.tmp(f"{scanned} + carry" if node.stype == "sum" else f"{scanned} * carry")
+    idx = print_index(st, {SX: "xindex", SR: "rindex"})
+    em.line(f"tl.store(out_ptr0 + {idx}, {scanned}.to({TL_DTYPE[graph.buffer(node.name).dtype]}), xmask & rmask)")
+    if looped:
+        em.line("carry = " + (f"carry + tl.sum({v}, 1)[:, None]" if node.stype == "sum"
+                              else f"carry * tl.reduce({v}, 1, _prod_combine)[:, None]"))
+        em.scopes.pop()
+        em.depth -= 1
+    body = "\n".join(em.lines)
+    params = ", ".join(a.name for a in args)
+    head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
+    text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
                         group.name, kind, group.nodes, xb, rb, int(x), int(r))
 

@@ -85,6 +85,14 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
         return _trunc(f"({a[0]} / {a[1]})") if is_float else f"({a[0]} // {a[1]})"
     if op in LIBDEVICE:  # one libdevice call (the CPU path binds `libdevice` to runtime/interpret.py's)
         return f"libdevice.{op}({', '.join(a)})"
+    if op == "round":  # half to even, as torch.round: floor, then the tie goes to the even neighbour
+        f = f"tl.floor({a[0]})"
+        d = f"({a[0]} - {f})"
+        return (f"tl.where({d} > 0.5, {f} + 1.0, tl.where({d} < 0.5, {f}, "
+                f"tl.where(tl.floor({f} * 0.5) * 2.0 == {f}, {f}, {f} + 1.0)))")
+    if op == "fmod":  # C fmod: the result takes the dividend's sign (whichever sign `%` gives)
+        r = f"({a[0]} % {a[1]})"
+        return f"tl.where(({r} != 0) & (({r} < 0) != ({a[0]} < 0)), {r} - {a[1]}, {r})"
     if op == "mod":
         r = f"({a[0]} % {a[1]})"
         return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {r} + {a[1]}, {r})"

@@ -3,10 +3,10 @@
 Every middle-end stage (lower/, schedule/) and the emitter read these; none of them defines IR.
 """
 from .indexing import FloorDiv, ModIdx, flat_index, simplify, sym, syms, unravel
-from .loop import (Buffer, Cast, Const, Extern, IndexValue, Load, LoopGraph, Node, Op, OutputRef, Pointwise,
-                   Reduction, TensorArg, expr_loads, format_node)
+from .loop import (INDIRECT, Buffer, Cast, Const, Extern, Gather, IndexValue, Load, LoopGraph, Node, Op, OutputRef, Pointwise,
+                   Reduction, Scan, TensorArg, expr_loads, format_node)
 from .views import View
 
 __all__ = ["FloorDiv", "ModIdx", "flat_index", "simplify", "sym", "syms", "unravel",
-           "Buffer", "Cast", "Const", "Extern", "IndexValue", "Load", "LoopGraph", "Node", "Op", "OutputRef",
-           "Pointwise", "Reduction", "TensorArg", "expr_loads", "format_node", "View"]
+           "INDIRECT", "Buffer", "Cast", "Const", "Extern", "Gather", "IndexValue", "Load", "LoopGraph", "Node", "Op", "OutputRef",
+           "Pointwise", "Reduction", "Scan", "TensorArg", "expr_loads", "format_node", "View"]

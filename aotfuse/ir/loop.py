@@ -2,7 +2,8 @@
 
 Every node writes one buffer. A Pointwise node over `ranges` computes `body` at each point of the
 iteration space, with loop variables p0..p{n-1}. A Reduction node has outer `ranges` (p-vars) and
-`rranges` (r-vars) and reduces `body` over the r-vars. Loads name a buffer and a flat offset
+`rranges` (r-vars) and reduces `body` over the r-vars. A Scan node computes `body` over `ranges` like a
+Pointwise node and writes its inclusive prefix sum/product along dimension `dim`. Loads name a buffer and a flat offset
 expression into it (buffers are contiguous; views are index math, see views.py). An Extern node
 calls an allow-listed aten op on views of buffers.
 """
@@ -55,15 +56,31 @@ class Cast:
     dtype: str
 
 
-Expr = Union[Load, Const, IndexValue, Op, Cast]
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """An indirect load: buf[base + offset], where `offset` is an integer expression of loaded values
+    (the index tensor of index_select / gather / index.Tensor) and `base` an index in loop variables.
+    The lowering bounds `offset` (wraps negatives, clamps to the indexed extent), so the read never
+    leaves the buffer. For dependency analysis it reads `buf` at the opaque index INDIRECT: never a
+    'point' read, so its producer is neither fused with it nor inlined into it."""
+
+    buf: str
+    base: sympy.Expr
+    offset: "Expr"
+    dtype: str
+
+
+INDIRECT = sympy.Symbol("indirect", integer=True, nonnegative=True)
+
+Expr = Union[Load, Const, IndexValue, Op, Cast, Gather]
 
 # op name -> arity. Codegen has one line per op (emit/triton_ops.py).
 OPS = {
-    "add": 2, "sub": 2, "mul": 2, "div": 2, "floordiv": 2, "truncdiv": 2, "mod": 2, "maximum": 2, "minimum": 2,
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "floordiv": 2, "truncdiv": 2, "mod": 2, "fmod": 2, "maximum": 2, "minimum": 2,
     "pow": 2, "eq": 2, "ne": 2, "lt": 2, "le": 2, "gt": 2, "ge": 2, "and": 2, "or": 2, "xor": 2,
     "neg": 1, "exp": 1, "log": 1, "sqrt": 1, "rsqrt": 1, "erf": 1, "tanh": 1, "sigmoid": 1, "abs": 1,
     "sin": 1, "cos": 1, "log1p": 1, "expm1": 1, "floor": 1, "ceil": 1, "not": 1, "reciprocal": 1,
-    "relu": 1, "sign": 1, "isnan": 1,
+    "relu": 1, "sign": 1, "isnan": 1, "round": 1,
     "shr": 2, "shl": 2, "bitand": 2, "bitor": 2,
     "rand": 2,  # rand(seed, offset): Philox uniform [0, 1) at this offset of this seed's stream
     "where": 3,
@@ -130,6 +147,36 @@ class Reduction(_OuterLoops):
         return prod(self.rranges)
 
 
+SCANS = ("sum", "prod")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan(_OuterLoops):
+    """out[p] = combine(body[q] for q == p except q[dim] <= p[dim]): an inclusive scan along `dim`.
+
+    `ranges` is the output's shape (p-vars, as for Pointwise); the kernel runs one program row per
+    element of the other dims and walks `dim` as its r-axis (emit/kernel_src.py)."""
+
+    name: str
+    ranges: tuple[int, ...]
+    dim: int
+    body: Expr
+    stype: str  # "sum" | "prod"
+    acc_dtype: str
+
+    def __post_init__(self):
+        if self.stype not in SCANS:
+            raise ValueError(f"unknown scan {self.stype!r}")
+
+    @property
+    def rnumel(self) -> int:
+        return int(self.ranges[self.dim])
+
+    @property
+    def rows(self) -> int:
+        return prod(r for i, r in enumerate(self.ranges) if i != self.dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorArg:
     """A strided view of a buffer handed to an extern: as_strided(buf, shape, stride, offset)."""
@@ -150,7 +197,7 @@ class Extern:
     out: "TensorArg"  # the op's result as a strided view of this node's buffer
 
 
-Node = Union[Pointwise, Reduction, Extern]
+Node = Union[Pointwise, Reduction, Scan, Extern]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +239,9 @@ def expr_loads(e: Expr) -> list[Load]:
     def walk(x):
         if isinstance(x, Load):
             seen.setdefault(x, None)
+        elif isinstance(x, Gather):
+            seen.setdefault(Load(x.buf, INDIRECT, x.dtype), None)
+            walk(x.offset)
         elif isinstance(x, Op):
             for a in x.args:
                 walk(a)
@@ -213,6 +263,8 @@ def expr_op_count(e: Expr) -> int:
                 memo[key] = 1 + sum(count(a) for a in x.args)
             elif isinstance(x, Cast):
                 memo[key] = count(x.arg)
+            elif isinstance(x, Gather):
+                memo[key] = 1 + count(x.offset)
             else:
                 memo[key] = 0
         return memo[key]
@@ -234,6 +286,8 @@ def rewrite_expr(e: Expr, load=None, index=None) -> Expr:
             out = load(out) if load else out
         elif isinstance(x, IndexValue):
             out = IndexValue(index(x.expr), x.dtype) if index else x
+        elif isinstance(x, Gather):
+            out = Gather(x.buf, index(x.base) if index else x.base, walk(x.offset), x.dtype)
         elif isinstance(x, Op):
             out = Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
         elif isinstance(x, Cast):
@@ -267,6 +321,8 @@ def format_expr(e: Expr) -> str:
         return f"index({e.expr})"
     if isinstance(e, Cast):
         return f"{e.dtype}({format_expr(e.arg)})"
+    if isinstance(e, Gather):
+        return f"{e.buf}[{e.base} + {format_expr(e.offset)}]"
     return f"{e.op}(" + ", ".join(format_expr(a) for a in e.args) + ")"
 
 
@@ -275,4 +331,6 @@ def format_node(n: Node) -> str:
         return f"{n.name} = pointwise{list(n.ranges)}: {format_expr(n.body)}"
     if isinstance(n, Reduction):
         return f"{n.name} = {n.rtype}{list(n.ranges)}x{list(n.rranges)}: {format_expr(n.body)}"
+    if isinstance(n, Scan):
+        return f"{n.name} = cum{n.stype}{list(n.ranges)} dim {n.dim}: {format_expr(n.body)}"
     return f"{n.name} = extern {n.target}({', '.join(map(str, n.args))})"

@@ -11,7 +11,8 @@ from ..dtypes import NAME_OF, TORCH
 from ..errors import BuildError
 from ..runtime.externs import ALLOWED
 from ..ir.indexing import simplify, syms
-from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, TensorArg, compute_dtype)
+from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, Scan, TensorArg,
+                       compute_dtype)
 from ..ir.views import View
 
 TORCH_TO_NAME = NAME_OF
@@ -97,6 +98,13 @@ class LoweringCtx:
         self.add_buffer(name, out_shape, dtype, "node")
         self.nodes.append(Reduction(name, tuple(ranges), tuple(rranges), as_dtype(body, acc), rtype, acc))
         return View.of_buffer(name, out_shape, dtype)
+
+    def scan(self, shape, dim: int, body: Expr, stype: str, acc: str, dtype: str, hint="scan") -> View:
+        name = self.fresh(hint)
+        shape = tuple(int(s) for s in shape)
+        self.add_buffer(name, shape, dtype, "node")
+        self.nodes.append(Scan(name, shape, dim, as_dtype(body, acc), stype, acc))
+        return View.of_buffer(name, shape, dtype)
 
     def extern(self, target: str, args: tuple, kwargs: dict, out_shape, dtype: str, out_variant: bool,
                storage_perm: Sequence[int] | None = None) -> View:

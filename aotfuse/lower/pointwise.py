@@ -60,7 +60,7 @@ for _name, _ops in {
     "rsqrt": [aten.rsqrt.default], "erf": [aten.erf.default], "tanh": [aten.tanh.default],
     "sigmoid": [aten.sigmoid.default], "abs": [aten.abs.default], "sin": [aten.sin.default],
     "cos": [aten.cos.default], "log1p": [aten.log1p.default], "expm1": [aten.expm1.default],
-    "floor": [aten.floor.default], "ceil": [aten.ceil.default], "reciprocal": [aten.reciprocal.default],
+    "floor": [aten.floor.default], "ceil": [aten.ceil.default], "round": [aten.round.default], "reciprocal": [aten.reciprocal.default],
     "relu": [aten.relu.default], "sign": [aten.sign.default], "neg": [aten.neg.default],
 }.items():
     rule(*_ops, category="pointwise")(_unary(_name))
@@ -99,6 +99,7 @@ rule(aten.maximum.default, category="pointwise")(_binary("maximum"))
 rule(aten.minimum.default, category="pointwise")(_binary("minimum"))
 rule(aten.pow.Tensor_Tensor, category="pointwise")(_binary("pow"))
 rule(aten.remainder.Tensor, aten.remainder.Scalar, category="pointwise")(_binary("mod"))
+rule(aten.fmod.Tensor, aten.fmod.Scalar, category="pointwise", note="C fmod: the dividend's sign")(_binary("fmod"))
 
 
 @rule(aten.rsub.Scalar, aten.rsub.Tensor, category="pointwise")

@@ -1,73 +1,33 @@
-"""Pooling lowerings: each output element reduces its window of the input (max, average)."""
+"""Pooling lowerings: each output element reduces its window of the input (max, average), and the
+backward of each as a gather: each input element sums the gradient of the windows it belongs to.
+
+Windows are unrolled into taps (kernel offsets). A tap whose input position can fall outside the
+input (padding, ceil_mode's clipped last window) reads a clamped, in-bounds address and is masked by
+its position: a padded max reads -inf, a padded sum reads 0. Taps that always land inside carry no
+mask (decided from the index ranges at build time).
+
+max_pool2d_with_indices follows ATen's loop exactly: for each window, in row-major tap order, the
+running (max, index) is replaced when `value > max or isnan(value)`, starting from the first in-bounds
+element; so ties go to the first maximum and a NaN wins. Its backward (any kernel, stride, padding,
+dilation, ceil_mode: overlapping windows included) reads the indices the forward wrote: input element
+(h, w) gets, for each window that can contain it, that window's gradient if the window's index is
+h * W + w. No scatter, no atomics: deterministic, and routed exactly as ATen routes it.
+"""
 from __future__ import annotations
 
+import sympy
 import torch
 
-from ..errors import UnsupportedOpError
-from ..ir.indexing import syms
-from ..ir.loop import Const, Op, compute_dtype
-from .ctx import meta, out_shape
+from ..ir.indexing import FloorDiv, ModIdx, bounds, simplify, syms
+from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
+from .ctx import as_dtype, meta, out_dtype, out_shape
 from .rules import collector
 
 aten = torch.ops.aten
 RULES: list = []
 rule = collector(RULES)
 
-
-# ---------------------------------------------------------------- pooling as pointwise windows
-
-@rule(aten.max_pool2d_with_indices.default, aten.max_pool2d.default, category="pointwise",
-          note="each output reads its k x k window; indices output refused")
-def _max_pool2d(ctx, node, args, kwargs):
-    x = args[0]
-    k = _pair(args[1])
-    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
-    pad = _pair(args[3] if len(args) > 3 else 0)
-    dil = _pair(args[4] if len(args) > 4 else 1)
-    ceil_mode = args[5] if len(args) > 5 else False
-    if node.target is aten.max_pool2d_with_indices.default:
-        for user in node.users:
-            if user.args[1] != 0:
-                raise UnsupportedOpError(str(node.target), node.name, "pooling indices are not supported")
-    if pad != (0, 0) or ceil_mode:
-        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode",
-                                 remedy="use padding=0 and ceil_mode=False")
-    m = meta(node)[0] if isinstance(meta(node), (tuple, list)) else meta(node)
-    shape = tuple(int(s) for s in m.shape)
-    dt = x.dtype
-    cdt = compute_dtype(dt)
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
-    lead = pv[:-2]
-    acc = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            idx = list(lead) + [pv[-2] * stride[0] + i * dil[0], pv[-1] * stride[1] + j * dil[1]]
-            v = ctx.load_compute(x, idx, ranges)
-            acc = v if acc is None else Op("maximum", (acc, v), cdt)
-    out = ctx.pointwise(shape, dt, acc, hint="pool")
-    return (out, None) if node.target is aten.max_pool2d_with_indices.default else out
-
-
-@rule(aten.avg_pool2d.default, category="pointwise", note="no padding")
-def _avg_pool2d(ctx, node, args, kwargs):
-    x = args[0]
-    k = _pair(args[1])
-    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
-    pad = _pair(args[3] if len(args) > 3 else 0)
-    if pad != (0, 0) or (len(args) > 4 and args[4]):
-        raise UnsupportedOpError(str(node.target), node.name, "padding / ceil_mode")
-    shape = out_shape(node)
-    cdt = compute_dtype(x.dtype)
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
-    acc = None
-    for i in range(k[0]):
-        for j in range(k[1]):
-            idx = list(pv[:-2]) + [pv[-2] * stride[0] + i, pv[-1] * stride[1] + j]
-            v = ctx.load_compute(x, idx, ranges)
-            acc = v if acc is None else Op("add", (acc, v), cdt)
-    return ctx.pointwise(shape, x.dtype, Op("mul", (acc, Const(1.0 / (k[0] * k[1]), cdt)), cdt), hint="pool")
+I64 = "int64"
 
 
 def _pair(v):
@@ -75,6 +35,304 @@ def _pair(v):
         return (v, v)
     v = tuple(v)
     return v if len(v) == 2 else (v[0], v[0])
+
+
+def _and(a, b):
+    if a is None:
+        return b
+    return a if b is None else Op("and", (a, b), "bool")
+
+
+def _in_range(e, lo: int, hi: int, ranges):
+    """A bool Expr for lo <= e < hi, or None when the ranges prove it always holds."""
+    blo, bhi = bounds(simplify(e, ranges), ranges)
+    cond = None
+    if blo < lo:
+        cond = Op("ge", (IndexValue(e, I64), Const(lo, I64)), "bool")
+    if bhi >= hi:
+        cond = _and(cond, Op("lt", (IndexValue(e, I64), Const(hi, I64)), "bool"))
+    return cond
+
+
+def _clamp(e, n: int, ranges):
+    """e clamped to [0, n) (as index math), only where its range needs it."""
+    lo, hi = bounds(simplify(e, ranges), ranges)
+    if lo < 0:
+        e = sympy.Max(e, 0)
+    if hi >= n:
+        e = sympy.Min(e, n - 1)
+    return e
+
+
+def _pool_args(args):
+    k = _pair(args[1])
+    stride = _pair(args[2] if len(args) > 2 and args[2] else k)
+    pad = _pair(args[3] if len(args) > 3 else 0)
+    return k, stride, pad
+
+
+# ---------------------------------------------------------------- max pool
+
+def _max_taps(x, k, stride, pad, dil, pv, ranges):
+    """[(flat position in the plane (sympy), valid Expr | None, clamped load index)] in row-major tap order."""
+    H, W = x.shape[-2], x.shape[-1]
+    taps = []
+    for i in range(k[0]):
+        for j in range(k[1]):
+            h = pv[-2] * stride[0] - pad[0] + i * dil[0]
+            w = pv[-1] * stride[1] - pad[1] + j * dil[1]
+            valid = _and(_in_range(h, 0, H, ranges), _in_range(w, 0, W, ranges))
+            idx = list(pv[:-2]) + [_clamp(h, H, ranges), _clamp(w, W, ranges)]
+            taps.append((h * W + w, valid, idx))
+    return taps
+
+
+@rule(aten.max_pool2d_with_indices.default, aten.max_pool2d.default, category="pointwise",
+      note="padding, dilation, ceil_mode; the indices output as ATen computes it (first max, NaN wins)")
+def _max_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    k, stride, pad = _pool_args(args)
+    dil = _pair(args[4] if len(args) > 4 else 1)
+    m = meta(node)[0] if isinstance(meta(node), (tuple, list)) else meta(node)
+    shape = tuple(int(s) for s in m.shape)
+    dt = x.dtype
+    cdt = compute_dtype(dt)
+    with_idx = node.target is aten.max_pool2d_with_indices.default
+    want_idx = with_idx and any(u.args[1] == 1 for u in node.users)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    low = Const(float("-inf"), cdt) if cdt in FLOATS else Const(-(2 ** 31), cdt)
+    best, where_ = low, Const(-1, I64)
+    for flat, valid, idx in _max_taps(x, k, stride, pad, dil, pv, ranges):
+        v = ctx.load_compute(x, idx, ranges)
+        take = Op("or", (Op("gt", (v, best), "bool"), Op("eq", (where_, Const(-1, I64)), "bool")), "bool")
+        if cdt in FLOATS:
+            take = Op("or", (take, Op("isnan", (v,), "bool")), "bool")
+        take = _and(valid, take)
+        best = Op("where", (take, v, best), cdt)
+        where_ = Op("where", (take, IndexValue(flat, I64), where_), I64)
+    out = ctx.pointwise(shape, dt, best, hint="pool")
+    if not with_idx:
+        return out
+    idx = ctx.pointwise(shape, "int64", where_, hint="pool_idx") if want_idx else None
+    ctx.decisions.append({"pool_indices": out.buf, "node": node.name,
+                          "why": f"indices computed in {idx.buf} (ATen's order: first max, NaN wins)" if idx else
+                                 "indices not computed: nothing reads them"})
+    return out, idx
+
+
+def _windows_of(pos, p: int, tap: int, s: int, n_out: int, ranges):
+    """For input position `pos` and kernel tap offset `tap` (= i * dilation): (window index, valid Expr|None)
+    of the window whose tap lands on pos: o = (pos + p - tap) / s when that is a whole in-range number."""
+    num = pos + p - tap
+    lo, hi = bounds(simplify(num, ranges), ranges)
+    if hi < 0:
+        return None, "never"
+    valid = None
+    c = num
+    if lo < 0:
+        valid = Op("ge", (IndexValue(num, I64), Const(0, I64)), "bool")
+        c = sympy.Max(num, 0)
+    if s > 1:
+        valid = _and(valid, Op("eq", (IndexValue(ModIdx(c, s), I64), Const(0, I64)), "bool"))
+    o = FloorDiv(c, s) if s > 1 else c
+    ohi = bounds(simplify(o, ranges), ranges)[1]
+    if ohi >= n_out:
+        valid = _and(valid, Op("lt", (IndexValue(o, I64), Const(n_out, I64)), "bool"))
+        o = sympy.Min(o, n_out - 1)
+    return o, valid
+
+
+@rule(aten.max_pool2d_with_indices_backward.default, category="pointwise",
+      note="any window (overlapping too): each input element gathers the gradient of the windows whose "
+           "index names it")
+def _max_pool2d_backward(ctx, node, args, kwargs):
+    g = args[0]
+    k, stride, pad = _pool_args([None, args[2], args[3], args[4]])
+    dil = _pair(args[5])
+    indices = args[7]
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    cdt = compute_dtype(dt)
+    W = shape[-1]
+    Ho, Wo = g.shape[-2], g.shape[-1]
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    me = IndexValue(pv[-2] * W + pv[-1], I64)
+    acc = None
+    for i in range(k[0]):
+        oh, vh = _windows_of(pv[-2], pad[0], i * dil[0], stride[0], Ho, ranges)
+        if vh == "never":
+            continue
+        for j in range(k[1]):
+            ow, vw = _windows_of(pv[-1], pad[1], j * dil[1], stride[1], Wo, ranges)
+            if vw == "never":
+                continue
+            at = list(pv[:-2]) + [oh, ow]
+            hit = Op("eq", (as_dtype(ctx.load(indices, at, ranges), I64), me), "bool")
+            hit = _and(_and(vh, vw), hit)
+            term = Op("where", (hit, ctx.load_compute(g, at, ranges), Const(0.0, cdt)), cdt)
+            acc = term if acc is None else Op("add", (acc, term), cdt)
+    return ctx.pointwise(shape, dt, acc if acc is not None else Const(0.0, cdt), hint="pool_bwd")
+
+
+# ---------------------------------------------------------------- average pool
+
+def _avg_params(args, kwargs):
+    k, stride, pad = _pool_args(args)
+    ceil_mode = args[4] if len(args) > 4 else kwargs.get("ceil_mode", False)
+    count_include_pad = args[5] if len(args) > 5 else kwargs.get("count_include_pad", True)
+    divisor = args[6] if len(args) > 6 else kwargs.get("divisor_override")
+    return k, stride, pad, ceil_mode, count_include_pad, divisor
+
+
+def _avg_divisor(oh, ow, H, W, k, stride, pad, count_include_pad, divisor, cdt, ranges):
+    """ATen's divisor of window (oh, ow) as an Expr (a constant where the ranges make it one)."""
+    if divisor:
+        return Const(float(divisor), cdt)
+    sizes = []
+    for o, n, kk, s, p in ((oh, H, k[0], stride[0], pad[0]), (ow, W, k[1], stride[1], pad[1])):
+        start = o * s - p
+        end = sympy.Min(start + kk, n + p)
+        if not count_include_pad:
+            start, end = sympy.Max(start, 0), sympy.Min(end, n)
+        sizes.append(simplify(end - start, ranges))
+    size = simplify(sizes[0] * sizes[1], ranges)
+    if size.is_Integer:
+        return Const(float(size), cdt)
+    return as_dtype(IndexValue(size, I64), cdt)
+
+
+@rule(aten.avg_pool2d.default, category="pointwise",
+      note="padding, ceil_mode, count_include_pad, divisor_override (ATen's divisors)")
+def _avg_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    k, stride, pad, _ceil, cip, divisor = _avg_params(args, kwargs)
+    shape = out_shape(node)
+    cdt = compute_dtype(x.dtype)
+    H, W = x.shape[-2], x.shape[-1]
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    acc = None
+    for i in range(k[0]):
+        for j in range(k[1]):
+            h = pv[-2] * stride[0] - pad[0] + i
+            w = pv[-1] * stride[1] - pad[1] + j
+            valid = _and(_in_range(h, 0, H, ranges), _in_range(w, 0, W, ranges))
+            v = ctx.load_compute(x, list(pv[:-2]) + [_clamp(h, H, ranges), _clamp(w, W, ranges)], ranges)
+            if valid is not None:
+                v = Op("where", (valid, v, Const(0.0, cdt)), cdt)
+            acc = v if acc is None else Op("add", (acc, v), cdt)
+    d = _avg_divisor(pv[-2], pv[-1], H, W, k, stride, pad, cip, divisor, cdt, ranges)
+    return ctx.pointwise(shape, x.dtype, Op("div", (acc, d), cdt), hint="pool")
+
+
+@rule(aten.avg_pool2d_backward.default, category="pointwise",
+      note="each input element gathers grad / divisor of the windows that contain it")
+def _avg_pool2d_backward(ctx, node, args, kwargs):
+    g = args[0]
+    k, stride, pad, _ceil, cip, divisor = _avg_params(args[1:], {})
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    cdt = compute_dtype(dt)
+    H, W = shape[-2], shape[-1]
+    Ho, Wo = g.shape[-2], g.shape[-1]
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    acc = None
+    for i in range(k[0]):
+        oh, vh = _windows_of(pv[-2], pad[0], i, stride[0], Ho, ranges)
+        if vh == "never":
+            continue
+        for j in range(k[1]):
+            ow, vw = _windows_of(pv[-1], pad[1], j, stride[1], Wo, ranges)
+            if vw == "never":
+                continue
+            at = list(pv[:-2]) + [oh, ow]
+            d = _avg_divisor(oh, ow, H, W, k, stride, pad, cip, divisor, cdt, ranges)
+            term = Op("div", (ctx.load_compute(g, at, ranges), d), cdt)
+            valid = _and(vh, vw)
+            if valid is not None:
+                term = Op("where", (valid, term, Const(0.0, cdt)), cdt)
+            acc = term if acc is None else Op("add", (acc, term), cdt)
+    return ctx.pointwise(shape, dt, acc if acc is not None else Const(0.0, cdt), hint="pool_bwd")
+
+
+# ---------------------------------------------------------------- adaptive average pool
+
+def _adaptive_bounds(o, n_in: int, n_out: int):
+    """ATen's window [start, end) of output o: floor(o * n / m), ceil((o + 1) * n / m)."""
+    return FloorDiv(o * n_in, n_out), FloorDiv((o + 1) * n_in + n_out - 1, n_out)
+
+
+def _max_window(n_in: int, n_out: int) -> int:
+    return max(-(-((o + 1) * n_in) // n_out) - (o * n_in) // n_out for o in range(n_out))
+
+
+@rule(aten._adaptive_avg_pool2d.default, category="pointwise", note="ATen's variable windows, masked taps")
+def _adaptive_avg_pool2d(ctx, node, args, kwargs):
+    x = args[0]
+    shape = out_shape(node)
+    cdt = compute_dtype(x.dtype)
+    H, W = x.shape[-2], x.shape[-1]
+    Ho, Wo = shape[-2], shape[-1]
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    (sh, eh), (sw, ew) = _adaptive_bounds(pv[-2], H, Ho), _adaptive_bounds(pv[-1], W, Wo)
+    acc = None
+    for i in range(_max_window(H, Ho)):
+        for j in range(_max_window(W, Wo)):
+            h, w = sh + i, sw + j
+            valid = None
+            if i:
+                valid = Op("lt", (IndexValue(h, I64), IndexValue(eh, I64)), "bool")
+            if j:
+                valid = _and(valid, Op("lt", (IndexValue(w, I64), IndexValue(ew, I64)), "bool"))
+            v = ctx.load_compute(x, list(pv[:-2]) + [_clamp(h, H, ranges), _clamp(w, W, ranges)], ranges)
+            if valid is not None:
+                v = Op("where", (valid, v, Const(0.0, cdt)), cdt)
+            acc = v if acc is None else Op("add", (acc, v), cdt)
+    size = simplify((eh - sh) * (ew - sw), ranges)
+    d = Const(float(size), cdt) if size.is_Integer else as_dtype(IndexValue(size, I64), cdt)
+    return ctx.pointwise(shape, x.dtype, Op("div", (acc, d), cdt), hint="pool")
+
+
+@rule(aten._adaptive_avg_pool2d_backward.default, category="pointwise",
+      note="each input element gathers grad / size of the windows that contain it")
+def _adaptive_avg_pool2d_backward(ctx, node, args, kwargs):
+    g = args[0]
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    cdt = compute_dtype(dt)
+    H, W = shape[-2], shape[-1]
+    Ho, Wo = g.shape[-2], g.shape[-1]
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+
+    def cands(pos, n_in, n_out):
+        # windows containing pos: o in [floor(pos * m / n), ceil((pos + 1) * m / n) - 1]
+        lo = FloorDiv(pos * n_out, n_in)
+        hi = FloorDiv((pos + 1) * n_out + n_in - 1, n_in) - 1
+        count = max(-(-((q + 1) * n_out) // n_in) - (q * n_out) // n_in for q in range(n_in))
+        out = []
+        for t in range(count):
+            o = lo + t
+            valid = Op("le", (IndexValue(o, I64), IndexValue(hi, I64)), "bool") if t else None
+            out.append((_clamp(o, n_out, ranges), valid))
+        return out
+
+    acc = None
+    for oh, vh in cands(pv[-2], H, Ho):
+        for ow, vw in cands(pv[-1], W, Wo):
+            (sh, eh), (sw, ew) = _adaptive_bounds(oh, H, Ho), _adaptive_bounds(ow, W, Wo)
+            size = simplify((eh - sh) * (ew - sw), ranges)
+            d = Const(float(size), cdt) if size.is_Integer else as_dtype(IndexValue(size, I64), cdt)
+            term = Op("div", (ctx.load_compute(g, list(pv[:-2]) + [oh, ow], ranges), d), cdt)
+            valid = _and(vh, vw)
+            if valid is not None:
+                term = Op("where", (valid, term, Const(0.0, cdt)), cdt)
+            acc = term if acc is None else Op("add", (acc, term), cdt)
+    return ctx.pointwise(shape, dt, acc, hint="pool_bwd")
 
 
 def register_all(register) -> None:

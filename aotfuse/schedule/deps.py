@@ -12,7 +12,7 @@ from typing import Union
 import sympy
 
 from ..ir.indexing import FloorDiv, flat_index, simplify
-from ..ir.loop import Extern, LoopGraph, Node, Pointwise, Reduction, TensorArg, expr_loads
+from ..ir.loop import Extern, LoopGraph, Node, Pointwise, Reduction, Scan, TensorArg, expr_loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def iteration(node: Node) -> tuple[tuple, tuple[int, ...]]:
     """(loop variables, their ranges) in row-major order: outer then reduced."""
     if isinstance(node, Reduction):
         return tuple(node.pvars) + tuple(node.rvars), tuple(node.ranges) + tuple(node.rranges)
-    if isinstance(node, Pointwise):
+    if isinstance(node, (Pointwise, Scan)):
         return tuple(node.pvars), tuple(node.ranges)
     return (), ()
 
@@ -71,6 +71,8 @@ def space(node: Node) -> tuple[int, int]:
     """(x numel, r numel): the iteration space a kernel for this node alone would have."""
     if isinstance(node, Reduction):
         return node.numel, node.rnumel
+    if isinstance(node, Scan):  # rows x scanned length
+        return node.rows, node.rnumel
     if isinstance(node, Pointwise):
         return node.numel, 1
     return 0, 0

@@ -26,7 +26,7 @@ import heapq
 
 from ..knobs import knobs
 from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
-from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, expr_loads
+from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, Scan, expr_loads
 
 
 class FuseRefusal(enum.Enum):
@@ -34,6 +34,7 @@ class FuseRefusal(enum.Enum):
 
     SAME_GROUP = "already in one group"
     EXTERN = "extern"
+    SCAN = "scan"
     SIZE_LIMIT = "size limit"
     ITERATION_SPACE = "incompatible iteration space"
     CYCLE = "would create a cycle"
@@ -53,7 +54,7 @@ def _reason(refusal: FuseRefusal | None, detail: str) -> str:
 class FusionGroup:
     name: str
     nodes: tuple[str, ...]  # topological order
-    kind: str  # "pointwise" | "reduction" | "extern"
+    kind: str  # "pointwise" | "reduction" | "scan" | "extern"
     xnumel: int
     rnumel: int
 
@@ -142,6 +143,9 @@ class _State:
         if reds:
             return reds[0]
         return xs[0][0], 1
+
+    def is_scan(self, g: str) -> bool:
+        return isinstance(self.nodes[self.members[g][0]], Scan)
 
     def is_extern(self, g: str) -> bool:
         return isinstance(self.nodes[self.members[g][0]], Extern)
@@ -274,6 +278,10 @@ def can_fuse(st: _State, a: str, b: str) -> Verdict:
         return _refuse(FuseRefusal.SAME_GROUP)
     if st.is_extern(a) or st.is_extern(b):
         return _refuse(FuseRefusal.EXTERN, "library calls are not fused")
+    if st.is_scan(a) or st.is_scan(b):
+        # Pointwise producers are inlined into the scan's loads (schedule/inline.py); the scan's own
+        # kernel walks each row in order and writes every prefix, so consumers read it from memory.
+        return _refuse(FuseRefusal.SCAN, "a scan runs in its own kernel (its producers are inlined into it)")
     if len(st.members[a]) + len(st.members[b]) > knobs.max_fusion_size:
         return _refuse(FuseRefusal.SIZE_LIMIT, f"more than {knobs.max_fusion_size} nodes")
     sp = _merged_space(st, a, b)
@@ -481,9 +489,9 @@ def _finish(st: _State, decisions) -> Schedule:
     for i, g in enumerate(order):
         mem = st.members[g]
         mset = set(mem)
-        kind = "extern" if st.is_extern(g) else (
+        kind = "extern" if st.is_extern(g) else "scan" if st.is_scan(g) else (
             "reduction" if any(isinstance(st.nodes[n], Reduction) for n in mem) else "pointwise")
-        x, r = st.gspace(g) if kind != "extern" else (0, 0)
+        x, r = st.space[mem[0]] if kind == "scan" else st.gspace(g) if kind != "extern" else (0, 0)
         groups.append(FusionGroup(f"g{i}", tuple(mem), kind, x, r))
         for n in mem:
             if _is_stored(st, n, mset):

@@ -14,7 +14,7 @@ import heapq
 from ..knobs import knobs
 from .deps import classify_read, update_reverse
 from ..ir.indexing import simplify, unravel
-from ..ir.loop import (Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
+from ..ir.loop import (INDIRECT, Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
                  subs_expr)
 from .deps import iteration
 
@@ -184,6 +184,8 @@ class _Inliner:
         if not isinstance(p, Pointwise) or name in self.pinned:
             return
         users = self._users_of(name)
+        if any(ld.buf == name and ld.index is INDIRECT for u in users for ld in self.loads[u]):
+            return  # read through a data-dependent index (a Gather): it stays a buffer
         cheap = self._is_cheap(name)
         if len(users) == 1:
             u = users[0]

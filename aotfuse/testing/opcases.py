@@ -291,6 +291,64 @@ fn_case("max_pool2d_stride_dilation", lambda x: (F.max_pool2d(x, 3, stride=2), F
 fn_case("avg_pool2d", lambda x: (F.avg_pool2d(x, 2), F.avg_pool2d(x, (3, 2), stride=(2, 3))), _x(*_IMG),
         ["aten.avg_pool2d.default"], HALF)
 
+fn_case("max_pool2d_padding", lambda x: (F.max_pool2d(x, 3, 2, 1), F.max_pool2d(x, 3, 2, 1, ceil_mode=True),
+                                         F.max_pool2d(x, (2, 3), (1, 2), (1, 0), dilation=(2, 1), ceil_mode=True)),
+        _x(*_IMG), ["aten.max_pool2d_with_indices.default"], HALF)
+fn_case("max_pool2d_indices", lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True),
+        _x(*_IMG, kind=rounded), ["aten.max_pool2d_with_indices.default"])
+fn_case("avg_pool2d_padding", lambda x: (F.avg_pool2d(x, 3, 2, 1), F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+                                         F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
+                                         F.avg_pool2d(x, (2, 3), 2, (1, 1), divisor_override=5)),
+        _x(*_IMG), ["aten.avg_pool2d.default"], HALF)
+fn_case("adaptive_avg_pool2d", lambda x: (F.adaptive_avg_pool2d(x, (3, 4)), F.adaptive_avg_pool2d(x, (5, 11))),
+        _x(*_IMG), ["aten._adaptive_avg_pool2d.default"], HALF)
+fn_case("pool1d", lambda x: (F.max_pool1d(x, 3, 2, 1), F.avg_pool1d(x, 3, 2, 1, ceil_mode=True)), _x(3, 5, 11),
+        ["aten.max_pool2d_with_indices.default", "aten.avg_pool2d.default"])
+
+# ---------------------------------------------------------------- scans
+
+fn_case("cumsum", lambda x: (torch.cumsum(x, 1), torch.cumsum(x * 2, 0), torch.cumsum(x, -1, dtype=torch.float64)),
+        _x(*S), ["aten.cumsum.default"], HALF)
+fn_case("cumsum_int_bool", lambda a, x: (torch.cumsum(a, 1), torch.cumsum(x > 0, -1), torch.cumsum(a, 0) - 1,
+                                         torch.cumsum(a.to(torch.int64), 2, dtype=torch.int32)),
+        lambda dt: (ints(*S), randn(*S, dtype=dt)), ["aten.cumsum.default"])
+fn_case("cumprod", lambda x: (torch.cumprod(1 + 0.2 * x, 1), torch.cumprod(x, 0)), _x(*S), ["aten.cumprod.default"],
+        HALF)
+fn_case("looped_scan", lambda x: (torch.cumsum(x, 1), torch.cumprod(1 + 1e-3 * x, -1), torch.cumsum(x.t(), 0)),
+        _x(3, 2100), ["aten.cumsum.default", "aten.cumprod.default"], knobs=_LOOP)
+
+# ---------------------------------------------------------------- gathers (indices in range, negatives included)
+
+fn_case("index_select", lambda x, i: (torch.index_select(x, 1, i) * 2, torch.index_select(x.exp(), 0, i % 3)),
+        lambda dt: (randn(*S, dtype=dt), torch.randint(0, 5, (6,))), ["aten.index_select.default"], HALF)
+fn_case("gather", lambda x, i: (torch.gather(x, 1, i), torch.gather(x.transpose(0, 2), 2, i.transpose(0, 2) % 3)),
+        lambda dt: (randn(*S, dtype=dt), torch.randint(0, 5, (3, 4, 7))), ["aten.gather.default"], HALF)
+fn_case("index_tensor", lambda x, i, j: (x[:, i], x[i % 3], x[i % 3, :, j], x[:, i, j], x.permute(2, 0, 1)[j, :, i]),
+        lambda dt: (randn(*S, dtype=dt), torch.randint(-5, 5, (2, 4)), torch.randint(-7, 7, (4,))),
+        ["aten.index.Tensor"], HALF)
+fn_case("roll", lambda x: (torch.roll(x, 2, 1), torch.roll(x, (1, -3), (0, 2))), _x(*S),
+        ["aten.index_select.default"])
+fn_case("fmod", lambda x, y, a, b: (torch.fmod(x, y), torch.fmod(x, -1.5), torch.fmod(a, b), torch.fmod(a, 4)),
+        lambda dt: (randn(*S, dtype=dt) * 4, away(*S, dtype=dt), ints(*S), ints(*S, nonzero=True)),
+        ["aten.fmod.Tensor", "aten.fmod.Scalar"])
+def _mask_helper(x, s, am):
+    """Slice assignment (copy + slice_scatter) and the causal/padding-mask and position-id code of HF decoders."""
+    y = x.clone()
+    y[:, 1:4] = s
+    z = x.clone()
+    z[..., 1::3] = s[:, :1, :3] * 2
+    t = am.shape[1]
+    cm = torch.full((t, t), -1e9).triu(1)[None, None].expand(am.shape[0], 1, t, t).clone()
+    cm[..., :t] = cm[..., :t].masked_fill((cm + am[:, None, None, :]) == 0, -1e9)
+    pos = (am.long().cumsum(-1) - 1).masked_fill(am == 0, 1)
+    return y, z, cm, pos
+
+
+fn_case("slice_assign_masks", _mask_helper,
+        lambda dt: (randn(5, 7, 9, dtype=dt), randn(5, 3, 9, dtype=dt), torch.randint(0, 2, (2, 5))),
+        ["aten.slice_scatter.default", "aten.copy.default", "aten.cumsum.default"])
+fn_case("round", lambda x: (torch.round(x), torch.round(x * 3.7)), _x(*S, kind=rounded), ["aten.round.default"])
+
 # ---------------------------------------------------------------- externs
 
 
@@ -422,6 +480,11 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aten.contiguous.default": (IMPLICIT, "traced into aten.clone (or nothing)"),
     "aten.lift_fresh_copy.default": (REWRITTEN, "export functionalizes it into aten.clone"),
     "aten.embedding_dense_backward.default": (BACKWARD, "the gradient of aten.embedding"),
+    "aten.max_pool2d_with_indices_backward.default": (BACKWARD, "the gradient of max-pool with overlapping "
+                                                      "windows (tests/test_train_ops_cpu.py)"),
+    "aten.avg_pool2d_backward.default": (BACKWARD, "the gradient of avg_pool2d (tests/test_train_ops_cpu.py)"),
+    "aten._adaptive_avg_pool2d_backward.default": (BACKWARD, "the gradient of adaptive_avg_pool2d "
+                                                   "(tests/test_train_ops_cpu.py)"),
 }
 
 
@@ -449,7 +512,8 @@ fn_case("bitwise_int", lambda a, b: (a & b, a | b, a ^ b, a & 6, a | 3, a ^ 5), 
 
 
 UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the registry fails the same way)
-    Unsupported("cumsum", lambda x: torch.cumsum(x, 1), "aten.cumsum.default", "cumsum", "no scans yet"),
+    Unsupported("cummax", lambda x: torch.cummax(x, 1).values, "aten.cummax.default", "cummax",
+                "cumsum / cumprod are the scans lowered"),
     Unsupported("sort", lambda x: torch.sort(x, 1).values, "aten.sort.default", "sort", "no sorting or top-k yet"),
     Unsupported("topk", lambda x: torch.topk(x, 2, 1).values, "aten.topk.default", "topk", "no sorting or top-k yet"),
 ]
@@ -457,10 +521,6 @@ UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the reg
 REFUSED = [  # registered ops that refuse one form of themselves
     Unsupported("max_indices", lambda x: torch.max(x, 1).indices, "aten.max.dim", "max_1",
                 "values only: use .values (argmax is not supported)"),
-    Unsupported("pool_indices", lambda x: F.max_pool2d(x[None], 2, return_indices=True)[1],
-                "aten.max_pool2d_with_indices.default", "max_pool2d_with_indices", "pooled values only"),
-    Unsupported("avg_pool_padding", lambda x: F.avg_pool2d(x[None], 2, padding=1), "aten.avg_pool2d.default",
-                "avg_pool2d", "padding=0 (pad explicitly before)"),
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
                                                                          dropout_p=0.5),
                 "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),

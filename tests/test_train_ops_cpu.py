@@ -1,0 +1,104 @@
+"""Training through the ops real models need: overlapping max-pool (the ResNet stem), padded average
+pooling, adaptive average pooling, scans (cumsum / cumprod) and gathers on inputs that need no
+gradient, each built with train=True and checked against eager autograd (loss and every gradient)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+class Stem(nn.Module):
+    """conv -> relu -> MaxPool2d(3, 2, padding=1) (overlapping windows) -> padded avg / adaptive avg pools."""
+
+    def __init__(self, ceil_mode=False, ties=False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.ceil_mode, self.ties = ceil_mode, ties
+
+    def forward(self, x, t):
+        y = torch.relu(self.conv(x))
+        if self.ties:  # many equal values in a window: the gradient must go to ATen's first maximum
+            y = torch.round(y * 2) / 2
+        y = F.max_pool2d(y, 3, 2, 1, ceil_mode=self.ceil_mode)
+        a = F.avg_pool2d(y, 3, 2, 1, ceil_mode=True, count_include_pad=False)
+        b = F.adaptive_avg_pool2d(y, (3, 2))
+        c = F.avg_pool2d(y, 2, 1, 1)
+        return ((a - t[..., :a.shape[-2], :a.shape[-1]]) ** 2).mean() + (b * b).sum() + c.sum() * 0.1
+
+
+class Scans(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 13) * 0.5)
+
+    def forward(self, x, mask):
+        pos = torch.cumsum(mask, -1) - 1  # the causal-mask helper: position ids from a padding mask
+        z = torch.cumsum(x * self.w, 1) + pos.float()
+        p = torch.cumprod(1 + 0.1 * torch.tanh(x), 1)  # no gradient through cumprod (its backward uses argmax)
+        return (z * z).mean() + (p * self.w).sum()
+
+
+class Gathers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x, idx):
+        rows = x[:, idx]  # gathers of an input (no gradient flows into the gather itself)
+        g = torch.gather(x, 1, idx[None].expand(x.shape[0], -1))
+        return ((rows @ self.w) ** 2).mean() + (g * g * self.w.sum()).sum()
+
+
+def _stem_inputs():
+    return torch.randn(2, 3, 13, 11), torch.randn(2, 4, 5, 5)
+
+
+CASES = {
+    "stem": (lambda: Stem(), _stem_inputs),
+    "stem_ceil_ties": (lambda: Stem(ceil_mode=True, ties=True), _stem_inputs),
+    "scans": (Scans, lambda: (torch.randn(5, 13), torch.randint(0, 2, (5, 13)))),
+    "gathers": (Gathers, lambda: (torch.randn(5, 9), torch.tensor([3, 0, 8, 8, 1, 2]))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_train_ops_match_eager(name):
+    make, inputs = CASES[name]
+    torch.manual_seed(0)
+    model = make().train()
+    example = inputs()
+    res = aotfuse.build(model, example, train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    torch.manual_seed(1)
+    fresh = inputs()
+    loss = mod(*fresh)
+    loss.backward()
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(*fresh)
+    ref.backward()
+    assert rel(loss, ref) < 1e-5, (float(loss), float(ref))
+    ours = dict(mod.named_parameters())
+    for n, p in ref_model.named_parameters():
+        assert ours[n].grad is not None, n
+        assert rel(ours[n].grad, p.grad) < 1e-4, f"{name}: grad of {n}: {rel(ours[n].grad, p.grad):.2e}"
+
+
+def test_resnet_stem_backward_is_not_decomposed_and_keeps_indices():
+    """k3 s2 p1 windows overlap: the backward is lowered as a gather over the forward's indices."""
+    from aotfuse.joint.decomp_train import _max_pool2d_with_indices_backward
+
+    g, x = torch.randn(1, 1, 3, 3), torch.randn(1, 1, 6, 6)
+    assert _max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, None) is NotImplemented
