@@ -73,7 +73,7 @@ def run(out: Path) -> int:
                 y, r = art(*x), model.eval()(*x)
             err = rel(y, r)
         torch.cuda.synchronize()
-        dt = art.output_specs[0]["dtype"]
+        dt = art.output_specs[0].dtype
         ok = err < TOL.get(getattr(torch, dt.split(".")[-1]), 1e-3)
         bad += not ok
         print(f"{name:24s} {'PASS' if ok else 'FAIL'} rel err {err:.2e}")

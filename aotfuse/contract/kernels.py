@@ -92,5 +92,4 @@ def kernels_to_dict(kernels: dict) -> dict:
 
 def kernels_from_dict(d: Any) -> dict:
     with decoding("kernels part"):
-        d = fields(d, "kernels part", ())
         return {name: KernelEntry.from_dict(k, name) for name, k in d.items()}

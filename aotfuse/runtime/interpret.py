@@ -64,7 +64,7 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             src = sources.get(name)
             if src is None:
                 raise ArchiveError(f"kernel {name} has no stored source for the CPU path")
-            check_source(name, src, [a["name"] for a in kernels[name]["args"]])
+            check_source(name, src, [a.name for a in kernels[name].args])
             fn = getattr(load_source(name, src), name)
             launchers[name] = _launcher(fn, triton.knobs.runtime)
     return launchers
