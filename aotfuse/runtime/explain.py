@@ -72,15 +72,15 @@ def _partition_lines(part: dict) -> list[str]:
 
 
 def explain_report(report: Report, *, program: str | None = None, refused_only: bool = False) -> str:
-    lines = []
+    sections = []
     if program in (None, "forward"):
-        lines += _program_lines("forward", report, refused_only)
+        sections.append(_program_lines("forward", report, refused_only))
     if program in (None, "backward") and report.backward is not None:
-        lines += [""] + _program_lines("backward", report.backward, refused_only)
+        sections.append(_program_lines("backward", report.backward, refused_only))
     if report.partition is not None and program is None:
         with decoding("part 'report': partition"):  # a free-form section: a slip in it is an ArchiveError
-            lines += [""] + _partition_lines(report.partition)
-    return "\n".join(lines)
+            sections.append(_partition_lines(report.partition))
+    return "\n\n".join("\n".join(lines) for lines in sections)
 
 
 def explain(src, *, program: str | None = None, refused_only: bool = False) -> str:
