@@ -6,7 +6,7 @@ an `ArchiveError` naming the program and the instruction, never a `KeyError` / `
 middle of a call, a hang in the CPU interpreter, or (on the GPU) a kernel launched on a buffer
 smaller than it reads or writes.
 
-What is checked (see artifacts/FORMAT.md, "Programs"):
+What is checked (see artifacts/FORMAT.md, "Payload"):
 - manifest: inputs/outputs specs, program list, train info, and that they agree with the programs;
 - kernels part: names, block sizes, grid, argument dtypes (and, since program version 2, the
   element count each argument was generated for and the iteration space);
