@@ -150,14 +150,15 @@ def _low_precision(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) for t in leaves(out))
 
 
-def check_inputs_match(example: Sequence[torch.Tensor], input_specs: Sequence[dict]) -> None:
+def check_inputs_match(example: Sequence[torch.Tensor], input_specs: Sequence[Any]) -> None:
     """Refuse an artifact whose inputs are not the spec's (another factory or other arguments)."""
     if len(example) != len(input_specs):
         raise AotfuseError(f"the artifact takes {len(input_specs)} inputs, the model spec's example has {len(example)}",
                            remedy="rebuild the artifact from this spec")
-    from aotfuse.specs import parse_dtype
+    from aotfuse.specs import parse_dtype, spec_dict
 
-    for i, (t, s) in enumerate(zip(example, input_specs)):
+    for i, s in enumerate(map(spec_dict, input_specs)):
+        t = example[i]
         shape, dtype = list(s.get("shape") or []), s.get("dtype", "?")
         if list(t.shape) != shape or parse_dtype(dtype) != t.dtype:
             raise AotfuseError(
@@ -245,8 +246,7 @@ def verify_spec(spec: str, art: Any, *, device: str = "cpu", seed: int = 0, trai
         want = model(*inputs)
         got = art(*inputs)
         ref64 = float64_reference(model, inputs) if _low_precision(want) else None
-    names = [s.get("name") or f"out{i}" for i, s in enumerate(getattr(art, "output_specs", None) or [])]
-    return compare(got, want, names=names, ref64=ref64)
+    return compare(got, want, names=[f"out{i}" for i in range(len(art.output_specs))], ref64=ref64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import threading
 import time
 import traceback
 import warnings
-from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -140,16 +139,6 @@ def _bytes(n: Any, *, exact: bool = True) -> str:
     return f"{int(n)} bytes"
 
 
-def _count(x: Any) -> Optional[int]:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    if isinstance(x, (list, tuple, dict, set)):
-        return len(x)
-    return None
-
-
 def _stderr() -> Console:
     return Console(stderr=True, highlight=False)
 
@@ -255,37 +244,15 @@ def build(
     if memory_budget != 1.0 and not train:
         typer.echo("note: --memory-budget only matters with --train", err=True)
     res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget)
-    kernels = _count((getattr(res, "report", None) or {}).get("compiled_kernels"))
-    extra = f", {kernels} kernels" if kernels is not None else ""
-    typer.echo(f"wrote {path} ({_bytes(size, exact=False)}{extra}, targets {','.join(targets)}) in {seconds:.1f} s")
+    typer.echo(f"wrote {path} ({_bytes(size, exact=False)}, {res.compiled_kernels} kernels, "
+               f"targets {','.join(targets)}) in {seconds:.1f} s")
 
 
 # ---------------------------------------------------------------------------------------------
 # inspect
 
-def _programs(programs: Any) -> list[tuple[str, Any]]:
-    if isinstance(programs, dict):
-        return list(programs.items())
-    if isinstance(programs, (list, tuple)):
-        return [(str(p.get("name", i)) if isinstance(p, dict) else str(i), p) for i, p in enumerate(programs)]
-    return []
-
-
-def _instructions(p: Any) -> tuple[Optional[int], str]:
-    """Instruction count and a by-op breakdown of one program's summary, whatever its shape."""
-    if not isinstance(p, dict):
-        return _count(p), ""
-    ins = next((p[k] for k in ("instructions", "num_instructions", "n_instructions") if k in p), None)
-    ops = next((p[k] for k in ("ops", "by_op", "op_counts") if isinstance(p.get(k), dict)), None)
-    if ops is None and isinstance(ins, list) and all(isinstance(i, dict) and "op" in i for i in ins):
-        ops = Counter(i["op"] for i in ins)
-    by_op = ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])) if ops else ""
-    return _count(ins), by_op
-
-
-def _kv_lines(d: Any, indent: str = "  ") -> list[str]:
-    if not isinstance(d, dict):
-        return [f"{indent}{d}"]
+def _kv_lines(d: dict, indent: str = "  ") -> list[str]:
+    """A report section (fusion summary, memory, partition) as `key: value` lines; counts sorted."""
     lines = []
     for k, v in d.items():
         if isinstance(v, dict):
@@ -300,44 +267,35 @@ def _kv_lines(d: Any, indent: str = "  ") -> list[str]:
 
 
 def render_inspect(info: dict, path: Path) -> str:
-    """The readable view of `aotfuse.inspect_archive`'s dict."""
-    size = path.stat().st_size if path.is_file() else info.get("size_bytes")
-    built_by = f" (aotfuse {info['aotfuse_version']})" if info.get("aotfuse_version") else ""
-    out = [f"{path}: aotfuse archive, format version {info.get('format_version', '?')}{built_by}, {_bytes(size)}",
-           f"sha256: {info.get('sha256', '-')}",
-           f"targets: {', '.join(map(str, info.get('targets') or [])) or '-'}",
-           f"weights: {_bytes(info.get('weights_bytes'))}", "", "inputs:"]
-    rows = []
-    for s in info.get("inputs") or []:
-        lo, hi = s.get("low"), s.get("high")
-        rows.append([s.get("name", "?"), list(s.get("shape", [])), s.get("dtype", "?"), s.get("kind", "?"),
-                     f"[{lo}, {hi})" if lo is not None or hi is not None else "-"])
+    """The readable view of `aotfuse.inspect_archive`'s dict (aotfuse/runtime/inspect.py `describe`)."""
+    out = [f"{path}: aotfuse archive, format version {info['format_version']} (aotfuse {info['aotfuse_version']}, "
+           f"torch {info['torch_version']}), {_bytes(info['size_bytes'])}",
+           f"sha256: {info['sha256']}",
+           f"targets: {', '.join(info['targets']) or '-'}",
+           f"weights: {info['weights']} tensors, {_bytes(info['weights_bytes'])}", "", "inputs:"]
+    rows = [[s["name"], s["shape"], s["dtype"], s["kind"],
+             f"[{s['low']}, {s['high']})" if s["low"] is not None or s["high"] is not None else "-"]
+            for s in info["inputs"]]
     out += [_indent(_bench.format_table(["name", "shape", "dtype", "kind", "range"], rows))]
-    if info.get("outputs"):
-        rows = [[s.get("name", f"out{i}"), list(s.get("shape", [])), s.get("dtype", "?")]
-                for i, s in enumerate(info["outputs"])]
-        out += ["", "outputs:", _indent(_bench.format_table(["name", "shape", "dtype"], rows))]
-    out += ["", "programs:"]
+    rows = [[f"out{i}", s["shape"], s["dtype"]] for i, s in enumerate(info["outputs"])]
+    out += ["", "outputs:", _indent(_bench.format_table(["name", "shape", "dtype"], rows))]
     rows = []
-    for name, p in _programs(info.get("programs")):
-        n, by_op = _instructions(p)
-        rows.append([name, "-" if n is None else n, by_op])
-    out += [_indent(_bench.format_table(["program", "instructions", "by op"], rows))]
-    kernels = info.get("kernels") or []
-    rows = []
-    for k in kernels:
-        k = k if isinstance(k, dict) else {"name": k}
-        nodes = next((k[key] for key in ("nodes", "fused_nodes", "num_nodes", "origins") if key in k), None)
-        rows.append([k.get("name", "?"), k.get("kind", "-"), "-" if _count(nodes) is None else _count(nodes),
-                     k.get("launches", "-")])
-    headers = ["name", "kind", "nodes fused", "launches"]
-    out += ["", f"kernels ({len(kernels)}):", _indent(_bench.format_table(headers, rows))]
-    if info.get("fusion") is not None:
-        out += ["", "fusion:", *_kv_lines(info["fusion"])]
-    if isinstance(info.get("memory"), dict):
-        out += ["", "memory:", *_kv_lines({k: _bytes(v, exact=False) if k.endswith("bytes") else v
-                                           for k, v in info["memory"].items()})]
-    if info.get("partition") is not None:
+    for name, p in info["programs"].items():
+        by_op = ", ".join(f"{op} {n}" for op, n in sorted(p["by_op"].items(), key=lambda kv: -kv[1]))
+        rows.append([name, p["version"], p["instructions"], by_op, _bytes(p["arena_bytes"], exact=False)])
+    out += ["", "programs:", _indent(_bench.format_table(["program", "version", "instructions", "by op", "arena"], rows))]
+    rows = [[k["name"], k["kind"], len(k["nodes"]), "x".join(map(str, k["grid"])), k["num_warps"], k["launches"]]
+            for k in info["kernels"]]
+    headers = ["name", "kind", "nodes fused", "grid", "warps", "launches"]
+    out += ["", f"kernels ({len(info['kernels'])}):", _indent(_bench.format_table(headers, rows))]
+    for key, title in (("fusion", "fusion"), ("fusion_backward", "fusion (backward)")):
+        if key in info:
+            out += ["", f"{title}:", *_kv_lines(info[key])]
+    for key, title in (("memory", "memory"), ("memory_backward", "memory (backward)")):
+        if key in info:
+            out += ["", f"{title}:", *_kv_lines({k: _bytes(v, exact=False) if k.endswith("bytes") else v
+                                                for k, v in info[key].items()})]
+    if "partition" in info:
         out += ["", "partition:", *_kv_lines(info["partition"])]
     return "\n".join(out)
 
@@ -395,9 +353,10 @@ def _pin(sha256: Optional[str]) -> dict:
     return {} if sha256 is None else {"sha256": sha256}
 
 
-def _describe_input(s: dict) -> str:
-    rng = f" in [{s.get('low')}, {s.get('high')})" if s.get("kind") == "int" else ""
-    return f"{s.get('name', '?')} {list(s.get('shape', []))} {s.get('dtype', '?')}{rng}"
+def _describe_input(s) -> str:
+    """One line of an artifact's InputSpec (aotfuse.contract)."""
+    rng = f" in [{s.low}, {s.high})" if s.kind == "int" else ""
+    return f"{s.name} {list(s.shape)} {s.dtype}{rng}"
 
 
 @app.command()
@@ -428,7 +387,7 @@ def run(
             times.append((time.perf_counter() - t0) * 1e3)
     typer.echo(f"loaded {artifact} on {dev} in {load_ms:.1f} ms")
     typer.echo("inputs (seed %d): %s" % (seed, "; ".join(_describe_input(s) for s in art.input_specs)))
-    names = [s.get("name", "") for s in (getattr(art, "output_specs", None) or [])]
+    names = [f"out{i}" for i in range(len(art.output_specs))]
     typer.echo(_bench.format_table(["output", "shape", "dtype", "mean", "std", "finite"], _summary_rows(out, names)))
     line = f"time: first call {times[0]:.2f} ms"
     if len(times) > 1:

@@ -17,6 +17,8 @@ import torch
 from . import __version__
 from .archive import write_archive
 from .archive.format import write_atomically
+from .contract import (Binary, FusionSummary, GroupRecord, InlineRecord, KernelArg, KernelEntry,
+                       Manifest, MemorySummary, OutputSpec, Report, kernels_to_dict)
 from .dtypes import TORCH
 from .emit.compile import compile_all
 from .emit.kernel_src import generate
@@ -34,8 +36,9 @@ Progress = Callable[[str, dict], None]
 @dataclasses.dataclass(frozen=True)
 class BuildResult:
     data: bytes
-    report: dict
-    timings: dict
+    report: Report  # as stored in the archive (its `report` part)
+    timings: dict  # stage -> seconds (not in the archive: builds are byte-for-byte reproducible)
+    compiled_kernels: int = 0  # distinct kernels compiled (per target)
 
     def save(self, path) -> int:
         import os
@@ -117,91 +120,80 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
     programs = {p.name: st.run("program" + ("" if p.name == "forward" else f"[{p.name}]"), build_program,
                                p.graph, p.sched, p.kernels, p.plan) for p in progs}
     report = _report(progs[0])
+    params = {}
     if len(progs) > 1:
-        report["backward"] = _report(progs[1])
-        report["partition"] = part.report()
-    manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info)
-    data = write_archive(manifest, parts, weights)
+        report = dataclasses.replace(report, backward=_report(progs[1]), partition=part.report())
+        params = {name: joint.weights[name] for name in joint.param_names}
+    manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info,
+                                      params)
+    data = write_archive(manifest.to_dict(), parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)
-    report["timings"] = dict(st.timings)  # like the count below, not in the archive (reproducible bytes)
-    report["compiled_kernels"] = len(binaries)
-    return BuildResult(data, report, dict(st.timings))
+    return BuildResult(data, report, dict(st.timings), len(binaries))
 
 
-def _report(p: _Compiled) -> dict:
+def _report(p: _Compiled) -> Report:
     sched, plan, kernels = p.sched, p.plan, p.kernels
     refused = [d for d in sched.decisions if not d.fused]
     refusals = collections.Counter(d.refusal.value for d in refused)  # by kind, in first-seen order
     launches = collections.Counter(k.name for k in kernels.values())
-    return {
-        "fusion_summary": {
-            "loop_ir_nodes": p.n_lowered,
-            "inlined": len(p.inlined),
-            "groups": len(sched.groups),
-            "kernel_launches": len(kernels),
-            "unique_kernels": len(launches),
-            "externs": sum(1 for g in sched.groups if g.kind == "extern"),
-            "fused_pairs": sum(1 for d in sched.decisions if d.fused),
-            "refused_pairs": len(refused),
-            "refusals": dict(refusals),
-        },
+    return Report(
+        fusion_summary=FusionSummary(
+            loop_ir_nodes=p.n_lowered, inlined=len(p.inlined), groups=len(sched.groups),
+            kernel_launches=len(kernels), unique_kernels=len(launches),
+            externs=sum(1 for g in sched.groups if g.kind == "extern"),
+            fused_pairs=sum(1 for d in sched.decisions if d.fused), refused_pairs=len(refused),
+            refusals=dict(refusals)),
         # each fusion, and each distinct refused pair once: reason = FuseRefusal value (None if fused)
-        "fusion": [d.to_report() for d in sched.decisions],
-        "inline": [dataclasses.asdict(d) for d in p.inlined],
-        "lowering": p.lctx.decisions,
-        "groups": [{"name": g.name, "kind": g.kind, "nodes": list(g.nodes), "xnumel": g.xnumel, "rnumel": g.rnumel,
-                    "kernel": kernels[g.name].name if g.name in kernels else None} for g in sched.groups],
-        "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes,
-                   "buffers": len(plan.allocations), "bound_extern_results": len(plan.bound)},
-    }
+        fusion=tuple(d.to_report() for d in sched.decisions),
+        inline=tuple(InlineRecord(d.producer, d.consumer, d.reason) for d in p.inlined),
+        lowering=tuple(p.lctx.decisions),
+        groups=tuple(GroupRecord(g.name, g.kind, tuple(g.nodes), g.xnumel, g.rnumel,
+                                 kernels[g.name].name if g.name in kernels else None) for g in sched.groups),
+        memory=MemorySummary(plan.arena_bytes, plan.naive_bytes, len(plan.allocations), len(plan.bound)),
+    )
 
 
-def _pack(progs, programs, binaries, report, targets, train_info):
-    kpart, sources = {}, {}
+def _kernel_entries(progs, binaries) -> dict[str, KernelEntry]:
+    """One entry per distinct kernel, in first-launch order across the programs."""
+    launched: dict[str, list] = {}
     for p in progs:
         for k in p.kernels.values():
-            entry = kpart.setdefault(k.name, {
-                "kind": k.kind, "nodes": list(k.nodes), "grid": list(k.grid), "num_warps": k.num_warps,
-                "xblock": k.xblock, "rblock": k.rblock, "xnumel": k.xnumel, "rnumel": k.rnumel,
-                "args": [{"name": a.name, "dtype": a.dtype, "role": a.role, "numel": a.numel} for a in k.args],
-                "binaries": {arch: {"cubin": b.cubin, "name": b.name, "num_warps": b.num_warps, "shared": b.shared,
-                                    "global_scratch": b.global_scratch, "profile_scratch": b.profile_scratch}
-                             for arch, b in binaries[k.name].items()},
-                "launches": 0,
-            })
-            entry["launches"] += 1
-            # Identical sources may be launched on buffers of different sizes (e.g. a prefix read):
-            # record the smallest, which every launch satisfies and which covers what the kernel touches.
-            for rec, a in zip(entry["args"], k.args):
-                rec["numel"] = min(rec["numel"], a.numel)
-            sources[k.name] = k.source
+            launched.setdefault(k.name, []).append(k)
+    out = {}
+    for name, ks in launched.items():
+        k = ks[0]
+        # Identical sources may be launched on buffers of different sizes (e.g. a prefix read):
+        # record the smallest, which every launch satisfies and which covers what the kernel touches.
+        args = tuple(KernelArg(a.name, a.dtype, a.role, min(x.args[i].numel for x in ks)) for i, a in enumerate(k.args))
+        bins = {arch: Binary(b.cubin, b.name, b.num_warps, b.shared, b.global_scratch, b.profile_scratch)
+                for arch, b in binaries[name].items()}
+        out[name] = KernelEntry(k.kind, tuple(k.nodes), tuple(k.grid), k.num_warps, k.xblock, k.rblock, k.xnumel,
+                                k.rnumel, args, bins, launches=len(ks))
+    return out
+
+
+def _pack(progs, programs, binaries, report: Report, targets, train_info, params: dict):
+    kernels = _kernel_entries(progs, binaries)
+    sources = {name: k.source for p in progs for name, k in ((k.name, k) for k in p.kernels.values())}
     weights = {}
     for p in progs:
         for buf, fqn in p.graph.weights:
             weights[fqn] = p.lctx.constants[buf] if fqn.startswith("__const__.") else p.cg.weights[fqn]
-    if train_info:
-        weights.update(train_info.pop("param_tensors"))
+    weights.update(params)
     fwd = progs[0]
     bufs = fwd.graph.buffer_map
-    manifest = {
-        "format": "aotfuse",
-        "aotfuse_version": __version__,
-        "torch_version": torch.__version__.split("+")[0],
-        "targets": list(targets),
-        "programs": [p.name for p in progs],
-        "inputs": [s.to_dict() for s in fwd.cg.inputs],
-        "outputs": [{"shape": list(o.view.shape), "dtype": str(TORCH[bufs[o.view.buf].dtype])}
-                    for o in fwd.graph.outputs],
-        "single_output": fwd.cg.single_output,
-        "kernels": sorted(kpart),
-    }
+    inputs = tuple(s.to_contract() for s in fwd.cg.inputs)
+    outputs = tuple(OutputSpec(tuple(o.view.shape), str(TORCH[bufs[o.view.buf].dtype])) for o in fwd.graph.outputs)
+    single = fwd.cg.single_output
     if train_info:
-        manifest["inputs"] = train_info["user_inputs"]
-        manifest["outputs"] = manifest["outputs"][:1]  # the loss; the rest are saved for the backward
-        manifest["single_output"] = True
-        manifest["train"] = train_info
+        # the loss; the rest are saved for the backward
+        inputs, outputs, single = train_info.user_inputs, outputs[:1], True
+    manifest = Manifest(format="aotfuse", aotfuse_version=__version__,
+                        torch_version=torch.__version__.split("+")[0], targets=tuple(targets),
+                        programs=tuple(p.name for p in progs), inputs=inputs, outputs=outputs, single_output=single,
+                        kernels=tuple(sorted(kernels)), train=train_info)
     pack = lambda v: msgpack.packb(v, use_bin_type=True)  # noqa: E731
-    parts = {"kernels": pack(kpart), "sources": pack(sources), "report": pack(report)}
+    parts = {"kernels": pack(kernels_to_dict(kernels)), "sources": pack(sources), "report": pack(report.to_dict())}
     for name, prog in programs.items():
-        parts[f"program.{name}"] = pack(prog)  # no timings in the archive: builds are byte-for-byte reproducible
+        parts[f"program.{name}"] = pack(prog.to_dict())  # no timings in the archive: reproducible bytes
     return manifest, parts, weights

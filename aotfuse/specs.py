@@ -16,10 +16,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from aotfuse.contract import InputSpec
 from aotfuse.dtypes import FLOATS, TORCH, TRITON, input_kind
 from aotfuse.errors import AotfuseError
 
-__all__ = ["ModelSpec", "parse_spec", "load_spec", "default_artifact_name", "random_inputs", "parse_dtype"]
+__all__ = ["ModelSpec", "parse_spec", "load_spec", "default_artifact_name", "random_inputs", "parse_dtype",
+           "spec_dict"]
 
 _SPEC_FORMS = "expected 'package.module:factory' or 'package.module:factory(key=value, ...)'"
 _FACTORY_RE = re.compile(r"^([A-Za-z_]\w*)\s*(?:\((.*)\))?$", re.DOTALL)
@@ -193,8 +195,15 @@ def _spec_range(spec: dict[str, Any]) -> tuple[int, int]:
     return low, high
 
 
-def random_input(spec: dict[str, Any], *, device: str | torch.device = "cpu", generator: torch.Generator) -> torch.Tensor:
+def spec_dict(spec: InputSpec | dict[str, Any]) -> dict[str, Any]:
+    """An input spec as a map: an artifact's `InputSpec` (aotfuse.contract), or a hand-written dict."""
+    return spec.to_dict() if isinstance(spec, InputSpec) else spec
+
+
+def random_input(spec: InputSpec | dict[str, Any], *, device: str | torch.device = "cpu",
+                 generator: torch.Generator) -> torch.Tensor:
     """One tensor for one input spec. Drawn on the CPU so a seed gives the same values anywhere."""
+    spec = spec_dict(spec)
     dtype, shape = parse_dtype(spec.get("dtype", "float32")), _shape(spec)
     kind = _kind(spec, dtype)
     if kind == "float":
@@ -207,7 +216,7 @@ def random_input(spec: dict[str, Any], *, device: str | torch.device = "cpu", ge
     return t.to(device)
 
 
-def random_inputs(input_specs: Sequence[dict[str, Any]], *, device: str | torch.device = "cpu",
+def random_inputs(input_specs: Sequence[InputSpec | dict[str, Any]], *, device: str | torch.device = "cpu",
                   seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Fresh random inputs satisfying `input_specs` (an artifact's `input_specs`).
 

@@ -147,7 +147,6 @@ def copy_bandwidth() -> float:
         torch.cuda.synchronize()
         ms = time_graph(lambda: y.copy_(x), iters=20)
         best = max(best, 2 * nbytes / (ms * 1e-3))
-        del x, y
     return best
 
 

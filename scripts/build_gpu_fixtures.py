@@ -42,7 +42,7 @@ def main(out_dir: str = "build/gpu", only: list[str] | None = None, train: bool 
         secs = time.perf_counter() - t0
         res.save(out / f"{name}.aotf")
         index[name] = {"spec": spec, "build_seconds": round(secs, 2), "bytes": len(res.data)}
-        print(f"{name:14s} {secs:6.2f}s {len(res.data):>10d} B  {res.report['fusion_summary']['kernel_launches']} kernels")
+        print(f"{name:14s} {secs:6.2f}s {len(res.data):>10d} B  {res.report.fusion_summary.kernel_launches} kernels")
     (out / "index.json").write_text(json.dumps(index, indent=1))
 
 

@@ -28,7 +28,7 @@ row = [spec, aotfuse.__file__.split("/aotfuse/")[0]]
 for graphs in (False, True):
     art = aotfuse.load(path, device="cuda", cuda_graphs=graphs)
     x = random_inputs(art.input_specs, device="cuda", seed=0)
-    n_steps = len(art.programs["forward"]["instructions"])
+    n_steps = len(art.programs["forward"].instructions)
     with torch.no_grad():
         for _ in range(50):
             art(*x)

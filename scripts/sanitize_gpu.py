@@ -73,7 +73,7 @@ def run(out: Path) -> int:
                 y, r = art(*x), model.eval()(*x)
             err = rel(y, r)
         torch.cuda.synchronize()
-        dt = art.output_specs[0]["dtype"]
+        dt = art.output_specs[0].dtype
         ok = err < TOL.get(getattr(torch, dt.split(".")[-1]), 1e-3)
         bad += not ok
         print(f"{name:24s} {'PASS' if ok else 'FAIL'} rel err {err:.2e}")
@@ -90,9 +90,9 @@ def kernels(out: Path) -> int:
             if kname in seen:
                 continue
             seen.add(kname)
-            shared += max(b["shared"] for b in k["binaries"].values()) > 0
-            bufs = [_random(a["dtype"], a["numel"]) for a in k["args"]]
-            art.launchers[kname](tuple(k["grid"]), stream, [t.data_ptr() for t in bufs])
+            shared += max(b.shared for b in k.binaries.values()) > 0
+            bufs = [_random(a.dtype, a.numel) for a in k.args]
+            art.launchers[kname](k.grid, stream, [t.data_ptr() for t in bufs])
         torch.cuda.synchronize()
     print(f"launched {len(seen)} distinct kernels alone ({shared} use shared memory)")
     return 0

@@ -157,7 +157,7 @@ def test_each_refused_pair_is_recorded_once(runs):
         assert all(d.refusal is None for d in sched.decisions if d.fused)
         # the report form: the kind's value and the detail, one entry per decision
         entries = [d.to_report() for d in refused]
-        assert len({(e["a"], e["b"], e["reason"]) for e in entries}) == len(entries)
+        assert len({(e.a, e.b, e.reason) for e in entries}) == len(entries)
     # the refused pairs grow with the layers, not with the layers' square
     assert sum(not d.fused for d in runs[16][2].decisions) <= 8 * sum(not d.fused for d in runs[2][2].decisions)
 
@@ -258,7 +258,6 @@ def _rounds_reference(graph):
     """The pass the inline worklist replaces: full rounds over the graph in order, each node
     rescanning every node for its consumers, until a round changes nothing. Same decisions, in the
     same order, and the same inlined graph."""
-    import dataclasses
 
     from aotfuse.knobs import knobs
     from aotfuse.schedule.deps import classify_read

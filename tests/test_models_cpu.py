@@ -63,16 +63,16 @@ def test_model_matches_eager_on_cpu(built, spec, dtype):
 
 def test_demo_fuses_each_layernorm_and_gelu_into_one_kernel(built):
     _, res = built("aotfuse.examples.gpt:demo")
-    groups = [g for g in res.report["groups"] if g["kind"] != "extern"]
+    groups = [g for g in res.report.groups if g.kind != "extern"]
     # 2 layers: embed-add+LN1, then per layer residual+LN2, GELU(+bias), residual+LN1'/LN_f.
-    assert len(groups) == 7, [g["nodes"] for g in groups]
-    reductions = [g for g in groups if g["kind"] == "reduction"]
+    assert len(groups) == 7, [g.nodes for g in groups]
+    reductions = [g for g in groups if g.kind == "reduction"]
     assert len(reductions) == 5
     for g in reductions:  # each holds both LayerNorm reductions and the normalizing pointwise
-        kinds = [n[:3] for n in g["nodes"]]
-        assert kinds.count("red") == 2 and len(g["nodes"]) >= 4
-    s = res.report["fusion_summary"]
-    assert s["unique_kernels"] < s["kernel_launches"]  # identical layers share one compiled kernel
+        kinds = [n[:3] for n in g.nodes]
+        assert kinds.count("red") == 2 and len(g.nodes) >= 4
+    s = res.report.fusion_summary
+    assert s.unique_kernels < s.kernel_launches  # identical layers share one compiled kernel
 
 
 def test_guard_errors_name_the_input(built):

@@ -96,9 +96,9 @@ def test_op_matches_eager_on_cpu(case, dtype, exported_ops, request):
 
     art = aotfuse.load(res.data, device="cpu")
     for k in art.kernels.values():
-        assert set(k["binaries"]) == set(TARGETS), repro
+        assert set(k.binaries) == set(TARGETS), repro
     if dict(case.knobs).get("persistent_rblock_max"):
-        kinds = {k["kind"] for k in art.kernels.values()}
+        kinds = {k.kind for k in art.kernels.values()}
         assert "looped_reduction" in kinds, f"expected a looped reduction kernel, got {kinds}; {repro}"
 
     torch.manual_seed(_seed(case.name, 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aotfuse.contract import Program
 from aotfuse.errors import ArchiveError, GuardError
 from aotfuse.runtime import gpu
 from aotfuse.runtime.executor import Executor
@@ -51,12 +52,12 @@ def test_extern_bindings_match_their_overloads(target):
 
 
 def test_program_with_unknown_instruction_or_kernel_is_refused():
-    prog = {"inputs": [], "weights": {}, "arena_bytes": 0, "instructions": [{"op": "exec", "code": "x"}]}
+    prog = {"version": 2, "inputs": [], "weights": {}, "arena_bytes": 0, "instructions": [{"op": "exec", "code": "x"}]}
     with pytest.raises(ArchiveError, match="unknown program instruction 'exec'"):
-        Executor(prog, {}, {}, torch.device("cpu"))
+        Program.from_dict(prog)
     prog["instructions"] = [{"op": "launch", "kernel": "k", "grid": [1, 1, 1], "args": []}]
     with pytest.raises(ArchiveError, match="kernel 'k'"):
-        Executor(prog, {}, {}, torch.device("cpu"))
+        Executor(Program.from_dict(prog), {}, {}, torch.device("cpu"))
 
 
 def test_cpu_path_refuses_foreign_source():

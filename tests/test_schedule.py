@@ -167,11 +167,11 @@ def test_each_refused_pair_is_recorded_once_with_a_kind():
     assert refused and all(isinstance(d.refusal, FuseRefusal) for d in refused)
     assert len({(d.a, d.b, d.refusal) for d in refused}) == len(refused)
     rep = refused[0].to_report()
-    assert rep["reason"] == FuseRefusal.MEMORY_DEPS.value and rep["detail"].startswith("pw")
+    assert rep.reason == FuseRefusal.MEMORY_DEPS.value and rep.detail.startswith("pw")
 
 
-def test_explain_reads_refusal_kinds_old_and_new():
-    from aotfuse.runtime.explain import fusion_reason, refusal_kind
+def test_report_reads_refusal_kinds_old_and_new():
+    from aotfuse.contract import FusionRecord
 
     new = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": False,
            "reason": "would create a cycle", "detail": "through another group (x -> z -> y)"}
@@ -179,6 +179,8 @@ def test_explain_reads_refusal_kinds_old_and_new():
            "reason": "memory deps don't match: y reads x[p0] (other read in a 4x1 space)"}
     fused = {"a": "x", "b": "y", "kind": "vertical", "score": 8, "fused": True, "reason": None,
              "detail": "saves 8 bytes"}
-    assert refusal_kind(new) == "would create a cycle" and refusal_kind(old) == "memory deps don't match"
-    assert fusion_reason(new) == "would create a cycle: through another group (x -> z -> y)"
-    assert fusion_reason(old) == old["reason"] and fusion_reason(fused) == "saves 8 bytes"
+    new, old, fused = (FusionRecord.from_dict(d) for d in (new, old, fused))
+    assert new.reason == "would create a cycle" and old.reason == "memory deps don't match"
+    assert new.text == "would create a cycle: through another group (x -> z -> y)"
+    assert old.text == "memory deps don't match: y reads x[p0] (other read in a 4x1 space)"
+    assert fused.reason is None and fused.text == "saves 8 bytes"

@@ -122,7 +122,7 @@ def test_dropout_same_mask_in_backward_and_right_keep_rate():
     p, n = 0.25, 1 << 16
     model = _Dropout(n, p)
     res = aotfuse.build(model, (torch.ones(n),), train=True, targets=("sm_90",))
-    part = res.report["partition"]
+    part = res.report.partition
     mod = aotfuse.load(res.data, device="cpu").as_module()
     torch.manual_seed(0)
     loss = mod(torch.ones(n))
@@ -201,5 +201,5 @@ def test_explain_lists_every_decision(built, tmp_path):
     out = CliRunner().invoke(app, ["explain", str(path)]).output
     assert "== forward program ==" in out and "== backward program ==" in out
     assert "FUSED" in out and "refused" in out and "saved " in out and "recomputed in the backward" in out
-    fused = sum(d["fused"] for d in res.report["fusion"])
+    fused = sum(d.fused for d in res.report.fusion)
     assert out.count("FUSED") >= fused

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..contract.manifest import InputSpec as ContractInputSpec
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
@@ -23,9 +24,9 @@ class InputSpec:
     low: int | None = None  # for int inputs: the valid value range [low, high)
     high: int | None = None
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype), "kind": self.kind,
-                "low": self.low, "high": self.high}
+    def to_contract(self) -> ContractInputSpec:
+        """The manifest's form (dtype spelled as torch prints it, "torch.float32")."""
+        return ContractInputSpec(self.name, tuple(self.shape), str(self.dtype), self.kind, self.low, self.high)
 
     @classmethod
     def of(cls, name: str, ph: torch.fx.Node, t: torch.Tensor) -> "InputSpec":

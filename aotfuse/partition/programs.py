@@ -9,6 +9,7 @@ load_state_dict that replaces them) is seen on the next call.
 """
 from __future__ import annotations
 
+from ..contract.manifest import TrainInfo
 from ..errors import BuildError
 from ..export import CapturedGraph, InputSpec
 
@@ -45,13 +46,8 @@ def train_graphs(joint, part):
     bwd_specs = tuple(_spec(n, n.name) for n in bph)
     bwd = CapturedGraph(part.bwd_gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, bwd_specs,
                         False, 0.0)
-    info = {
-        "params": list(joint.param_names),
-        "buffers": list(joint.buffer_names),
-        "user_inputs": [s.to_dict() for s in joint.inputs],
-        "grads": [list(g) for g in joint.grads],
-        "n_saved": len(bph) - 1,
-        "saved_bytes": int(part.saved_bytes),
-        "param_tensors": {name: joint.weights[name] for name in joint.param_names},
-    }
+    info = TrainInfo(params=tuple(joint.param_names), buffers=tuple(joint.buffer_names),
+                     user_inputs=tuple(s.to_contract() for s in joint.inputs),
+                     grads=tuple((str(k), ref) for k, ref in joint.grads), n_saved=len(bph) - 1,
+                     saved_bytes=int(part.saved_bytes))
     return fwd, bwd, info

@@ -10,23 +10,13 @@ import contextlib
 import time
 from typing import Any
 
-import msgpack
 import torch
 
 from ..archive import Archive, read_archive
-from ..errors import ArchiveError, GuardError
+from ..errors import GuardError
 from ..knobs import knobs
 from .executor import Executor
-from .validate import validate_archive, validate_manifest, validate_sources
-
-_UNPACK = dict(raw=False, strict_map_key=False)
-
-
-def _unpack(blob: bytes, what: str):
-    try:
-        return msgpack.unpackb(blob, **_UNPACK)
-    except Exception as exc:  # msgpack raises several types for bad data
-        raise ArchiveError(f"part {what!r} is not valid msgpack: {exc}") from None
+from .payload import read_payload, read_sources
 
 
 class Artifact:
@@ -35,19 +25,17 @@ class Artifact:
     def __init__(self, archive: Archive, device: str | torch.device = "cuda", cuda_graphs: bool | None = None):
         t0 = time.perf_counter()
         self.archive = archive
-        self.manifest = archive.manifest
-        validate_manifest(self.manifest)  # before any field of it is read
+        payload = read_payload(archive)  # validated, then typed (aotfuse.contract)
+        self.manifest = payload.manifest
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise GuardError("device cuda requested but CUDA is not available", remedy="use device='cpu'")
-        self.kernels = _unpack(archive.part("kernels"), "kernels")
-        self.programs = {name: _unpack(archive.part(f"program.{name}"), name) for name in self.manifest["programs"]}
-        # Every program is checked against the kernels and weights before a launcher is made or a byte runs.
-        validate_archive(self.manifest, self.kernels, self.programs, archive.weights)
-        self.input_specs = self.manifest["inputs"]
-        self.output_specs = self.manifest["outputs"]
+        self.kernels = payload.kernels  # name -> KernelEntry
+        self.programs = payload.programs  # name -> Program
+        self.input_specs = self.manifest.inputs  # InputSpec per user input
+        self.output_specs = self.manifest.outputs
         self._modules: list = []
         if self.device.type == "cuda":
             from .gpu import make_launchers
@@ -57,32 +45,30 @@ class Artifact:
         elif self.device.type == "cpu":
             from .interpret import make_launchers as interp_launchers
 
-            sources = _unpack(archive.part("sources"), "sources")
-            validate_sources(sources, self.kernels)
-            launchers, self.arch = interp_launchers(self.kernels, sources), "interpreter"
+            launchers, self.arch = interp_launchers(self.kernels, read_sources(archive, self.kernels)), "interpreter"
         else:
             raise GuardError(f"device {self.device} is not supported", remedy="use cuda or cpu")
         self.weights = {k: v.to(self.device, non_blocking=True) for k, v in archive.weights.items()}
         self.executors = {name: Executor(p, self.weights, launchers, self.device) for name, p in self.programs.items()}
         self.use_graphs = (knobs.cuda_graphs if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda"
         self._graphs: list = []  # every GraphedProgram made from this artifact (released by close())
-        self._forward_graph = self.graphed("forward") if self.use_graphs and not self.manifest.get("train") else None
+        self._forward_graph = self.graphed("forward") if self.use_graphs and self.manifest.train is None else None
         self.load_seconds = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- guards
     def check_inputs(self, inputs: tuple) -> None:
         if len(inputs) != len(self.input_specs):
             raise GuardError(f"expected {len(self.input_specs)} inputs "
-                             f"({', '.join(s['name'] for s in self.input_specs)}), got {len(inputs)}")
+                             f"({', '.join(s.name for s in self.input_specs)}), got {len(inputs)}")
         for i, (x, spec) in enumerate(zip(inputs, self.input_specs)):
-            where = f"input {spec['name']!r} (#{i})"
+            where = f"input {spec.name!r} (#{i})"
             if not isinstance(x, torch.Tensor):
                 raise GuardError(f"{where}: expected a tensor, got {type(x).__name__}")
-            if list(x.shape) != spec["shape"]:
-                raise GuardError(f"{where}: expected shape {tuple(spec['shape'])}, got {tuple(x.shape)}",
+            if tuple(x.shape) != spec.shape:
+                raise GuardError(f"{where}: expected shape {spec.shape}, got {tuple(x.shape)}",
                                  remedy="this archive was built for static shapes; rebuild for this shape")
-            if str(x.dtype) != spec["dtype"]:
-                raise GuardError(f"{where}: expected dtype {spec['dtype']}, got {x.dtype}")
+            if str(x.dtype) != spec.dtype:
+                raise GuardError(f"{where}: expected dtype {spec.dtype}, got {x.dtype}")
             if x.device != self.device:
                 raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
                                  remedy=f"move it with .to('{self.device}')")
@@ -109,15 +95,15 @@ class Artifact:
         return contextlib.nullcontext()
 
     def _run(self, program: str, inputs: tuple):
-        train = self.manifest.get("train")
-        if train:  # forward of a train archive: parameters are program inputs; return the loss
-            params = [self.weights[n] for n in train["params"]]
+        train = self.manifest.train
+        if train is not None:  # forward of a train archive: parameters are program inputs; return the loss
+            params = [self.weights[n] for n in train.params]
             return self.executors["forward"].run(params + list(inputs))[0]
         if program == "forward" and self._forward_graph is not None:
             outs = self._forward_graph(list(inputs))
         else:
             outs = self.executors[program].run(list(inputs))
-        return outs[0] if self.manifest.get("single_output", True) and len(outs) == 1 else tuple(outs)
+        return outs[0] if self.manifest.single_output and len(outs) == 1 else tuple(outs)
 
     def as_module(self, cuda_graphs: bool | None = None):
         """An nn.Module whose forward/backward run the packaged programs (train archives).

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..contract.program import Alloc, Extern, Free, Launch, Program, Return, TensorRef
 from ..dtypes import TORCH
 from ..errors import ArchiveError
 from ..knobs import knobs
@@ -60,8 +61,8 @@ class _View:
     """A strided view of a slot's tensor, as an extern argument or an output."""
     __slots__ = ("slot", "shape", "stride", "offset")
 
-    def __init__(self, slot: int, a: dict):
-        self.slot, self.shape, self.stride, self.offset = slot, tuple(a["shape"]), tuple(a["stride"]), a["offset"]
+    def __init__(self, slot: int, a: TensorRef):
+        self.slot, self.shape, self.stride, self.offset = slot, a.shape, a.stride, a.offset
 
     def of(self, env: list) -> torch.Tensor:
         base = env[self.slot]
@@ -90,7 +91,7 @@ class State:
 
     def __init__(self, ex: "Executor"):
         self.lock = threading.Lock()
-        self.arena = torch.empty(ex.program["arena_bytes"], dtype=torch.uint8, device=ex.device)
+        self.arena = torch.empty(ex.program.arena_bytes, dtype=torch.uint8, device=ex.device)
         self.env: list = [None] * ex.n_slots
         self.addr: list[int] = [0] * ex.n_slots
         for slot, t in ex.weight_slots:
@@ -126,18 +127,17 @@ class State:
 class Executor:
     """Linked once per (program, device); its states hold the per-caller memory."""
 
-    def __init__(self, program: dict, weights: dict[str, torch.Tensor], launchers: dict[str, Callable],
+    def __init__(self, program: Program, weights: dict[str, torch.Tensor], launchers: dict[str, Callable],
                  device: torch.device):
         self.program = program
         self.device = device
         self._slots: dict[str, int] = {}
-        self.input_slots = [self._slot(i["buf"]) for i in program["inputs"]]
-        self.rng_slot = self._slot(program["rng"]) if program.get("rng") else None
-        self.weight_slots = [(self._slot(buf), weights[fqn]) for buf, fqn in program["weights"].items()]
-        instructions = program["instructions"]
-        last = instructions[-1] if instructions else {}
+        self.input_slots = [self._slot(i.buf) for i in program.inputs]
+        self.rng_slot = self._slot(program.rng) if program.rng else None
+        self.weight_slots = [(self._slot(buf), weights[fqn]) for buf, fqn in program.weights.items()]
+        instructions = program.instructions
         # outputs (and the buffers they view) are allocated per call, never in the shared arena
-        self._per_call_bufs = {o["t"] for o in last["outputs"]} if last.get("op") == "return" else set()
+        self._per_call_bufs = {o.t for o in program.returned}
         self.arena_allocs: list[tuple] = []
         self.n_externs = 0
         self.per_call: set[int] = set(self.input_slots) | ({self.rng_slot} if self.rng_slot is not None else set())
@@ -153,44 +153,42 @@ class Executor:
         return self._slots.setdefault(name, len(self._slots))
 
     # ---------------------------------------------------------------- link
-    def _link(self, ins: dict, launchers):
-        op = ins["op"]
-        if op == "alloc":
-            dt = torch_dtype(ins["dtype"])
-            shape = tuple(ins["shape"])
-            slot = self._slot(ins["buf"])
-            if ins["offset"] < 0 or ins["buf"] in self._per_call_bufs:
+    def _link(self, ins, launchers):
+        if isinstance(ins, Alloc):
+            dt = torch_dtype(ins.dtype)
+            slot = self._slot(ins.buf)
+            if ins.offset < 0 or ins.buf in self._per_call_bufs:
                 self.per_call.add(slot)
-                return ("new", slot, shape, dt)
+                return ("new", slot, ins.shape, dt)
             n = 1
-            for d in shape:
+            for d in ins.shape:
                 n *= d
-            self.arena_allocs.append((slot, ins["offset"], shape, dt, n * dt.itemsize))
+            self.arena_allocs.append((slot, ins.offset, ins.shape, dt, n * dt.itemsize))
             return None  # bound once per state
-        if op == "launch":
-            launch = launchers.get(ins["kernel"])
+        if isinstance(ins, Launch):
+            launch = launchers.get(ins.kernel)
             if launch is None:
-                raise ArchiveError(f"program launches kernel {ins['kernel']!r} that the archive does not contain")
-            return ("launch", launch, tuple(ins["grid"]), tuple(self._slot(b) for b in ins["args"]))
-        if op == "extern":
-            out = self._slot(ins["out"])
-            if not ins["out_variant"]:
+                raise ArchiveError(f"program launches kernel {ins.kernel!r} that the archive does not contain")
+            return ("launch", launch, ins.grid, tuple(self._slot(b) for b in ins.args))
+        if isinstance(ins, Extern):
+            out = self._slot(ins.out)
+            if not ins.out_variant:
                 self.per_call.add(out)  # the op allocates its result
             self.n_externs += 1
-            shape = tuple(ins["shape"])
-            return ("extern", self.n_externs - 1, resolve(ins["target"]), self._arg(ins["args"]),
-                    {k: self._arg(v) for k, v in ins["kwargs"].items()}, ins["out_variant"],
-                    _View(out, ins["out_view"]), out, shape, torch_dtype(ins["dtype"]), _contig_strides(shape))
-        if op == "free":
-            return ("free", tuple(s for s in (self._slots.get(b) for b in ins["bufs"]) if s is not None))
-        if op == "return":
-            return ("return", [_View(self._slot(o["t"]), o) for o in ins["outputs"]])
-        raise ArchiveError(f"unknown program instruction {op!r}")
+            return ("extern", self.n_externs - 1, resolve(ins.target), self._arg(ins.args),
+                    {k: self._arg(v) for k, v in ins.kwargs.items()}, ins.out_variant,
+                    _View(out, ins.out_view), out, ins.shape, torch_dtype(ins.dtype), _contig_strides(ins.shape))
+        if isinstance(ins, Free):
+            return ("free", tuple(s for s in (self._slots.get(b) for b in ins.bufs) if s is not None))
+        if isinstance(ins, Return):
+            return ("return", [_View(self._slot(o.t), o) for o in ins.outputs])
+        raise ArchiveError(f"unknown program instruction {type(ins).__name__}")
 
     def _arg(self, a):
-        if isinstance(a, dict) and "t" in a:
-            return _View(self._slot(a["t"]), a)
-        if isinstance(a, list):
+        """A program argument as the executor binds it: views -> _View, sequences -> lists (as torch takes them)."""
+        if isinstance(a, TensorRef):
+            return _View(self._slot(a.t), a)
+        if isinstance(a, tuple):
             return [self._arg(x) for x in a]
         return a
 

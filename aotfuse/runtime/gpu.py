@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 
+from ..contract.kernels import KernelEntry
 from ..errors import ArchiveError, GuardError
 from .cuda_driver import CudaModule, device_arch
 
@@ -22,20 +23,20 @@ def pick_arch(available: list[str], device: torch.device) -> str:
                      remedy=f"rebuild with --arch sm_{cc}")
 
 
-def make_launchers(kernels: dict, device: torch.device) -> tuple[dict[str, Callable], str, list]:
+def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tuple[dict[str, Callable], str, list]:
     """kernel name -> launch(grid, stream, device addresses). Returns the launchers, the arch used, and the modules."""
-    archs = sorted({a for k in kernels.values() for a in k["binaries"]})
+    archs = sorted({a for k in kernels.values() for a in k.binaries})
     arch = pick_arch(archs, device)
     launchers, modules = {}, []
     for name, k in kernels.items():
-        b = k["binaries"].get(arch)
+        b = k.binaries.get(arch)
         if b is None:
             raise GuardError(f"kernel {name} has no cubin for {arch}", remedy=f"rebuild with --arch {arch}")
-        if b["global_scratch"] or b["profile_scratch"]:
+        if b.global_scratch or b.profile_scratch:
             raise ArchiveError(f"kernel {name} needs scratch memory, which this runtime does not provide")
-        mod = CudaModule.load(b["cubin"], device.index or 0)
+        mod = CudaModule.load(b.cubin, device.index or 0)
         modules.append(mod)
-        fn = mod.function(b["name"], b["shared"], b["num_warps"])
-        bound = fn.bind(["ptr"] * len(k["args"]), b["num_warps"], b["shared"])
+        fn = mod.function(b.name, b.shared, b.num_warps)
+        bound = fn.bind(["ptr"] * len(k.args), b.num_warps, b.shared)
         launchers[name] = bound  # called as bound(grid, stream, addresses) by the executor
     return launchers, arch, modules

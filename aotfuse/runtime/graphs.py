@@ -60,11 +60,10 @@ class GraphedProgram:
         self.ex = executor
         self.device = device
         self.bound = bound
-        inputs = [i["buf"] for i in executor.program["inputs"]]
-        ret = executor.program["instructions"][-1]["outputs"]
+        inputs = [i.buf for i in executor.program.inputs]
         # output k is input j passed through (same buffer, whole and unstrided): no copy needed
-        self.passthrough = {k: inputs.index(o["t"]) for k, o in enumerate(ret)
-                            if o["t"] in inputs and inputs.index(o["t"]) in bound}
+        self.passthrough = {k: inputs.index(o.t) for k, o in enumerate(executor.program.returned)
+                            if o.t in inputs and inputs.index(o.t) in bound}
         self._instances: collections.OrderedDict[int, _Instance] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._released = False
@@ -143,7 +142,7 @@ class _Instance:
         self.static = [x if i in p.bound else x.detach().clone() for i, x in enumerate(inputs)]
         # addresses at capture: a Parameter whose .data is swapped keeps its identity, not its address
         self.bound_ptrs = {i: inputs[i].data_ptr() for i in p.bound}
-        self.seed = new_seed(p.device) if p.ex.program.get("rng") else None
+        self.seed = new_seed(p.device) if p.ex.program.rng else None
         self.state = p.ex.state()  # this instance's own arena: the graph replays its addresses
         capture_stream = torch.cuda.Stream(p.device)
         capture_stream.wait_stream(stream)

@@ -109,7 +109,7 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             src = sources.get(name)
             if src is None:
                 raise ArchiveError(f"kernel {name} has no stored source for the CPU path")
-            check_source(name, src, [a["name"] for a in kernels[name]["args"]])
+            check_source(name, src, [a.name for a in kernels[name].args])
             mod = load_source(name, src)
             mod.libdevice = INTERPRETER_LIBDEVICE  # the stored source imports CUDA's; not runnable here
             fn = getattr(mod, name)

@@ -48,11 +48,11 @@ class PackagedModule(nn.Module):
 
     def __init__(self, art, cuda_graphs: bool | None = None):
         super().__init__()
-        info = art.manifest.get("train")
-        if not info:
+        info = art.manifest.train
+        if info is None:
             raise AotfuseError("this archive has no backward program", remedy="build it with --train")
         self._art = art
-        self._names = list(info["params"])
+        self._names = list(info.params)
         self._params = nn.ParameterDict()
         self._param_list = []
         for name in self._names:
@@ -63,7 +63,7 @@ class PackagedModule(nn.Module):
             self._params[name.replace(".", "__")] = p
             self._param_list.append(p)
         self._param_index = {n: i for i, n in enumerate(self._names)}
-        self._grad_map = [tuple(g) for g in info["grads"]]
+        self._grad_map = list(info.grads)
         self._graphs = None
         if art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs):
             n_p = len(self._names)
@@ -72,7 +72,7 @@ class PackagedModule(nn.Module):
             bwd_bound = frozenset(k - 1 for k, j in fwd.passthrough.items() if k >= 1)
             self._graphs = {"forward": fwd,
                             "backward": art.graphed("backward", bwd_bound)}
-        loss = TORCH.get(art.output_specs[0]["dtype"].removeprefix("torch."))  # specs spell str(torch dtype)
+        loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
     def _run(self, program: str, inputs: list):
@@ -90,7 +90,7 @@ class PackagedModule(nn.Module):
         with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
         for i, x in enumerate(inputs):
             if x.requires_grad and i not in with_grad:
-                name = self._art.input_specs[i]["name"]
+                name = self._art.input_specs[i].name
                 raise GuardError(f"input {name!r} (#{i}) requires grad, but the archive has no gradient for it",
                                  remedy="build with an example input that requires grad (x.requires_grad_())")
         return _Packaged.apply(self, *self._param_list, *inputs)

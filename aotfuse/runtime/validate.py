@@ -6,7 +6,7 @@ an `ArchiveError` naming the program and the instruction, never a `KeyError` / `
 middle of a call, a hang in the CPU interpreter, or (on the GPU) a kernel launched on a buffer
 smaller than it reads or writes.
 
-What is checked (see artifacts/FORMAT.md, "Programs"):
+What is checked (see artifacts/FORMAT.md, "Payload"):
 - manifest: inputs/outputs specs, program list, train info, and that they agree with the programs;
 - kernels part: names, block sizes, grid, argument dtypes (and, since program version 2, the
   element count each argument was generated for and the iteration space);
@@ -25,13 +25,14 @@ import dataclasses
 
 import torch
 
+from ..contract.program import check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
 from .validate_extern import _Ref, _flat, _meta_check, _overlaps
 from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, KERNEL_PTR_ALIGN, KINDS,
                               MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS,
-                              MAX_NUMEL, NUM_WARPS, PROGRAM_VERSIONS, _align, _bool, _dict,
+                              MAX_NUMEL, NUM_WARPS, _align, _bool, _dict,
                               _dtype, _fail, _ident, _int, _list, _numel, _shape, _short, _str,
                               _torch_dtype_name, _ARCH, _IDENT)
 
@@ -481,11 +482,7 @@ def validate_program(name: str, program, kernels: dict, weights: dict[str, torch
     """Check one program against the (validated) kernels part and the archive's weights."""
     where = f"program {name!r}"
     p = _dict(program, where, ("version", "inputs", "weights", "arena_bytes", "instructions"))
-    v = p["version"]
-    if type(v) is not int or v not in PROGRAM_VERSIONS:
-        raise ArchiveError(f"{where}: program version {_short(v)} is not supported "
-                           f"({PROGRAM_VERSIONS[0]}..{PROGRAM_VERSIONS[-1]})",
-                           remedy="rebuild the archive with this aotfuse")
+    v = check_program_version(p["version"], where)
     if v >= 2 and any("xnumel" not in k for k in kernels.values()):
         _fail(where, f"version {v} program but the kernels part lacks per-argument sizes")
     return _Walk(name, p, kernels, weights).run()

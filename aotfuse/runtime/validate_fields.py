@@ -11,7 +11,6 @@ import re
 from ..errors import ArchiveError
 from ..dtypes import TORCH as DTYPES
 
-PROGRAM_VERSIONS = (1, 2)  # 1: no weight specs, no per-argument element counts (golden v1 archives)
 MAX_BYTES = 1 << 40  # what one program may allocate (arena + own allocations): 1 TiB, beyond any device
 MAX_NUMEL = MAX_BYTES  # elements of one buffer (a bool of MAX_BYTES elements is MAX_BYTES bytes)
 MAX_DIMS = 32

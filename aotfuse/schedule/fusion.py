@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import heapq
 
+from ..contract.report import FusionRecord
 from ..knobs import knobs
 from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
 from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, Scan, expr_loads
@@ -89,9 +90,9 @@ class FusionDecision:
         """'kind: detail' for a refusal, the detail ('saves N bytes') for a fusion."""
         return _reason(self.refusal, self.detail)
 
-    def to_report(self) -> dict:
-        return {"a": self.a, "b": self.b, "kind": self.kind, "score": self.score, "fused": self.fused,
-                "reason": self.refusal.value if self.refusal else None, "detail": self.detail}
+    def to_report(self) -> FusionRecord:
+        return FusionRecord(self.a, self.b, self.kind, self.score, self.fused,
+                            self.refusal.value if self.refusal else None, self.detail)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""The `kernels` part: kernel name -> how to launch it (arguments, grid) and its cubin per target.
+
+Kernel ABI (artifacts/FORMAT.md, "Kernel ABI"): a cubin is loaded with `cuModuleLoadData` and its
+function `Binary.name` launched with `cuLaunchKernel`: parameters are one device pointer per
+`KernelEntry.args` entry, in order, then two trailing pointers (global scratch, profile scratch:
+null, since the runtime refuses kernels that need scratch); grid `KernelEntry.grid`; block
+`32 * Binary.num_warps` threads; `Binary.shared` bytes of dynamic shared memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._codec import decoding, fields, ints, put_optional, strs
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelArg:
+    name: str  # the parameter's name in the kernel's source
+    dtype: str  # element dtype the kernel reads or writes ("float32")
+    role: str  # "in" | "out"
+    numel: int | None = None  # elements the kernel touches (program version 2+; None in version 1)
+
+    def to_dict(self) -> dict:
+        return put_optional({"name": self.name, "dtype": self.dtype, "role": self.role}, "numel", self.numel)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "KernelArg":
+        d = fields(d, "kernel argument", ("name", "dtype", "role"), ("numel",))
+        return cls(d["name"], d["dtype"], d["role"], d.get("numel"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Binary:
+    """One compiled cubin of a kernel for one target ("sm_90")."""
+
+    cubin: bytes
+    name: str  # the function's name in the cubin
+    num_warps: int
+    shared: int  # dynamic shared memory, bytes
+    global_scratch: int  # bytes per program the kernel needs (the runtime refuses non-zero)
+    profile_scratch: int
+
+    def to_dict(self) -> dict:
+        return {"cubin": self.cubin, "name": self.name, "num_warps": self.num_warps, "shared": self.shared,
+                "global_scratch": self.global_scratch, "profile_scratch": self.profile_scratch}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Binary":
+        d = fields(d, "binary", ("cubin", "name", "num_warps", "shared", "global_scratch", "profile_scratch"))
+        return cls(d["cubin"], d["name"], d["num_warps"], d["shared"], d["global_scratch"], d["profile_scratch"])
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEntry:
+    kind: str  # "pointwise" | "persistent_reduction" | "looped_reduction"
+    nodes: tuple[str, ...]  # the loop-IR nodes fused into it (informational)
+    grid: tuple[int, int, int]
+    num_warps: int
+    xblock: int
+    rblock: int
+    xnumel: int | None  # iteration space (version 2+; None in version 1)
+    rnumel: int | None
+    args: tuple[KernelArg, ...]
+    binaries: dict  # target ("sm_90") -> Binary (read-only)
+    launches: int = 1  # launches of it across the archive's programs (informational)
+
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind, "nodes": list(self.nodes), "grid": list(self.grid), "num_warps": self.num_warps,
+               "xblock": self.xblock, "rblock": self.rblock}
+        put_optional(out, "xnumel", self.xnumel)
+        put_optional(out, "rnumel", self.rnumel)
+        out["args"] = [a.to_dict() for a in self.args]
+        out["binaries"] = {arch: b.to_dict() for arch, b in self.binaries.items()}
+        out["launches"] = self.launches
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, name: str = "?") -> "KernelEntry":
+        with decoding(f"kernel {name}"):
+            d = fields(d, f"kernel {name}", ("kind", "nodes", "grid", "num_warps", "xblock", "rblock", "args",
+                                             "binaries"), ("xnumel", "rnumel", "launches"))
+            return cls(d["kind"], strs(d["nodes"]), ints(d["grid"]), d["num_warps"], d["xblock"], d["rblock"],
+                       d.get("xnumel"), d.get("rnumel"), tuple(KernelArg.from_dict(a) for a in d["args"]),
+                       {arch: Binary.from_dict(b) for arch, b in d["binaries"].items()}, d.get("launches", 1))
+
+
+def kernels_to_dict(kernels: dict) -> dict:
+    """The `kernels` part: name -> KernelEntry.to_dict(), in the given order."""
+    return {name: k.to_dict() for name, k in kernels.items()}
+
+
+def kernels_from_dict(d: Any) -> dict:
+    with decoding("kernels part"):
+        return {name: KernelEntry.from_dict(k, name) for name, k in d.items()}

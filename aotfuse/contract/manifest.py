@@ -1,0 +1,122 @@
+"""The archive's manifest (in the container's table of contents) and the train info inside it.
+
+Adding a field (keyword inputs, structured outputs, buffer mutations, ...): give it a default that
+means "as before" and write it only when set (`put_optional`), add it to `from_dict`'s optional
+keys, to `runtime/validate.py` and to artifacts/FORMAT.md, and bump `PROGRAM_VERSION` (program.py)
+so that an older runtime refuses the archive with "upgrade aotfuse" instead of misreading it.
+Archives that do not use the field keep their bytes apart from the version.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._codec import decoding, fields, ints, strs
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+    """A user input's guard: name, static shape, dtype (torch's spelling, "torch.float32"), and how
+    valid values are drawn: kind "float" | "int" | "bool", ints in [low, high) when known."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str
+    low: int | None = None
+    high: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+                "low": self.low, "high": self.high}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "InputSpec":
+        d = fields(d, "input spec", ("name", "shape", "dtype"), ("kind", "low", "high"))
+        kind = d.get("kind") or _kind(d["dtype"])
+        return cls(d["name"], ints(d["shape"]), d["dtype"], kind, d.get("low"), d.get("high"))
+
+
+def _kind(dtype: str) -> str:
+    if dtype == "torch.bool":
+        return "bool"
+    return "float" if dtype.startswith(("torch.float", "torch.bfloat", "torch.complex")) else "int"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """An output of the forward program: static shape and dtype ("torch.float32")."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "OutputSpec":
+        d = fields(d, "output spec", ("shape", "dtype"))
+        return cls(ints(d["shape"]), d["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainInfo:
+    """What a train archive's two programs mean (aotfuse/partition/programs.py).
+
+    The forward program takes `params` (archive weights, in order) then the user inputs, and returns
+    the loss then `n_saved` tensors for the backward; the backward takes those and the loss's
+    gradient and returns one gradient per `grads` entry: ("param", name) or ("input", index)."""
+
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]  # non-trainable buffers, baked in as weights
+    user_inputs: tuple[InputSpec, ...]
+    grads: tuple[tuple[str, Any], ...]
+    n_saved: int
+    saved_bytes: int
+
+    def to_dict(self) -> dict:
+        return {"params": list(self.params), "buffers": list(self.buffers),
+                "user_inputs": [s.to_dict() for s in self.user_inputs], "grads": [list(g) for g in self.grads],
+                "n_saved": self.n_saved, "saved_bytes": self.saved_bytes}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "TrainInfo":
+        d = fields(d, "manifest.train", ("params", "grads", "n_saved"), ("buffers", "user_inputs", "saved_bytes"))
+        return cls(strs(d["params"]), strs(d.get("buffers", ())),
+                   tuple(InputSpec.from_dict(s) for s in d.get("user_inputs", ())),
+                   tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    format: str  # "aotfuse"
+    aotfuse_version: str
+    torch_version: str
+    targets: tuple[str, ...]  # cubin architectures ("sm_90")
+    programs: tuple[str, ...]  # ("forward",) or ("forward", "backward")
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[OutputSpec, ...]  # a train archive: the loss only
+    single_output: bool  # the model returned one tensor (not a tuple)
+    kernels: tuple[str, ...]  # names in the kernels part, sorted
+    train: TrainInfo | None = None
+
+    def to_dict(self) -> dict:
+        out = {"format": self.format, "aotfuse_version": self.aotfuse_version, "torch_version": self.torch_version,
+               "targets": list(self.targets), "programs": list(self.programs),
+               "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
+               "single_output": self.single_output, "kernels": list(self.kernels)}
+        if self.train is not None:
+            out["train"] = self.train.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Manifest":
+        with decoding("manifest"):
+            d = fields(d, "manifest", ("format", "programs", "inputs", "outputs"),
+                       ("aotfuse_version", "torch_version", "targets", "single_output", "kernels", "train"))
+            train = d.get("train")
+            return cls(d["format"], d.get("aotfuse_version", "?"), d.get("torch_version", "?"),
+                       strs(d.get("targets", ())), strs(d["programs"]),
+                       tuple(InputSpec.from_dict(s) for s in d["inputs"]),
+                       tuple(OutputSpec.from_dict(s) for s in d["outputs"]), d.get("single_output", True),
+                       strs(d.get("kernels", ())), None if train is None else TrainInfo.from_dict(train))

@@ -1,0 +1,261 @@
+"""The execution program: a flat list of instructions, as plain data, never code.
+
+One `Program` per packaged program (`program.forward`, `program.backward`). Instructions:
+
+  Alloc  {buf, offset, shape, dtype}      a buffer: a view of the per-call arena (offset -1: its own allocation)
+  Launch {kernel, grid, args: [buf...]}   one fused kernel (see kernels.py for its ABI)
+  Extern {target, args, kwargs, out, out_view, out_variant, shape, dtype}   an allow-listed ATen op
+  Free   {bufs: [...]}                    drop references after their last use
+  Return {outputs: [view...]}             the program's results, as views of buffers
+
+Tensor arguments of externs and returned outputs are `TensorRef`s, strided views of a buffer
+`{t, shape, stride, offset}` (in elements). Dtypes are program dtype names ("float32").
+
+PROGRAM_VERSION is the payload's version: written in every program, checked at load.
+  1  (aotfuse 0.1.0)  first version (golden artifacts/golden/v1_model.aotf)
+  2  (2026-11-23)     `weight_specs` {buf: {shape, dtype}}; the kernels part records `xnumel`,
+                      `rnumel` and each argument's `numel`
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Union
+
+from ..errors import ArchiveError
+from ._codec import UPGRADE, decoding, fields, ints, strs
+
+PROGRAM_VERSION = 2  # what this aotfuse writes
+MIN_SUPPORTED_VERSION = 1  # the oldest it reads
+MAX_SUPPORTED_VERSION = PROGRAM_VERSION  # the newest it reads
+
+
+def check_program_version(v: Any, where: str = "program") -> int:
+    """The version of a program this aotfuse can run, else the ArchiveError that says what to do."""
+    span = f"{MIN_SUPPORTED_VERSION}..{MAX_SUPPORTED_VERSION}"
+    if type(v) is not int or v < 0 or v >= 1 << 16:
+        raise ArchiveError(f"{where}: program version {v!r} is not a version number (this aotfuse reads {span})",
+                           remedy="the archive is damaged; rebuild it")
+    if v > MAX_SUPPORTED_VERSION:
+        raise ArchiveError(f"{where}: program version {v} is newer than this aotfuse supports ({span})",
+                           remedy=UPGRADE.split(",")[0])
+    if v < MIN_SUPPORTED_VERSION:
+        raise ArchiveError(f"{where}: program version {v} is older than this aotfuse supports ({span})",
+                           remedy="rebuild the archive with this aotfuse")
+    return v
+
+
+# ---------------------------------------------------------------- operands
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A strided view of buffer `t`: `shape`, `stride` and `offset` in elements."""
+
+    t: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def to_dict(self) -> dict:
+        return {"t": self.t, "shape": list(self.shape), "stride": list(self.stride), "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "TensorRef":
+        d = fields(d, "tensor view", ("t", "shape", "stride", "offset"))
+        return cls(d["t"], ints(d["shape"]), ints(d["stride"]), d["offset"])
+
+
+# An extern argument: a scalar, a view, or a (nested) sequence of them (tuples here, lists on disk).
+Arg = Union[None, bool, int, float, str, TensorRef, tuple]
+
+
+def encode_arg(a: Arg):
+    if isinstance(a, TensorRef):
+        return a.to_dict()
+    if isinstance(a, (list, tuple)):
+        return [encode_arg(x) for x in a]
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise TypeError(f"extern argument of type {type(a).__name__} cannot be encoded")
+
+
+def decode_arg(a: Any) -> Arg:
+    if isinstance(a, dict):
+        return TensorRef.from_dict(a)
+    if isinstance(a, list):
+        return tuple(decode_arg(x) for x in a)
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise TypeError(f"{type(a).__name__} is not an extern argument")
+
+
+# ---------------------------------------------------------------- instructions
+
+@dataclasses.dataclass(frozen=True)
+class Alloc:
+    op: ClassVar[str] = "alloc"
+    buf: str
+    offset: int  # byte offset in the arena, 16-byte aligned; -1: allocated on its own
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"op": "alloc", "buf": self.buf, "offset": self.offset, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Alloc":
+        d = fields(d, "alloc", ("op", "buf", "offset", "shape", "dtype"))
+        return cls(d["buf"], d["offset"], ints(d["shape"]), d["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    op: ClassVar[str] = "launch"
+    kernel: str
+    grid: tuple[int, int, int]
+    args: tuple[str, ...]  # buffers, in the kernel's argument order
+
+    def to_dict(self) -> dict:
+        return {"op": "launch", "kernel": self.kernel, "grid": list(self.grid), "args": list(self.args)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Launch":
+        d = fields(d, "launch", ("op", "kernel", "grid", "args"))
+        return cls(d["kernel"], ints(d["grid"]), strs(d["args"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Extern:
+    op: ClassVar[str] = "extern"
+    target: str  # "aten.<op>.<overload>", on the runtime's allow-list (runtime/externs.py)
+    args: tuple  # of Arg
+    kwargs: dict  # name -> Arg (read-only)
+    out: str  # the result buffer
+    out_view: TensorRef  # where the result goes: a view of `out`
+    out_variant: bool  # True: an `.out` op writing into `out` (allocated before); False: the op allocates it
+    shape: tuple[int, ...]  # of `out`
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"op": "extern", "target": self.target, "args": encode_arg(self.args),
+                "kwargs": {k: encode_arg(v) for k, v in self.kwargs.items()}, "out": self.out,
+                "out_view": self.out_view.to_dict(), "out_variant": self.out_variant,
+                "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Extern":
+        d = fields(d, "extern", ("op", "target", "args", "kwargs", "out", "out_view", "out_variant", "shape", "dtype"))
+        if type(d["kwargs"]) is not dict:
+            raise TypeError("kwargs is not a map")
+        return cls(d["target"], tuple(decode_arg(a) for a in d["args"]),
+                   {k: decode_arg(v) for k, v in d["kwargs"].items()}, d["out"], TensorRef.from_dict(d["out_view"]),
+                   d["out_variant"], ints(d["shape"]), d["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Free:
+    op: ClassVar[str] = "free"
+    bufs: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {"op": "free", "bufs": list(self.bufs)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Free":
+        return cls(strs(fields(d, "free", ("op", "bufs"))["bufs"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Return:
+    op: ClassVar[str] = "return"
+    outputs: tuple[TensorRef, ...]
+
+    def to_dict(self) -> dict:
+        return {"op": "return", "outputs": [o.to_dict() for o in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Return":
+        return cls(tuple(TensorRef.from_dict(o) for o in fields(d, "return", ("op", "outputs"))["outputs"]))
+
+
+Instruction = Union[Alloc, Launch, Extern, Free, Return]
+INSTRUCTIONS: dict[str, type] = {c.op: c for c in (Alloc, Launch, Extern, Free, Return)}
+
+
+def instruction_from_dict(d: Any) -> Instruction:
+    op = d.get("op") if type(d) is dict else None
+    cls = INSTRUCTIONS.get(op) if type(op) is str else None
+    if cls is None:
+        raise ArchiveError(f"unknown program instruction {op!r}", remedy=UPGRADE)
+    return cls.from_dict(d)
+
+
+# ---------------------------------------------------------------- the program
+
+@dataclasses.dataclass(frozen=True)
+class ProgramInput:
+    buf: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"buf": self.buf, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ProgramInput":
+        d = fields(d, "program input", ("buf", "shape", "dtype"))
+        return cls(d["buf"], ints(d["shape"]), d["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "WeightSpec":
+        d = fields(d, "weight spec", ("shape", "dtype"))
+        return cls(ints(d["shape"]), d["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program. `weights` maps a weight buffer to the archive weight it binds (its FQN);
+    `weight_specs` (version 2+, None in version 1) the shape and dtype that weight had at build."""
+
+    version: int
+    inputs: tuple[ProgramInput, ...]
+    weights: dict  # buf -> weight name (read-only)
+    weight_specs: dict | None  # buf -> WeightSpec (read-only); None: a version 1 program
+    arena_bytes: int
+    rng: str | None  # the buffer bound to a fresh Philox seed (int64 [1]) per call, if any
+    instructions: tuple[Instruction, ...]
+
+    @property
+    def returned(self) -> tuple[TensorRef, ...]:
+        """The views the final Return hands back (validated programs end with exactly one)."""
+        last = self.instructions[-1] if self.instructions else None
+        return last.outputs if isinstance(last, Return) else ()
+
+    def to_dict(self) -> dict:
+        out: dict = {"version": self.version, "inputs": [i.to_dict() for i in self.inputs], "weights": dict(self.weights)}
+        if self.weight_specs is not None:
+            out["weight_specs"] = {b: s.to_dict() for b, s in self.weight_specs.items()}
+        out.update({"arena_bytes": self.arena_bytes, "rng": self.rng,
+                    "instructions": [i.to_dict() for i in self.instructions]})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Any, name: str = "program") -> "Program":
+        """Check the version first (a newer program is refused as such, whatever else changed)."""
+        where = f"program {name!r}"
+        version = check_program_version(d.get("version") if type(d) is dict else None, where)
+        with decoding(where):
+            d = fields(d, where, ("version", "inputs", "weights", "arena_bytes", "instructions"),
+                       ("weight_specs", "rng"))
+            specs = d.get("weight_specs")
+            return cls(version, tuple(ProgramInput.from_dict(i) for i in d["inputs"]), dict(d["weights"]),
+                       None if specs is None else {b: WeightSpec.from_dict(s) for b, s in specs.items()},
+                       d["arena_bytes"], d.get("rng"), tuple(instruction_from_dict(i) for i in d["instructions"]))
