@@ -189,7 +189,7 @@ def bench_train_spec(spec: str, *, batch: int | None = None, iters: int = 50, wa
         res = aotfuse.build(cpu_model, cpu_inputs, train=True, targets=tuple(targets))
         build_s = time.perf_counter() - t0
         res.save(path)
-        saved = (res.report.get("partition") or {}).get("saved_bytes")
+        saved = (res.report.partition or {}).get("saved_bytes")
         art = aotfuse.load(path, device="cuda")
         mod = art.as_module()
         inputs = tuple(t.cuda() for t in cpu_inputs)
