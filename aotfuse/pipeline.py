@@ -25,6 +25,7 @@ from .export import capture
 from .knobs import knobs
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
+from .schedule.split import split_reductions
 from .lower import lower
 from .schedule.memplan import plan_memory
 
@@ -75,6 +76,7 @@ class _Compiled:
     sched: object
     plan: object
     kernels: dict
+    splits: tuple = ()
 
 
 def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
@@ -82,11 +84,13 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     graph, lctx = st.run("lower" + sfx, lower, cg, name)
     n_lowered = len(graph.nodes)
     graph, inlined = st.run("inline" + sfx, inline_pointwise, graph)
+    # after inlining (a reduction's body holds its real loads), before fusion (the partial fuses)
+    graph, splits = st.run("split" + sfx, split_reductions, graph)
     sched = st.run("fuse" + sfx, fuse, graph)
     plan = st.run("memory_plan" + sfx, plan_memory, graph, sched)
     kernels = st.run("codegen" + sfx, lambda: {g.name: generate(g, graph, sched.stored)
                                                for g in sched.groups if g.kind != "extern"})
-    return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels)
+    return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, splits)
 
 
 def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool = False, memory_budget: float = 1.0,
@@ -148,12 +152,20 @@ def _report(p: _Compiled) -> dict:
         # each fusion, and each distinct refused pair once: reason = FuseRefusal value (None if fused)
         "fusion": [d.to_report() for d in sched.decisions],
         "inline": [dataclasses.asdict(d) for d in p.inlined],
+        "splits": [d.to_report() for d in p.splits],
         "lowering": p.lctx.decisions,
         "groups": [{"name": g.name, "kind": g.kind, "nodes": list(g.nodes), "xnumel": g.xnumel, "rnumel": g.rnumel,
-                    "kernel": kernels[g.name].name if g.name in kernels else None} for g in sched.groups],
+                    "kernel": kernels[g.name].name if g.name in kernels else None,
+                    **(_blocks_report(kernels[g.name]) if g.name in kernels else {})} for g in sched.groups],
         "memory": {"arena_bytes": plan.arena_bytes, "naive_bytes": plan.naive_bytes,
                    "buffers": len(plan.allocations), "bound_extern_results": len(plan.bound)},
     }
+
+
+def _blocks_report(k) -> dict:
+    """A kernel's launch shape and why (emit/kernel_src.block_choice), for explain."""
+    return {"blocks": {"kind": k.kind, "pattern": k.pattern, "xblock": k.xblock, "rblock": k.rblock,
+                       "num_warps": k.num_warps, "grid": list(k.grid), "why": k.why}}
 
 
 def _pack(progs, programs, binaries, report, targets, train_info):
