@@ -2,7 +2,8 @@
 
 Reads only the archive: lowering choices (externs kept or split, copies realized, constants
 folded), inlining, every fusion with what it saves and every distinct refused pair with its reason
-(a kind and a detail; `--refused` groups them by kind), the kernels each group became, the memory
+(a kind and a detail; `--refused` groups them by kind), each reduction's split decision
+(schedule/split.py), the kernels each group became with their blocks and why, the memory
 plan, and for training builds every saved tensor and recomputed node.
 """
 from __future__ import annotations
@@ -51,6 +52,16 @@ def _program_lines(name: str, rep: dict, refused_only: bool) -> list[str]:
     out.append("-- inlining")
     for d in rep.get("inline", []):
         out.append(f"  {d['producer']} -> {d['consumer']}: {d['reason']}")
+    splits = rep.get("splits", [])
+    if splits:
+        n_split = sum(1 for d in splits if d["split"])
+        out.append(f"-- reductions ({n_split} of {len(splits)} split in two stages; schedule/split.py)")
+        for d in splits:
+            if d["split"]:
+                out.append(f"  SPLIT   {d['node']} ({d['rtype']}, {d['pattern']}, {d['x']} outputs x {d['r']}): "
+                           f"{d['chunks']} chunks of {d['chunk']} ({d['how']}) into {d['partial']}: {d['reason']}")
+            else:
+                out.append(f"  kept    {d['node']} ({d['rtype']}, {d['pattern']}, {d['x']} outputs x {d['r']}): {d['reason']}")
     fusion = rep.get("fusion", [])
     by_kind: dict[str, list[dict]] = {}
     for d in fusion:
@@ -73,6 +84,10 @@ def _program_lines(name: str, rep: dict, refused_only: bool) -> list[str]:
         what = g["kernel"] or "extern"
         space = f"{g['xnumel']}x{g['rnumel']}" if g["kind"] != "extern" else ""
         out.append(f"  {g['name']:5s} {g['kind']:10s} {space:12s} {what}: {', '.join(g['nodes'])}")
+        b = g.get("blocks")
+        if b:
+            out.append(f"        {b['kind']} XBLOCK={b['xblock']} RBLOCK={b['rblock']} num_warps={b['num_warps']} "
+                       f"grid={b['grid'][0]}: {b['why']}")
     m = rep.get("memory", {})
     out.append(f"-- memory: arena {m.get('arena_bytes')} B for {m.get('buffers')} buffers "
                f"(no reuse: {m.get('naive_bytes')} B); {m.get('bound_extern_results')} extern results bound as returned")

@@ -8,12 +8,13 @@ bool for any), so the result is the one reduction order's, reproducibly: two sta
 sum / prod / max / min / any all combine this way (mean is a sum times a constant in lowering).
 
 When: the kernel the node would get alone launches fewer than `split_min_programs` programs (its
-blocks, `emit.kernel_src.block_choice`, for its access pattern: a column reduction packs 64
-outputs per program, so 4096 outputs are 64 programs), and r >= `split_min_rnumel` (a shorter loop
-is cheaper than a second launch).
+most programs its kernel can launch: one per row for a row reduction, one per 64 outputs for a
+column reduction, whose tiles need 64 contiguous outputs, so 4096 outputs are 64 programs), and
+one program would reduce at least `split_min_elems` elements (r, or 64*r for a column tile): a
+shorter loop costs less than a second launch.
 
 How many chunks S: enough to reach `split_min_programs` (S >= ceil(min_programs / programs)), and
-chunks no shorter than `split_min_chunk` elements. Preferred, in order:
+chunks no shorter than `split_min_chunk` elements (flat chunks: nor than one loop step). Preferred, in order:
   1. aligned: S = the product of the leading reduced dims (e.g. sum over [B*T, C] -> S = B*T rows,
      chunk C). The partial is then an ordinary reduction over the trailing dims, whose iteration
      space is that of the producers' rows, so fusion can put it in their kernel (the loss sum of a
@@ -126,21 +127,22 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
         return no("empty")
     if programs >= knobs.split_min_programs:
         return no(f"{programs} programs fill the GPU (split_min_programs = {knobs.split_min_programs})")
-    if r < knobs.split_min_rnumel:
-        return no(f"{programs} programs, but r = {r} < split_min_rnumel = {knobs.split_min_rnumel}: "
-                  "a short loop costs less than a second launch")
+    per_program = r * (OUTER_XBLOCK if pattern == "outer" else 1)
+    if per_program < knobs.split_min_elems:
+        return no(f"{programs} programs, but each reduces only {per_program} elements < split_min_elems = "
+                  f"{knobs.split_min_elems}: a short loop costs less than a second launch")
     need = -(-knobs.split_min_programs // programs)
     max_s = r // knobs.split_min_chunk
     if max_s < 2:
         return no(f"r = {r} is less than two chunks of split_min_chunk = {knobs.split_min_chunk}")
     target = max(2, min(need, max_s))
     layout = "S outer: part[s, x], x stays contiguous" if pattern == "outer" and x > 1 else "S inner: part[x, s]"
-    why = (f"{programs} programs < split_min_programs = {knobs.split_min_programs} with r = {r}: "
-           f"{target}+ chunks needed")
+    why = (f"{programs} programs < split_min_programs = {knobs.split_min_programs}, each reducing {per_program} "
+           f"elements: {target}+ chunks wanted")
 
     def yes(s: int, c: int, how: str, extra: str) -> SplitDecision:
         return SplitDecision(n.name, n.rtype, x, r, pattern, programs, True, s, c, how, "",
-                             f"{why}; {extra}; {layout}; {programs * s} partial programs' worth")
+                             f"{why}; {extra}; {layout}; {programs * s} partial programs")
 
     acc = 1
     for k in range(1, len(n.rranges)):
@@ -149,7 +151,12 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
         if acc >= target and c >= knobs.split_min_chunk:
             return yes(acc, c, "aligned", f"S = {acc}, the leading reduced dim(s) {list(n.rranges[:k])}: "
                        f"the partial reduces rows of {c} (the producers' rows, so it can fuse with them)")
+    # Flat chunks are at least one loop step long (RBLOCK elements of a row; RBLOCK rows of a column tile).
     rblock = OUTER_RBLOCK if pattern == "outer" else INNER_LOOP_RBLOCK
+    max_s = r // max(knobs.split_min_chunk, rblock)
+    if max_s < 2:
+        return no(f"r = {r} is less than two chunks of {max(knobs.split_min_chunk, rblock)} (a loop step)")
+    target = min(target, max_s)
     divisors = [s for s in range(target, min(2 * target, max_s) + 1) if r % s == 0]
     for s in divisors:
         if (r // s) % rblock == 0:
@@ -157,13 +164,14 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
     if divisors:
         s = divisors[0]
         return yes(s, r // s, "flat", f"S = {s} divides r (chunk {r // s})")
+    hi = min(2 * target, max_s)
     c = -(-r // target)
-    if -(-c // rblock) * rblock < r:
+    if c >= 4 * rblock and -(-c // rblock) * rblock < r:  # whole loop steps, when that costs few programs
         c = -(-c // rblock) * rblock
     s = -(-r // c)
     if s < 2:
         return no(f"no chunking of r = {r} into 2+ chunks")
-    return yes(s, c, "flat, masked", f"no divisor of r = {r} in [{target}, {2 * target}]: {s} chunks of {c}, "
+    return yes(s, c, "flat, masked", f"no divisor of r = {r} in [{target}, {hi}]: {s} chunks of {c}, "
                f"the last {r - (s - 1) * c} long; loads clamped in bounds, the tail masked with the identity")
 
 
