@@ -1,6 +1,6 @@
 """aotfuse.build: the one function that lists the pipeline's stages in order.
 
-export -> lower -> inline -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
+export -> lower -> inline -> split reductions -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
 Each stage is a function from one value to the next; the pipeline records what each decided and
 how long it took, in the report stored in the archive.
 """
