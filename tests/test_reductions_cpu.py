@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import aotfuse
 from aotfuse.emit.kernel_src import block_choice
 from aotfuse.export import capture
-from aotfuse.ir.loop import Reduction
+from aotfuse.ir.loop import Reduction, expr_loads
 from aotfuse.knobs import override
 from aotfuse.lower import lower
 from aotfuse.runtime.explain import explain
@@ -72,7 +72,7 @@ def test_odd_1d_sum_is_chunked_and_masked():
     assert (d.chunks - 1) * d.chunk < 70001 <= d.chunks * d.chunk
     part = [n for n in graph.nodes if n.name == d.partial][0]
     assert part.body.op == "where"  # the tail takes the identity
-    loads = [str(ld.index) for ld in __import__("aotfuse.ir.loop", fromlist=["x"]).expr_loads(part.body)]
+    loads = [str(ld.index) for ld in expr_loads(part.body)]
     assert all("Min" in ix for ix in loads), loads  # clamped in bounds
 
 

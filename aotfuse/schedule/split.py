@@ -40,6 +40,7 @@ import dataclasses
 import math
 
 import sympy
+import torch
 
 from ..dtypes import FLOATS, TORCH
 from ..emit.kernel_src import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, _kernelize, reduction_pattern
@@ -78,7 +79,7 @@ def identity(rtype: str, dtype: str):
         return rtype == "min"
     if dtype in FLOATS:
         return -math.inf if rtype == "max" else math.inf
-    info = __import__("torch").iinfo(TORCH[dtype])
+    info = torch.iinfo(TORCH[dtype])
     return info.min if rtype == "max" else info.max
 
 
