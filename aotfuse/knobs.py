@@ -9,6 +9,9 @@
 | fusion_fuel | AOTFUSE_FUSION_FUEL | -1 | stop fusing after N fusions (bisect a bad fusion); -1 = no cap |
 | inline_max_ops | AOTFUSE_INLINE_MAX_OPS | 24 | a pointwise node is inlined into its consumers when its body has at most this many ops |
 | persistent_rblock_max | AOTFUSE_PERSISTENT_RBLOCK | 4096 | largest reduction kept in registers (persistent); beyond it loops |
+| split_min_programs | AOTFUSE_SPLIT_PROGRAMS | 264 | a reduction whose kernel would launch fewer programs (2 per SM of an H100) is split in two stages (schedule/split.py) |
+| split_min_elems | AOTFUSE_SPLIT_ELEMS | 32768 | ... only when one of its programs would reduce at least this many elements (r; 64*r for a column tile) |
+| split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
@@ -43,6 +46,9 @@ class Knobs:
     fusion_fuel: int = _env_int("AOTFUSE_FUSION_FUEL", -1)
     inline_max_ops: int = _env_int("AOTFUSE_INLINE_MAX_OPS", 24)
     persistent_rblock_max: int = _env_int("AOTFUSE_PERSISTENT_RBLOCK", 4096)
+    split_min_programs: int = _env_int("AOTFUSE_SPLIT_PROGRAMS", 264)
+    split_min_elems: int = _env_int("AOTFUSE_SPLIT_ELEMS", 32768)
+    split_min_chunk: int = _env_int("AOTFUSE_SPLIT_CHUNK", 128)
     launch_overhead_us: float = _env_float("AOTFUSE_LAUNCH_US", 4.0)
     bandwidth_gbs: float = _env_float("AOTFUSE_BANDWIDTH_GBS", 2000.0)
     cuda_graphs: bool = bool(_env_int("AOTFUSE_CUDA_GRAPHS", 1))

@@ -1,6 +1,6 @@
 """aotfuse.build: the one function that lists the pipeline's stages in order.
 
-export -> lower -> inline -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
+export -> lower -> inline -> split reductions -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
 Each stage is a function from one value to the next; the pipeline records what each decided and
 how long it took, in the report stored in the archive.
 """
@@ -27,6 +27,7 @@ from .export import capture
 from .knobs import knobs
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
+from .schedule.split import split_reductions
 from .lower import lower
 from .schedule.memplan import plan_memory
 
@@ -78,6 +79,7 @@ class _Compiled:
     sched: object
     plan: object
     kernels: dict
+    splits: tuple = ()
 
 
 def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
@@ -85,11 +87,13 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     graph, lctx = st.run("lower" + sfx, lower, cg, name)
     n_lowered = len(graph.nodes)
     graph, inlined = st.run("inline" + sfx, inline_pointwise, graph)
+    # after inlining (a reduction's body holds its real loads), before fusion (the partial fuses)
+    graph, splits = st.run("split" + sfx, split_reductions, graph)
     sched = st.run("fuse" + sfx, fuse, graph)
     plan = st.run("memory_plan" + sfx, plan_memory, graph, sched)
     kernels = st.run("codegen" + sfx, lambda: {g.name: generate(g, graph, sched.stored)
                                                for g in sched.groups if g.kind != "extern"})
-    return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels)
+    return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, splits)
 
 
 def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool = False, memory_budget: float = 1.0,
@@ -146,11 +150,19 @@ def _report(p: _Compiled) -> Report:
         # each fusion, and each distinct refused pair once: reason = FuseRefusal value (None if fused)
         fusion=tuple(d.to_report() for d in sched.decisions),
         inline=tuple(InlineRecord(d.producer, d.consumer, d.reason) for d in p.inlined),
+        splits=tuple(d.to_report() for d in p.splits),
         lowering=tuple(p.lctx.decisions),
         groups=tuple(GroupRecord(g.name, g.kind, tuple(g.nodes), g.xnumel, g.rnumel,
-                                 kernels[g.name].name if g.name in kernels else None) for g in sched.groups),
+                                 kernels[g.name].name if g.name in kernels else None,
+                                 _blocks(kernels[g.name]) if g.name in kernels else None) for g in sched.groups),
         memory=MemorySummary(plan.arena_bytes, plan.naive_bytes, len(plan.allocations), len(plan.bound)),
     )
+
+
+def _blocks(k) -> dict:
+    """A kernel's launch shape and why (emit/kernel_src.block_choice), for explain."""
+    return {"kind": k.kind, "pattern": k.pattern, "xblock": k.xblock, "rblock": k.rblock,
+            "num_warps": k.num_warps, "grid": list(k.grid), "why": k.why}
 
 
 def _kernel_entries(progs, binaries) -> dict[str, KernelEntry]:

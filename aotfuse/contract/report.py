@@ -107,15 +107,21 @@ class GroupRecord:
     xnumel: int
     rnumel: int
     kernel: str | None
+    # a kernel's launch shape and why (emit/kernel_src.block_choice): {kind, pattern, xblock, rblock,
+    # num_warps, grid, why}; free-form, None for externs and in reports written before it existed
+    blocks: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "nodes": list(self.nodes), "xnumel": self.xnumel,
-                "rnumel": self.rnumel, "kernel": self.kernel}
+        out = {"name": self.name, "kind": self.kind, "nodes": list(self.nodes), "xnumel": self.xnumel,
+               "rnumel": self.rnumel, "kernel": self.kernel}
+        put_optional(out, "blocks", self.blocks)
+        return out
 
     @classmethod
     def from_dict(cls, d: Any) -> "GroupRecord":
-        d = fields(d, "report group", ("name", "kind", "nodes", "xnumel", "rnumel", "kernel"))
-        return cls(d["name"], d["kind"], strs(d["nodes"]), d["xnumel"], d["rnumel"], d["kernel"])
+        d = fields(d, "report group", ("name", "kind", "nodes", "xnumel", "rnumel", "kernel"), ("blocks",))
+        return cls(d["name"], d["kind"], strs(d["nodes"]), d["xnumel"], d["rnumel"], d["kernel"],
+                   None if d.get("blocks") is None else dict(d["blocks"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +153,17 @@ class Report:
     memory: MemorySummary
     backward: "Report | None" = None
     partition: dict | None = None  # free-form, see the module docstring
+    # each reduction's split decision (schedule/split.py SplitDecision.to_report: node, rtype, pattern,
+    # x, r, split, chunks, chunk, how, partial, reason); free-form like `lowering`; () when none
+    splits: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         out = {"fusion_summary": self.fusion_summary.to_dict(), "fusion": [f.to_dict() for f in self.fusion],
-               "inline": [i.to_dict() for i in self.inline], "lowering": [dict(x) for x in self.lowering],
-               "groups": [g.to_dict() for g in self.groups], "memory": self.memory.to_dict()}
+               "inline": [i.to_dict() for i in self.inline]}
+        if self.splits:
+            out["splits"] = [dict(x) for x in self.splits]
+        out.update({"lowering": [dict(x) for x in self.lowering], "groups": [g.to_dict() for g in self.groups],
+                    "memory": self.memory.to_dict()})
         if self.backward is not None:
             out["backward"] = self.backward.to_dict()
         if self.partition is not None:
@@ -162,8 +174,8 @@ class Report:
     def from_dict(cls, d: Any) -> "Report":
         with decoding("part 'report'"):
             d = fields(d, "part 'report'", ("fusion_summary", "fusion", "inline", "lowering", "groups", "memory"),
-                       ("backward", "partition"))
-            for x in d["lowering"]:
+                       ("backward", "partition", "splits"))
+            for x in list(d["lowering"]) + list(d.get("splits", ())):
                 fields(x, "report lowering record", (), tuple(x) if type(x) is dict else ())
             back, part = d.get("backward"), d.get("partition")
             if part is not None:
@@ -172,4 +184,5 @@ class Report:
                        tuple(FusionRecord.from_dict(x) for x in d["fusion"]),
                        tuple(InlineRecord.from_dict(x) for x in d["inline"]), tuple(dict(x) for x in d["lowering"]),
                        tuple(GroupRecord.from_dict(x) for x in d["groups"]), MemorySummary.from_dict(d["memory"]),
-                       None if back is None else Report.from_dict(back), part)
+                       None if back is None else Report.from_dict(back), part,
+                       tuple(dict(x) for x in d.get("splits", ())))

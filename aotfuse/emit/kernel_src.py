@@ -14,6 +14,7 @@ Numels and block sizes are literals: shapes are static, and literals give the be
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 
@@ -23,8 +24,8 @@ from ..errors import BuildError
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from ..ir.indexing import simplify, unravel
-from ..ir.loop import (FLOATS, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, Scan,
-                       subs_expr)
+from ..ir.loop import (FLOATS, ITEMSIZE, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction,
+                       Scan, subs_expr)
 from ..ir.indexing import flat_index
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
@@ -56,6 +57,8 @@ class KernelSource:
     rblock: int
     xnumel: int  # rows (x) and columns (r) of the iteration space: the grid is ceil(xnumel / xblock)
     rnumel: int
+    pattern: str = "inner"  # reductions: "inner" (loads run along r) | "outer" (column: along x)
+    why: str = ""  # why these blocks (block_choice), for explain
 
     @property
     def signature(self) -> dict[str, str]:
@@ -66,19 +69,109 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _blocks(x: int, r: int) -> tuple[str, int, int, int]:
-    """(kind, XBLOCK, RBLOCK, num_warps) for an x-by-r iteration space."""
+OUTER_XBLOCK = 64  # column tiles: 64 contiguous outputs per program (128 B of bf16, 256 B of fp32 per row)
+OUTER_RBLOCK = 64  # ... times 64 rows per loop step: 4096 elements, 16 per thread at 8 warps
+INNER_LOOP_RBLOCK = 1024  # looped rows: elements of the row per loop step (2048 for long rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The launch shape one x-by-r iteration space gets, and why (recorded per kernel for explain)."""
+
+    kind: str  # "pointwise" | "persistent_reduction" | "looped_reduction"
+    xblock: int
+    rblock: int
+    num_warps: int
+    why: str
+
+
+def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
+    """The one size-aware block heuristic. `pattern` is the group's access pattern
+    (`reduction_pattern`): "inner" when its loads run along r (row reductions), "outer" when they
+    run along x with r strided (column reductions: a norm's weight/bias gradients)."""
     if r == 1:
         xb = min(1024, _next_pow2(x))
-        return "pointwise", xb, 1, max(1, min(4, xb // 128))
+        w = max(1, min(4, xb // 128))
+        return Blocks("pointwise", xb, 1, w, f"pointwise: {xb} elements per program, {w} warps")
+    if pattern == "outer":
+        # Column tile: x is the contiguous axis of the loads, so a [XBLOCK, RBLOCK] tile reads
+        # XBLOCK consecutive elements of each of RBLOCK rows; Triton's coalescing follows the
+        # pointer's contiguity and vectorizes along x. Small r: one tile covers it (persistent).
+        rb = min(_next_pow2(r), OUTER_RBLOCK)
+        xb = min(_next_pow2(x), max(OUTER_XBLOCK, 4096 // rb))
+        while xb > OUTER_XBLOCK and -(-x // xb) < 256:
+            xb //= 2
+        w = max(1, min(8, xb * rb // 256))
+        kind = "persistent_reduction" if r <= rb else "looped_reduction"
+        return Blocks(kind, xb, rb, w, f"column reduction (loads contiguous along x, strided along r): "
+                      f"[{xb} x {rb}] tiles, x vectorized, {w} warps" + (", looped over r" if r > rb else ""))
     if r <= knobs.persistent_rblock_max:
         rb = _next_pow2(r)
         xb = max(1, min(_next_pow2(x), 4096 // rb))
         while xb > 1 and -(-x // xb) < 256:  # keep enough programs to fill the SMs
             xb //= 2
         elems = xb * rb
-        return "persistent_reduction", xb, rb, max(1, min(8, elems // 256))
-    return "looped_reduction", 1, 1024, 8
+        w = max(1, min(8, elems // 256))
+        rows = f"{xb} rows" if xb > 1 else "one row"
+        return Blocks("persistent_reduction", xb, rb, w, f"row reduction held in registers: {rows} of {rb} per "
+                      f"program ({elems // (32 * w)} elements per thread at {w} warps)")
+    # Rows longer than the persistent limit loop over r. Long rows (>= 16384) take 2048 per step:
+    # 8 elements per thread at 8 warps, a 16-byte load of bf16, and half the loop trips.
+    rb = 2 * INNER_LOOP_RBLOCK if r >= 16384 else INNER_LOOP_RBLOCK
+    return Blocks("looped_reduction", 1, rb, 8, f"row reduction looped over r (r = {r} > persistent limit "
+                  f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, 8 warps")
+
+
+def _blocks(x: int, r: int, pattern: str = "inner") -> tuple[str, int, int, int]:
+    """(kind, XBLOCK, RBLOCK, num_warps) for an x-by-r iteration space (`block_choice` without the why)."""
+    b = block_choice(x, r, pattern)
+    return b.kind, b.xblock, b.rblock, b.num_warps
+
+
+def _step(index, at: tuple[int, int], var) -> int | None:
+    """How far `index` moves when `var` (SX or SR) steps by one from the point `at`; None if unknown."""
+    try:
+        a = index.xreplace({SX: sympy.Integer(at[0]), SR: sympy.Integer(at[1])})
+        b = index.xreplace({SX: sympy.Integer(at[0] + (var is SX)), SR: sympy.Integer(at[1] + (var is SR))})
+        d = b - a
+        return int(d) if d.is_Integer else None
+    except (TypeError, ValueError):
+        return None
+
+
+def reduction_pattern(knodes, x: int, r: int, outside, itemsize) -> str:
+    """"outer" when the loads that move along both x and r (of buffers outside the group) are mostly,
+    by bytes, contiguous along x and strided along r; else "inner". `knodes` are kernelized nodes
+    (indices in SX, SR); `outside(buf)` says whether a load reads memory; `itemsize(buf)` its bytes.
+    Strides are measured at two points of the space (indices may hold // and % of the x index)."""
+    from ..ir.loop import expr_loads
+
+    if x < 2 or r < 2:
+        return "inner"
+    # Sample points away from the round numbers where a // or % of the index wraps.
+    pts = sorted({(min(a, x - 2), min(b, r - 2)) for a, b in ((0, 0), (1, 1), (x // 3, r // 3), (2 * x // 3, 2 * r // 3))})
+    votes = {"inner": 0, "outer": 0}
+
+    def typical(steps):  # the step most sample points agree on
+        best = collections.Counter(steps).most_common(1)[0]
+        return best[0] if best[1] * 2 > len(steps) else None
+
+    for n in knodes:
+        for ld in expr_loads(n.body):
+            if not outside(ld.buf):
+                continue
+            dx = typical([_step(ld.index, p, SX) for p in pts])
+            dr = typical([_step(ld.index, p, SR) for p in pts])
+            if dx is None or dr is None:
+                continue
+            sx_, sr_ = abs(dx), abs(dr)
+            if sx_ == 0 or sr_ == 0:
+                continue  # broadcast along one axis: one address per row or per column
+            if sx_ == 1 and sr_ != 1:
+                votes["outer"] += itemsize(ld.buf)
+            elif sr_ == 1:
+                votes["inner"] += itemsize(ld.buf)
+    return "outer" if votes["outer"] > votes["inner"] else "inner"
 
 
 class _Emitter:
@@ -254,11 +347,14 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                          remedy="split the batch; 64-bit indexing is not supported yet")
     if group.kind == "scan":
         return _generate_scan(group, graph, nodes_by[group.nodes[0]])
-    kind, xb, rb, warps = _blocks(x, r)
     kernelized = [_kernelize(nodes_by[n], x, r) for n in group.nodes]
     knodes = [k for k, _ in kernelized]
     stores = {k.name: st for k, st in kernelized}
     names = set(group.nodes)
+    pattern = "inner" if r == 1 else reduction_pattern(
+        knodes, x, r, lambda b: b not in names, lambda b: ITEMSIZE[graph.buffer(b).dtype])
+    blocks = block_choice(x, r, pattern)
+    kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
     from ..ir.loop import expr_loads
 
     ins: list[str] = []
@@ -346,7 +442,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
-                        group.name, kind, group.nodes, xb, rb, int(x), int(r))
+                        group.name, kind, group.nodes, xb, rb, int(x), int(r), pattern, blocks.why)
 
 
 _SCAN_IDENT = {"sum": "0", "prod": "1"}

@@ -2,7 +2,8 @@
 
 Reads only the archive: lowering choices (externs kept or split, copies realized, constants
 folded), inlining, every fusion with what it saves and every distinct refused pair with its reason
-(a kind and a detail; `--refused` groups them by kind), the kernels each group became, the memory
+(a kind and a detail; `--refused` groups them by kind), each reduction's split decision
+(schedule/split.py), the kernels each group became with their blocks and why, the memory
 plan, and for training builds every saved tensor and recomputed node.
 """
 from __future__ import annotations
@@ -32,6 +33,16 @@ def _program_lines(name: str, rep: Report, refused_only: bool) -> list[str]:
     out += [line for line in map(_lowering, rep.lowering) if line is not None]
     out.append("-- inlining")
     out += [f"  {d.producer} -> {d.consumer}: {d.reason}" for d in rep.inline]
+    if rep.splits:
+        n_split = sum(1 for d in rep.splits if d["split"])
+        out.append(f"-- reductions ({n_split} of {len(rep.splits)} split in two stages; schedule/split.py)")
+        for d in rep.splits:
+            what = f"{d['node']} ({d['rtype']}, {d['pattern']}, {d['x']} outputs x {d['r']})"
+            if d["split"]:
+                out.append(f"  SPLIT   {what}: {d['chunks']} chunks of {d['chunk']} ({d['how']}) into "
+                           f"{d['partial']}: {d['reason']}")
+            else:
+                out.append(f"  kept    {what}: {d['reason']}")
     by_kind: dict[str, list[FusionRecord]] = {}
     for d in rep.fusion:
         if not d.fused:
@@ -53,6 +64,10 @@ def _program_lines(name: str, rep: Report, refused_only: bool) -> list[str]:
     for g in rep.groups:
         space = f"{g.xnumel}x{g.rnumel}" if g.kind != "extern" else ""
         out.append(f"  {g.name:5s} {g.kind:10s} {space:12s} {g.kernel or 'extern'}: {', '.join(g.nodes)}")
+        if g.blocks:
+            b = g.blocks
+            out.append(f"        {b['kind']} XBLOCK={b['xblock']} RBLOCK={b['rblock']} num_warps={b['num_warps']} "
+                       f"grid={b['grid'][0]}: {b['why']}")
     m = rep.memory
     out.append(f"-- memory: arena {m.arena_bytes} B for {m.buffers} buffers (no reuse: {m.naive_bytes} B); "
                f"{m.bound_extern_results} extern results bound as returned")

@@ -1,0 +1,227 @@
+"""split: a reduction with too few outputs to fill the GPU and a long reduced range becomes two.
+
+    out[x] = reduce_r body(x, r)      ->     part[x, s] = reduce_{c < C} body(x, r(s, c))   (S*x programs' worth)
+                                             out[x]     = reduce_{s < S} part[x, s]          (small)
+
+The partial's buffer holds the accumulator dtype (float32 sums of half inputs; int64 integer sums;
+bool for any), so the result is the one reduction order's, reproducibly: two stages, never atomics.
+sum / prod / max / min / any all combine this way (mean is a sum times a constant in lowering).
+
+When: the kernel the node would get alone launches fewer than `split_min_programs` programs (its
+most programs its kernel can launch: one per row for a row reduction, one per 64 outputs for a
+column reduction, whose tiles need 64 contiguous outputs, so 4096 outputs are 64 programs), and
+one program would reduce at least `split_min_elems` elements (r, or 64*r for a column tile): a
+shorter loop costs less than a second launch.
+
+How many chunks S: enough to reach `split_min_programs` (S >= ceil(min_programs / programs)), and
+chunks no shorter than `split_min_chunk` elements (flat chunks: nor than one loop step). Preferred, in order:
+  1. aligned: S = the product of the leading reduced dims (e.g. sum over [B*T, C] -> S = B*T rows,
+     chunk C). The partial is then an ordinary reduction over the trailing dims, whose iteration
+     space is that of the producers' rows, so fusion can put it in their kernel (the loss sum of a
+     LayerNorm becomes a per-row sum inside the LayerNorm kernel, and the normalized tensor is
+     never stored);
+  2. flat, exact: S in [target, 2*target] dividing r, the chunk a multiple of the loop's RBLOCK if
+     one exists; the original r-variables are unraveled from the flat index s*C + c;
+  3. flat, masked: chunks of C = round_up(ceil(r / target), RBLOCK), the last one short: loads are
+     clamped in bounds (min(s*C + c, r - 1): never read out of bounds) and the value is replaced by
+     the reduction's identity where s*C + c >= r.
+Layout: row reductions put S inner (part[x, s]); column reductions put S outer (part[s, x]) so the
+partial keeps x as its contiguous axis (its loads stay coalesced) and the final reduction reads
+contiguous rows of x.
+
+Runs after inlining (a reduction's body then holds the loads it really makes, so its access
+pattern is known) and before fusion (the partial and the final are ordinary nodes the fuser can
+fuse with producers and consumers). Each reduction's decision is recorded (`SplitDecision`) for
+the report and `aotfuse explain`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import sympy
+import torch
+
+from ..dtypes import FLOATS, TORCH
+from ..emit.kernel_src import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, _kernelize, reduction_pattern
+from ..ir.indexing import flat_index, simplify, syms, unravel
+from ..ir.loop import (ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod, rewrite_expr,
+                       subs_expr)
+from ..knobs import knobs
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitDecision:
+    node: str
+    rtype: str
+    x: int  # outputs
+    r: int  # elements reduced per output
+    pattern: str  # "inner" (row) | "outer" (column)
+    programs: int  # programs its kernel would launch unsplit
+    split: bool
+    chunks: int  # S (1 when not split)
+    chunk: int  # C: elements of r each partial reduces (r when not split)
+    how: str  # "aligned" | "flat" | "flat, masked" | "" (not split)
+    partial: str  # the partial's buffer ("" when not split)
+    reason: str
+
+    def to_report(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def identity(rtype: str, dtype: str):
+    """The value that leaves a reduction unchanged, as a Python scalar of `dtype`."""
+    if rtype in ("sum", "any"):
+        return False if dtype == "bool" else 0
+    if rtype == "prod":
+        return True if dtype == "bool" else 1
+    if dtype == "bool":
+        return rtype == "min"
+    if dtype in FLOATS:
+        return -math.inf if rtype == "max" else math.inf
+    info = torch.iinfo(TORCH[dtype])
+    return info.min if rtype == "max" else info.max
+
+
+def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, ...]]:
+    """Split every reduction that `decide` says should be; the rest of the graph is unchanged."""
+    names = {b.name for b in graph.buffers}
+    nodes, buffers, decisions = [], list(graph.buffers), []
+    for n in graph.nodes:
+        if not isinstance(n, Reduction):
+            nodes.append(n)
+            continue
+        d = decide(n, graph)
+        if not d.split:
+            decisions.append(d)
+            nodes.append(n)
+            continue
+        part = f"{n.name}_part"
+        k = 1
+        while part in names:
+            k += 1
+            part = f"{n.name}_part{k}"
+        names.add(part)
+        d = dataclasses.replace(d, partial=part)
+        pnode, fnode = _split(n, d)
+        buffers.append(Buffer(part, pnode.ranges, n.acc_dtype, "node"))
+        nodes += [pnode, fnode]
+        decisions.append(d)
+    if not any(d.split for d in decisions):
+        return graph, tuple(decisions)
+    return dataclasses.replace(graph, nodes=tuple(nodes), buffers=tuple(buffers)), tuple(decisions)
+
+
+def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
+    x, r = n.numel, n.rnumel
+    kn, _ = _kernelize(n, max(x, 1), max(r, 1))
+    pattern = reduction_pattern([kn], x, r, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
+    # The most programs its kernel can launch unsplit: one per row for a row reduction (the block
+    # heuristic packs rows only while enough programs remain), one per OUTER_XBLOCK columns for a
+    # column reduction (its tiles need that many contiguous outputs).
+    programs = -(-x // OUTER_XBLOCK) if pattern == "outer" else x
+
+    def no(reason: str) -> SplitDecision:
+        return SplitDecision(n.name, n.rtype, x, r, pattern, programs, False, 1, r, "", "", reason)
+
+    if x == 0 or r == 0:
+        return no("empty")
+    if programs >= knobs.split_min_programs:
+        return no(f"{programs} programs fill the GPU (split_min_programs = {knobs.split_min_programs})")
+    per_program = r * (OUTER_XBLOCK if pattern == "outer" else 1)
+    if per_program < knobs.split_min_elems:
+        return no(f"{programs} programs, but each reduces only {per_program} elements < split_min_elems = "
+                  f"{knobs.split_min_elems}: a short loop costs less than a second launch")
+    need = -(-knobs.split_min_programs // programs)
+    max_s = r // knobs.split_min_chunk
+    if max_s < 2:
+        return no(f"r = {r} is less than two chunks of split_min_chunk = {knobs.split_min_chunk}")
+    target = max(2, min(need, max_s))
+    layout = "S outer: part[s, x], x stays contiguous" if pattern == "outer" and x > 1 else "S inner: part[x, s]"
+    why = (f"{programs} programs < split_min_programs = {knobs.split_min_programs}, each reducing {per_program} "
+           f"elements: {target}+ chunks wanted")
+
+    def yes(s: int, c: int, how: str, extra: str) -> SplitDecision:
+        return SplitDecision(n.name, n.rtype, x, r, pattern, programs, True, s, c, how, "",
+                             f"{why}; {extra}; {layout}; {programs * s} partial programs")
+
+    acc = 1
+    for k in range(1, len(n.rranges)):
+        acc *= n.rranges[k - 1]
+        c = r // acc
+        if acc >= target and c >= knobs.split_min_chunk:
+            return yes(acc, c, "aligned", f"S = {acc}, the leading reduced dim(s) {list(n.rranges[:k])}: "
+                       f"the partial reduces rows of {c} (the producers' rows, so it can fuse with them)")
+    # Flat chunks are at least one loop step long (RBLOCK elements of a row; RBLOCK rows of a column tile).
+    rblock = OUTER_RBLOCK if pattern == "outer" else INNER_LOOP_RBLOCK
+    max_s = r // max(knobs.split_min_chunk, rblock)
+    if max_s < 2:
+        return no(f"r = {r} is less than two chunks of {max(knobs.split_min_chunk, rblock)} (a loop step)")
+    target = min(target, max_s)
+    divisors = [s for s in range(target, min(2 * target, max_s) + 1) if r % s == 0]
+    for s in divisors:
+        if (r // s) % rblock == 0:
+            return yes(s, r // s, "flat", f"S = {s} divides r, chunk {r // s} a multiple of RBLOCK {rblock}")
+    if divisors:
+        s = divisors[0]
+        return yes(s, r // s, "flat", f"S = {s} divides r (chunk {r // s})")
+    hi = min(2 * target, max_s)
+    c = -(-r // target)
+    if c >= 4 * rblock and -(-c // rblock) * rblock < r:  # whole loop steps, when that costs few programs
+        c = -(-c // rblock) * rblock
+    s = -(-r // c)
+    if s < 2:
+        return no(f"no chunking of r = {r} into 2+ chunks")
+    return yes(s, c, "flat, masked", f"no divisor of r = {r} in [{target}, {hi}]: {s} chunks of {c}, "
+               f"the last {r - (s - 1) * c} long; loads clamped in bounds, the tail masked with the identity")
+
+
+def _split(n: Reduction, d: SplitDecision) -> tuple[Reduction, Reduction]:
+    m = len(n.ranges)
+    outer = d.pattern == "outer" and d.x > 1
+    if d.how == "aligned":
+        k = len(n.rranges) - len(_trailing(n.rranges, d.chunk))
+        sranges = tuple(n.rranges[:k])
+    else:
+        k = 0
+        sranges = (d.chunks,)
+    nk = len(sranges)
+    prange = (sranges + tuple(n.ranges)) if outer else (tuple(n.ranges) + sranges)
+    rrange = tuple(n.rranges[k:]) if d.how == "aligned" else (d.chunk,)
+    pv, rv = syms("p", len(prange)), syms("r", len(rrange))
+    old_p = pv[nk:] if outer else pv[:m]
+    svars = pv[:nk] if outer else pv[m:]
+    mapping = dict(zip(n.pvars, old_p))
+    rng = {**dict(zip(pv, prange)), **dict(zip(rv, rrange))}
+    body = n.body
+    if d.how == "aligned":
+        mapping.update(zip(n.rvars[:k], svars))
+        mapping.update(zip(n.rvars[k:], rv))
+    else:
+        flat = svars[0] * d.chunk + rv[0]
+        masked = d.chunks * d.chunk != d.r
+        at = sympy.Min(flat, d.r - 1) if masked else flat
+        mapping.update({v: simplify(e, rng) for v, e in zip(n.rvars, unravel(at, n.rranges))})
+    body = subs_expr(body, mapping)
+    body = rewrite_expr(body, index=lambda ix: simplify(ix, rng))
+    if d.how != "aligned" and d.chunks * d.chunk != d.r:
+        inb = Op("lt", (IndexValue(flat, "int32"), Const(d.r, "int32")), "bool")
+        body = Op("where", (inb, body, Const(identity(n.rtype, n.acc_dtype), n.acc_dtype)), n.acc_dtype)
+    part = Reduction(d.partial, prange, rrange, body, n.rtype, n.acc_dtype)
+    s = prod(sranges)
+    fr = syms("r", 1)[0]
+    fx = flat_index(n.pvars, n.ranges)
+    idx = fr * d.x + fx if outer else fx * s + fr
+    final = Reduction(n.name, n.ranges, (s,), Load(d.partial, sympy.expand(idx), n.acc_dtype), n.rtype, n.acc_dtype)
+    return part, final
+
+
+def _trailing(rranges, chunk: int) -> tuple[int, ...]:
+    """The trailing dims of rranges whose product is `chunk`."""
+    out, acc = [], 1
+    for d in reversed(rranges):
+        if acc == chunk:
+            break
+        out.append(d)
+        acc *= d
+    return tuple(reversed(out))

@@ -1,0 +1,241 @@
+"""Reductions along any dim: the split pass's decisions on the loop IR (no kernels), the block
+heuristic's access patterns, and numerics vs eager on the CPU path (Triton interpreter) for split
+full reductions, column reductions, middle-dim reductions, and LayerNorm / cross-entropy training.
+
+Interpreter time matters: sizes are small, and the split thresholds are lowered (knobs) so small
+sizes take the paths that large ones take by default."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.emit.kernel_src import block_choice
+from aotfuse.export import capture
+from aotfuse.ir.loop import Reduction, expr_loads
+from aotfuse.knobs import override
+from aotfuse.lower import lower
+from aotfuse.runtime.explain import explain
+from aotfuse.schedule.fusion import fuse
+from aotfuse.schedule.inline import inline_pointwise
+from aotfuse.schedule.split import split_reductions
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+TARGETS = ("sm_90",)
+SMALL = dict(split_min_elems=1024, split_min_chunk=16)  # small sizes take the split path
+
+
+class Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _split(fn, *inputs, **kn):
+    with override(**kn):
+        graph, _ = lower(capture(Fn(fn), inputs))
+        graph, _ = inline_pointwise(graph)
+        return split_reductions(graph)
+
+
+def _only(decisions, split=True):
+    ds = [d for d in decisions if d.split == split]
+    assert len(ds) == 1, ds
+    return ds[0]
+
+
+# ---------------------------------------------------------------- the split pass's decisions
+
+def test_full_sum_splits_along_the_leading_dim():
+    graph, ds = _split(lambda x: x.sum(), torch.randn(512, 256))
+    d = _only(ds)
+    assert (d.x, d.r, d.pattern, d.programs) == (1, 131072, "inner", 1)
+    assert (d.how, d.chunks, d.chunk) == ("aligned", 512, 256)
+    part = [n for n in graph.nodes if n.name == d.partial][0]
+    final = [n for n in graph.nodes if n.name == d.node][0]
+    assert (part.ranges, part.rranges) == ((512,), (256,))
+    assert (final.ranges, final.rranges, final.rtype) == ((), (512,), "sum")
+    assert graph.buffer(d.partial).dtype == "float32"
+
+
+def test_odd_1d_sum_is_chunked_and_masked():
+    graph, ds = _split(lambda x: x.sum(), torch.randn(70001))
+    d = _only(ds)
+    assert d.how == "flat, masked" and d.chunks >= 2
+    assert (d.chunks - 1) * d.chunk < 70001 <= d.chunks * d.chunk
+    part = [n for n in graph.nodes if n.name == d.partial][0]
+    assert part.body.op == "where"  # the tail takes the identity
+    loads = [str(ld.index) for ld in expr_loads(part.body)]
+    assert all("Min" in ix for ix in loads), loads  # clamped in bounds
+
+
+def test_exact_divisor_is_preferred():
+    _, ds = _split(lambda x: x.amax(), torch.randn(2 ** 20))
+    d = _only(ds)
+    assert d.how == "flat" and d.chunks * d.chunk == 2 ** 20 and d.chunk % 1024 == 0
+
+
+def test_column_sum_splits_with_s_outer():
+    graph, ds = _split(lambda x: x.sum(0), torch.randn(16384, 4096))
+    d = _only(ds)
+    assert (d.pattern, d.programs) == ("outer", 64)  # 4096 outputs / 64-wide column tiles
+    assert d.chunks * 64 >= 264 and d.chunks * d.chunk == 16384
+    part = [n for n in graph.nodes if n.name == d.partial][0]
+    assert part.ranges == (d.chunks, 4096)  # x stays the contiguous (inner) axis of the partial
+
+
+def test_many_rows_and_short_rows_are_kept():
+    _, ds = _split(lambda x: x.sum(-1), torch.randn(4096, 4096))
+    assert "fill the GPU" in _only(ds, split=False).reason
+    _, ds = _split(lambda x: x.sum(), torch.randn(3000))
+    assert "split_min_elems" in _only(ds, split=False).reason
+
+
+def test_layernorm_loss_partial_fuses_into_the_layernorm_kernel():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(256)
+
+        def forward(self, x):
+            return (self.ln(x) * 2.0).sum()
+
+    graph, _ = lower(capture(M(), (torch.randn(512, 256),)))
+    graph, _ = inline_pointwise(graph)
+    graph, ds = split_reductions(graph)
+    d = _only(ds)
+    sched = fuse(graph)
+    group = [g for g in sched.groups if d.partial in g.nodes][0]
+    assert len([n for n in group.nodes if isinstance({m.name: m for m in graph.nodes}[n], Reduction)]) >= 3
+    assert (group.xnumel, group.rnumel) == (512, 256)
+
+
+def test_block_choice_patterns():
+    col = block_choice(4096, 2048, "outer")
+    assert (col.kind, col.xblock, col.rblock) == ("looped_reduction", 64, 64) and "column" in col.why
+    row = block_choice(327680, 197, "inner")
+    assert row.kind == "persistent_reduction" and row.xblock > 1 and row.rblock == 256
+    long = block_choice(1024, 50257, "inner")
+    assert (long.kind, long.rblock, long.num_warps) == ("looped_reduction", 2048, 8)
+
+
+# ---------------------------------------------------------------- numerics vs eager (interpreter)
+
+def _check(fn, inputs, tol=1e-5, **kn):
+    with override(**{**SMALL, **kn}):
+        res = aotfuse.build(Fn(fn), inputs, targets=TARGETS)
+    assert any(d["split"] for d in res.report["splits"]), res.report["splits"]
+    art = aotfuse.load(res.data, device="cpu")
+    out = art(*inputs)
+    ref = fn(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape and o.dtype == r.dtype, (o.shape, r.shape, o.dtype, r.dtype)
+        if r.is_floating_point():
+            torch.testing.assert_close(o, r, rtol=tol, atol=tol)
+        else:
+            assert torch.equal(o, r), (o, r)
+    return res
+
+
+@pytest.mark.parametrize("n", [4096, 5003])
+def test_full_reductions(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    p = 1 + 0.01 * torch.randn(n, generator=g)
+    i = torch.randint(-50, 50, (n,), generator=g)
+    _check(lambda x, p, i: (x.sum(), x.amax(), x.amin(), p.prod(0), (x > 3.0).any(), (x > 99).any(), i.sum()),
+           (x, p, i), tol=1e-4)
+
+
+def test_full_sum_2d_half():
+    x = torch.randn(300, 67).to(torch.bfloat16)
+    _check(lambda x: (x.sum(), x.float().mean()), (x,), tol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(1000, 37), (4096, 64)])
+def test_column_sums(shape):
+    x = torch.randn(*shape)
+    res = _check(lambda x: (x.sum(0), x.amax(0)), (x,), tol=1e-4)
+    assert any(g["blocks"]["pattern"] == "outer" for g in res.report["groups"])
+
+
+def test_middle_dims():
+    x = torch.randn(3, 500, 70)
+    y = torch.randn(4, 3000, 5)
+    _check(lambda x, y: (x.sum((1, 2)), y.amax(1), y.sum(1)), (x, y), tol=1e-4)
+
+
+class LayerNormLoss(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n))
+        self.bias = nn.Parameter(torch.randn(n))
+        self.register_buffer("g", torch.randn(n))
+
+    def forward(self, x):
+        return (F.layer_norm(x, (x.shape[-1],), self.weight, self.bias).float() * self.g).sum()
+
+
+class CrossEntropy(nn.Module):
+    def forward(self, logits, target):
+        return F.cross_entropy(logits.float(), target)
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _train_check(model, inputs, grad_of, tol=1e-4):
+    with override(**SMALL, split_min_programs=64):
+        res = aotfuse.build(model, inputs, train=True, targets=TARGETS)
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ours = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    theirs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    loss = mod(*ours)
+    loss.backward()
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(*theirs)
+    ref.backward()
+    assert _rel(loss, ref) < tol
+    for i in grad_of:
+        assert _rel(ours[i].grad, theirs[i].grad) < tol, i
+    params = dict(mod.named_parameters())
+    for n, p in ref_model.named_parameters():
+        assert _rel(params[n].grad, p.grad) < tol, n
+    return res
+
+
+def test_layernorm_loss_training():
+    torch.manual_seed(0)
+    res = _train_check(LayerNormLoss(256), (torch.randn(512, 256, requires_grad=True),), [0])
+    fwd = [d for d in res.report["splits"] if d["split"]]
+    bwd = [d for d in res.report["backward"]["splits"] if d["split"]]
+    assert fwd and fwd[0]["how"] == "aligned"  # the loss sum, fused into the LayerNorm kernel
+    assert any(d["pattern"] == "outer" for d in bwd)  # the weight gradient, a column reduction
+    kernels = [g["blocks"] for g in res.report["backward"]["groups"] if g.get("blocks")]
+    assert any(b["pattern"] == "outer" and b["xblock"] == 64 for b in kernels)
+
+
+def test_cross_entropy_training():
+    torch.manual_seed(1)
+    _train_check(CrossEntropy(), (torch.randn(64, 1000, requires_grad=True), torch.randint(0, 1000, (64,))), [0])
+
+
+def test_explain_shows_splits_and_blocks(tmp_path):
+    with override(**SMALL):
+        res = aotfuse.build(Fn(lambda x: x.sum(0)), (torch.randn(1000, 37),), targets=TARGETS)
+    path = tmp_path / "m.aotf"
+    path.write_bytes(res.data)
+    text = explain(str(path))
+    assert "SPLIT" in text and "chunks of" in text
+    assert "XBLOCK=64" in text and "column reduction" in text
