@@ -28,7 +28,8 @@ row = [spec, aotfuse.__file__.split("/aotfuse/")[0]]
 for graphs in (False, True):
     art = aotfuse.load(path, device="cuda", cuda_graphs=graphs)
     x = random_inputs(art.input_specs, device="cuda", seed=0)
-    n_steps = len(art.programs["forward"].instructions)
+    prog = art.programs["forward"]  # typed Program (this tree) or a dict (an older tree under build/old)
+    n_steps = len(prog.instructions if hasattr(prog, "instructions") else prog["instructions"])
     with torch.no_grad():
         for _ in range(50):
             art(*x)
