@@ -89,12 +89,18 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels)
 
 
-def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool = False, memory_budget: float = 1.0,
-          progress: Progress | None = None) -> BuildResult:
+def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
+          train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None) -> BuildResult:
     """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
     train=True: the model's forward returns the loss; the archive holds a forward program (loss and
     the tensors saved for the backward) and a backward program (gradients), split by our min-cut.
+
+    example_kwargs: keyword arguments of the example call, `model(*example_inputs, **example_kwargs)`,
+    as users call it (`input_ids=`, `labels=`). Tensor values become program inputs named by their
+    keyword, after the positional ones, in the order `report["call"]["inputs"]["keywords"]` records;
+    constants (None, bool, int, float, str) are specialized. `report["call"]["outputs"]` records the
+    output's structure (ModelOutput fields / dict keys / tuple) whose leaves are the outputs in order.
     """
     targets = tuple(targets or knobs.targets)
     st = _Stages(progress)
@@ -106,12 +112,14 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
         from .partition import partition
         from .pipeline_train import train_graphs as _train_graphs
 
-        joint = st.run("joint", trace_joint, model, example_inputs)
+        joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs)
+        call = {"inputs": joint.call, "outputs": joint.outputs_tree, "loss_leaf": joint.loss_leaf}
         part = st.run("partition", partition, joint, memory_budget)
         fwd_cg, bwd_cg, train_info = _train_graphs(joint, part)
         progs = [_schedule_program(st, "forward", fwd_cg), _schedule_program(st, "backward", bwd_cg)]
     else:
-        cg = st.run("export", capture, model, example_inputs)
+        cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs)
+        call = {"inputs": cg.call, "outputs": cg.outputs_tree}
         progs = [_schedule_program(st, "forward", cg)]
     all_kernels = [k for p in progs for k in p.kernels.values()]
     binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
@@ -121,6 +129,7 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
     if len(progs) > 1:
         report["backward"] = _report(progs[1])
         report["partition"] = part.report()
+    report["call"] = call  # how the program's flat inputs/outputs map to the model's call and output object
     manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info)
     data = write_archive(manifest, parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)

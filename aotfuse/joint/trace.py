@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from ..errors import AotfuseError, BuildError
-from ..export.capture import InputSpec
+from ..export.capture import InputSpec, output_structure
 from ..fxgraph import ancestors
 from .decomp_train import sdpa_math_mode, training_decompositions
 
@@ -45,6 +45,11 @@ class JointGraph:
     tangent: str  # the tangent placeholder's name
     tangent_mode: str  # "seed" (replaced aot_autograd's ones_like seed) | "multiply" (fallback)
     seconds: float
+    # the model's call and output (export/capture.py's CapturedGraph.call / outputs_tree); the user
+    # outputs are the loss (leaf `loss_leaf` of outputs_tree), then the other leaves in tree order
+    call: dict | None = None
+    outputs_tree: dict | None = None
+    loss_leaf: int = 0
 
     @property
     def user_output_nodes(self) -> list:
@@ -73,15 +78,45 @@ def _output_args(gm: torch.fx.GraphModule):
 
 
 class _TupleOut(torch.nn.Module):
-    """aot_export_module wants tuple outputs; the model is kept under `model.`."""
+    """aot_export_module wants positional tensor inputs and tuple outputs; the model is kept under `model.`.
 
-    def __init__(self, model: torch.nn.Module):
+    Calls `model(*args[:n_pos], **keywords)` with the keyword tensors (then the constants) and
+    flattens the output tree (tuple, dict, ModelOutput) into its leaves. The loss is moved first:
+    it is the leaf at `loss_key` (dict-like outputs: "loss", as transformers models return it),
+    else leaf `loss_index`. With keep_rest, the other outputs follow, detached (the packaged backward
+    differentiates the loss only); without it (the default: today's train archives return the loss
+    alone, runtime/training.py), only the loss is returned. `out_spec` / `loss_leaf` record what
+    the trace saw."""
+
+    def __init__(self, model: torch.nn.Module, n_pos: int = 0, keywords: tuple = (), consts: dict | None = None,
+                 loss_index: int = 0, keep_rest: bool = False):
         super().__init__()
+        self.keep_rest = keep_rest
         self.model = model
+        self.n_pos, self.keywords, self.consts = n_pos, tuple(keywords), dict(consts or {})
+        self.loss_index = loss_index
+        self.out_spec = None
+        self.loss_leaf = None
 
     def forward(self, *args):
-        out = self.model(*args)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        import torch.utils._pytree as pytree
+
+        kw = dict(zip(self.keywords, args[self.n_pos:]))
+        out = self.model(*args[:self.n_pos], **kw, **self.consts)
+        leaves, spec = pytree.tree_flatten(out)
+        idx = self.loss_index
+        if not spec.is_leaf() and isinstance(spec.context, (list, tuple)) and "loss" in spec.context:
+            before = spec.context.index("loss")  # leaves of the children before "loss"
+            idx = sum(spec.child(i).num_leaves for i in range(before))
+        if not 0 <= idx < len(leaves):
+            raise BuildError(f"the model returned {len(leaves)} tensors; no loss at output {idx}",
+                             remedy="call the model with labels= (or return the loss first)")
+        self.out_spec, self.loss_leaf = spec, idx
+        loss = leaves[idx]
+        if not self.keep_rest:
+            return (loss,)
+        rest = [x.detach() if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves) if i != idx]
+        return (loss, *rest)
 
 
 def _strip(fqn: str) -> str:
@@ -241,20 +276,25 @@ def _rename_placeholders(phs, placeholders, input_names):
 
 # ---------------------------------------------------------------- trace
 
-def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) -> JointGraph:
-    """Trace `model` (forward returns the loss) into a joint forward/backward FX graph."""
+def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None,
+                loss_index: int = 0) -> JointGraph:
+    """Trace `model(*example_inputs, **example_kwargs)` into a joint forward/backward FX graph.
+
+    The call returns the loss: a scalar tensor, output `loss_index` of a tuple, or the "loss" entry
+    of a dict / transformers ModelOutput (`model(input_ids=ids, labels=ids)`). In the joint graph's
+    outputs the loss comes first (`JointGraph.loss_index` is then 0); `outputs_tree` records the
+    model's output structure and `loss_leaf` where the loss sits in it."""
     from torch._functorch.aot_autograd import aot_export_module
 
+    from ..export.capture import split_example
+
     t0 = time.perf_counter()
-    example_inputs = tuple(example_inputs)
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise BuildError(f"example input {i} is a {type(x).__name__}; only tensors are supported",
-                             remedy="wrap scalars and structures in the model's forward")
-    wrapped = _TupleOut(model)
+    args, kw_tensors, kw_consts = split_example(model, example_inputs, example_kwargs)
+    example_inputs = args + tuple(kw_tensors.values())
+    wrapped = _TupleOut(model, len(args), tuple(kw_tensors), kw_consts, loss_index)
     try:
         with sdpa_math_mode():
-            gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=loss_index,
+            gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=0,
                                         decompositions=training_decompositions())
     except AotfuseError:
         raise
@@ -306,8 +346,9 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
             if got != exp[1]:
                 raise BuildError(f"gradient output {name} is for {got}, expected {exp[1]}")
         grads.append(exp)
-    input_names = _input_names(model, len(example_inputs))
+    input_names = _input_names(model, len(args)) + list(kw_tensors)
     placeholders = _rename_placeholders(phs, placeholders, input_names)
+    loss_index = 0  # _TupleOut put it first
     loss = user_outputs[loss_index]
     tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
     placeholders.append((tangent.name, "tangent", None))
@@ -323,4 +364,6 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     return JointGraph(gm=gm, param_names=tuple(param_names), buffer_names=tuple(buffer_names), weights=weights,
                       inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0,
+                      call={"positional": len(args), "keywords": list(kw_tensors)},
+                      outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf)

@@ -290,3 +290,30 @@ def entry(name: str) -> ZooEntry:
         if e.name == name:
             return e
     raise KeyError(f"no zoo entry {name!r}; entries: {', '.join(e.name for e in ZOO)}")
+
+
+# ---------------------------------------------------------------- calling a built archive
+
+def flat_inputs(inputs: tuple[tuple, dict], call: dict) -> list[torch.Tensor]:
+    """The program's flat inputs for a call `(args, kwargs)`: what `report["call"]["inputs"]` says
+    (positional tensors, then keyword tensors in the recorded order)."""
+    args, kwargs = inputs
+    if len(args) != call["positional"]:
+        raise ValueError(f"expected {call['positional']} positional inputs, got {len(args)}")
+    return list(args) + [kwargs[k] for k in call["keywords"]]
+
+
+def output_leaves(out) -> list:
+    """An eager output's tensors in the order a program returns them (pytree leaves)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(out)
+
+
+def loss_of(out) -> torch.Tensor:
+    """The loss of an eager training call: `out.loss`, `out["loss"]` or the output itself."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return out["loss"]
+    return out[0]
