@@ -11,6 +11,7 @@ import torch.fx
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .fold import fold_unlowerable_constants, lowerable_ops
 from .ranges import int_range
 
 
@@ -134,6 +135,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     sig = ep.graph_signature
     state = dict(ep.state_dict)
     state.update(ep.constants)
+    # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's
+    # gather of its token-type buffer) are evaluated now: buffers are fixed in an inference archive.
+    fixed = {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(),
+                                        seeds={ph: state[fqn] for ph, fqn in fixed.items()})
+    folded_fqn = {name: fqn for name, fqn, _ in folded}
+    state.update({fqn: val for _, fqn, val in folded})
     ph_map: dict[str, Any] = {}
     ph_map.update({k: v for k, v in sig.inputs_to_parameters.items()})
     ph_map.update({k: v for k, v in sig.inputs_to_buffers.items()})
@@ -153,8 +161,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
         if node.op != "placeholder":
             continue
         ph_by_name[node.name] = node
-        if node.name in ph_map:
-            fqn = ph_map[node.name]
+        if node.name in ph_map or node.name in folded_fqn:
+            fqn = ph_map.get(node.name) or folded_fqn[node.name]
             weights[fqn] = state[fqn].detach().contiguous()
             placeholders.append((node.name, "weight", fqn))
         elif node.name in user_inputs:

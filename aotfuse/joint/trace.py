@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -97,8 +98,45 @@ class _TupleOut(torch.nn.Module):
         self.loss_index = loss_index
         self.out_spec = None
         self.loss_leaf = None
+        self._tied = self._ties()  # read off the real tensors, before aot_autograd swaps in fakes
+
+    # Tied weights (an LM head tied to the embedding, BERT's decoder bias tied to cls.predictions.bias):
+    # aot_export_module lists named_parameters(remove_duplicate=False) and would make each name its own
+    # input, so a tied pair got two gradients (or one name none: "Found a parameter that did not
+    # receive a gradient"). Here each tensor is listed once, under its first name, as
+    # nn.Module.parameters() and optimizers see it; while the forward runs, every other name is
+    # pointed at the first name's (traced) tensor, so the uses share it and their gradients add up.
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return super().named_parameters(prefix, recurse, True)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return super().named_buffers(prefix, recurse, True)
+
+    def _ties(self):
+        """[(module, attr kind, attr, owner module, owner attr)] for every alias of a parameter/buffer."""
+        out = []
+        for kind, named in (("_parameters", self.named_parameters), ("_buffers", self.named_buffers)):
+            first = {id(t): n for n, t in named()}
+            listed = super().named_parameters if kind == "_parameters" else super().named_buffers
+            for name, t in listed(remove_duplicate=False):
+                if first.get(id(t), name) != name:
+                    mod, _, attr = name.rpartition(".")
+                    omod, _, oattr = first[id(t)].rpartition(".")
+                    out.append((self.get_submodule(mod), kind, attr, self.get_submodule(omod), oattr))
+        return out
 
     def forward(self, *args):
+        ties = self._tied
+        saved = [getattr(m, kind)[a] for m, kind, a, _, _ in ties]
+        try:
+            for m, kind, a, om, oa in ties:
+                getattr(m, kind)[a] = getattr(om, kind)[oa]
+            return self._forward(*args)
+        finally:
+            for (m, kind, a, _, _), t in zip(ties, saved):
+                getattr(m, kind)[a] = t
+
+    def _forward(self, *args):
         import torch.utils._pytree as pytree
 
         kw = dict(zip(self.keywords, args[self.n_pos:]))
@@ -276,6 +314,25 @@ def _rename_placeholders(phs, placeholders, input_names):
 
 # ---------------------------------------------------------------- trace
 
+@contextlib.contextmanager
+def _compiling():
+    """`torch.compiler.is_compiling()` / `is_exporting()` are True while the joint graph is traced, as
+    they are under torch.export (which the inference capture uses).
+
+    Model code reads these flags to leave out eager-only, data-dependent Python checks: transformers'
+    masking_utils skips `if (packed_sequence_mask[:, -1] == 0).all(): return None` (a `.item()` on a
+    tensor, which fake tensors cannot answer: `DataDependentOutputException:
+    aten._local_scalar_dense`) and keeps the branch-free form, which gives the same numbers."""
+    import torch.compiler as tc
+
+    old = tc._is_compiling_flag, tc._is_exporting_flag
+    tc._is_compiling_flag = tc._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag, tc._is_exporting_flag = old
+
+
 def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None,
                 loss_index: int = 0) -> JointGraph:
     """Trace `model(*example_inputs, **example_kwargs)` into a joint forward/backward FX graph.
@@ -293,7 +350,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     example_inputs = args + tuple(kw_tensors.values())
     wrapped = _TupleOut(model, len(args), tuple(kw_tensors), kw_consts, loss_index)
     try:
-        with sdpa_math_mode():
+        with _compiling(), sdpa_math_mode():
             gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=0,
                                         decompositions=training_decompositions())
     except AotfuseError:
