@@ -312,6 +312,32 @@ def _rename_placeholders(phs, placeholders, input_names):
     return out
 
 
+# ---------------------------------------------------------------- constants
+
+def _fold(gm, placeholders, param_names, buffer_names, weights):
+    """export/fold.py on the joint graph: constant subgraphs lowering has no rule for (the causal
+    mask's cumsum) become buffers, placed after the other buffers (buffers are fixed archive weights
+    of a train archive). Returns the placeholders in graph order; updates buffer_names and weights."""
+    from ..export.fold import fold_unlowerable_constants, lowerable_ops
+
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds = {name: (kind, ref) for name, kind, ref in placeholders}
+    seeds = {n.name: weights[kinds[n.name][1]] for n in phs if kinds[n.name][0] == "buffer"}
+    fixed = [n for n in phs if kinds[n.name][0] in ("param", "buffer")]
+    after = fixed[-1] if fixed else None
+    if after is None:  # nothing but inputs: the folded buffers go first
+        with gm.graph.inserting_before(phs[0]):
+            after = gm.graph.placeholder("_fold_anchor")
+    folded = fold_unlowerable_constants(gm, lowerable_ops(), after=after, seeds=seeds)
+    if after.name == "_fold_anchor":
+        gm.graph.erase_node(after)
+    for name, fqn, val in folded:
+        buffer_names.append(fqn)
+        weights[fqn] = val
+        kinds[name] = ("buffer", fqn)
+    return [(n.name, *kinds[n.name]) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 # ---------------------------------------------------------------- trace
 
 @contextlib.contextmanager
@@ -410,6 +436,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
     placeholders.append((tangent.name, "tangent", None))
     graph.eliminate_dead_code()
+    placeholders = _fold(gm, placeholders, param_names, buffer_names, weights)
     _cse(graph)
     graph.eliminate_dead_code()
     graph.lint()
