@@ -130,6 +130,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
         ep = torch.export.export(model, example_inputs, kwargs or None, strict=False)
         ep = ep.run_decompositions(decomposition_table())
     except Exception as exc:  # torch raises many types here; name the stage and the cause
+        from ..joint.trace import data_dependent_error
+
+        dd = data_dependent_error(exc, "torch.export")
+        if dd is not None:
+            raise dd from exc
         raise BuildError(f"torch.export failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                          remedy="check that the model exports with torch.export.export(model, inputs)") from exc
     sig = ep.graph_signature

@@ -312,6 +312,34 @@ def _rename_placeholders(phs, placeholders, input_names):
     return out
 
 
+# ---------------------------------------------------------------- data-dependent values
+
+_DATA_DEPENDENT = ("DataDependentOutputException", "GuardOnDataDependentSymNode", "DynamicOutputShapeException")
+
+
+def model_line(exc: BaseException) -> str | None:
+    """'file:line: code' of the innermost traceback frame outside torch and aotfuse: the model's line."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/aotfuse/" not in f.filename and "/contextlib" not in f.filename]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def data_dependent_error(exc: BaseException, stage: str) -> BuildError | None:
+    """A BuildError naming the model line that asked for a tensor's value while tracing (`.item()`,
+    `bool(t)`, `if t.any():`, a shape that depends on values), or None for other errors."""
+    if type(exc).__name__ not in _DATA_DEPENDENT:
+        return None
+    where = model_line(exc) or "the model's forward"
+    return BuildError(f"{stage}: the model reads a tensor's value at {where}",
+                      remedy="a compiled program cannot branch on data: compute that value outside the model "
+                             "and pass it in, or skip the check under `if not torch.compiler.is_compiling():`")
+
+
 # ---------------------------------------------------------------- constants
 
 def _fold(gm, placeholders, param_names, buffer_names, weights):
@@ -383,6 +411,9 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
         raise
     except Exception as exc:
         msg = str(exc).splitlines()[0] if str(exc) else ""
+        dd = data_dependent_error(exc, "joint (forward+backward) trace")
+        if dd is not None:
+            raise dd from exc
         raise BuildError(f"joint (forward+backward) trace failed: {type(exc).__name__}: {msg}",
                          remedy="the model's forward must return the scalar loss (first output); "
                                 "check that loss.backward() works eagerly") from exc
