@@ -159,6 +159,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     flat_inputs = list(example_inputs) + [kw_tensors[k] for k in kw_order]
     if len(flat_inputs) != len(user_inputs):
         raise BuildError(f"torch.export kept {len(user_inputs)} tensor inputs, expected {len(flat_inputs)}")
+    const_inputs = {s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
+                    and not isinstance(s.arg, torch.export.graph_signature.TensorArgument)}
+    dead: list = []
     placeholders = []
     weights = {}
     ph_by_name = {}
@@ -172,8 +175,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
             placeholders.append((node.name, "weight", fqn))
         elif node.name in user_inputs:
             placeholders.append((node.name, "input", user_inputs.index(node.name)))
+        elif node.name in const_inputs and not node.users:
+            dead.append(node)  # a keyword constant (flag=True): specialized, its placeholder unused
+            continue
         else:
             raise BuildError(f"placeholder {node.name} is neither a user input nor a weight")
+    for node in dead:
+        ep.graph_module.graph.erase_node(node)
+    if dead:
+        ep.graph_module.recompile()
     specs = [InputSpec.of(name, ph_by_name[name], flat_inputs[idx]) for idx, name in enumerate(user_inputs)]
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
