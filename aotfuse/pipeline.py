@@ -40,6 +40,7 @@ class BuildResult:
     report: Report  # as stored in the archive (its `report` part)
     timings: dict  # stage -> seconds (not in the archive: builds are byte-for-byte reproducible)
     compiled_kernels: int = 0  # distinct kernels compiled (per target)
+    manifest: Manifest | None = None  # as stored in the archive (its `call` maps inputs/outputs to the model's)
 
     def save(self, path) -> int:
         import os
@@ -96,12 +97,18 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, splits)
 
 
-def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool = False, memory_budget: float = 1.0,
-          progress: Progress | None = None) -> BuildResult:
+def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
+          train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None) -> BuildResult:
     """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
     train=True: the model's forward returns the loss; the archive holds a forward program (loss and
     the tensors saved for the backward) and a backward program (gradients), split by our min-cut.
+
+    example_kwargs: keyword arguments of the example call, `model(*example_inputs, **example_kwargs)`,
+    as users call it (`input_ids=`, `labels=`). Tensor values become program inputs named by their
+    keyword, after the positional ones, in the order the manifest's `call["inputs"]["keywords"]` records;
+    constants (None, bool, int, float, str) are specialized. The manifest's `call["outputs"]` records the
+    output's structure (ModelOutput fields / dict keys / tuple) whose leaves are the outputs in order.
     """
     targets = tuple(targets or knobs.targets)
     st = _Stages(progress)
@@ -112,12 +119,14 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
         from .joint import trace_joint
         from .partition import partition, train_graphs as _train_graphs
 
-        joint = st.run("joint", trace_joint, model, example_inputs)
+        joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs)
+        call = {"inputs": joint.call, "outputs": joint.outputs_tree, "loss_leaf": joint.loss_leaf}
         part = st.run("partition", partition, joint, memory_budget)
         fwd_cg, bwd_cg, train_info = _train_graphs(joint, part)
         progs = [_schedule_program(st, "forward", fwd_cg), _schedule_program(st, "backward", bwd_cg)]
     else:
-        cg = st.run("export", capture, model, example_inputs)
+        cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs)
+        call = {"inputs": cg.call, "outputs": cg.outputs_tree}
         progs = [_schedule_program(st, "forward", cg)]
     all_kernels = [k for p in progs for k in p.kernels.values()]
     binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
@@ -129,10 +138,10 @@ def build(model: torch.nn.Module, example_inputs, *, targets=None, train: bool =
         report = dataclasses.replace(report, backward=_report(progs[1]), partition=part.report())
         params = {name: joint.weights[name] for name in joint.param_names}
     manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info,
-                                      params)
+                                      params, call)
     data = write_archive(manifest.to_dict(), parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)
-    return BuildResult(data, report, dict(st.timings), len(binaries))
+    return BuildResult(data, report, dict(st.timings), len(binaries), manifest)
 
 
 def _report(p: _Compiled) -> Report:
@@ -184,7 +193,7 @@ def _kernel_entries(progs, binaries) -> dict[str, KernelEntry]:
     return out
 
 
-def _pack(progs, programs, binaries, report: Report, targets, train_info, params: dict):
+def _pack(progs, programs, binaries, report: Report, targets, train_info, params: dict, call: dict | None = None):
     kernels = _kernel_entries(progs, binaries)
     sources = {name: k.source for p in progs for name, k in ((k.name, k) for k in p.kernels.values())}
     weights = {}
@@ -203,7 +212,7 @@ def _pack(progs, programs, binaries, report: Report, targets, train_info, params
     manifest = Manifest(format="aotfuse", aotfuse_version=__version__,
                         torch_version=torch.__version__.split("+")[0], targets=tuple(targets),
                         programs=tuple(p.name for p in progs), inputs=inputs, outputs=outputs, single_output=single,
-                        kernels=tuple(sorted(kernels)), train=train_info)
+                        kernels=tuple(sorted(kernels)), train=train_info, call=call)
     pack = lambda v: msgpack.packb(v, use_bin_type=True)  # noqa: E731
     parts = {"kernels": pack(kernels_to_dict(kernels)), "sources": pack(sources), "report": pack(report.to_dict())}
     for name, prog in programs.items():

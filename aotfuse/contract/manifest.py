@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._codec import decoding, fields, ints, strs
+from ..errors import ArchiveError
+from ._codec import DAMAGED, decoding, fields, ints, strs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,10 @@ class Manifest:
     single_output: bool  # the model returned one tensor (not a tuple)
     kernels: tuple[str, ...]  # names in the kernels part, sorted
     train: TrainInfo | None = None
+    # How the program's flat inputs and outputs map to the model's call (plain data, see FORMAT.md):
+    # {"inputs": {"positional": n, "keywords": [name, ...]}, "outputs": tree, "loss_leaf"?: int};
+    # None in archives written before it was recorded (positional tensors in, a tensor or tuple out).
+    call: dict | None = None
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "aotfuse_version": self.aotfuse_version, "torch_version": self.torch_version,
@@ -107,16 +112,31 @@ class Manifest:
                "single_output": self.single_output, "kernels": list(self.kernels)}
         if self.train is not None:
             out["train"] = self.train.to_dict()
+        if self.call is not None:
+            out["call"] = self.call
         return out
 
     @classmethod
     def from_dict(cls, d: Any) -> "Manifest":
         with decoding("manifest"):
             d = fields(d, "manifest", ("format", "programs", "inputs", "outputs"),
-                       ("aotfuse_version", "torch_version", "targets", "single_output", "kernels", "train"))
+                       ("aotfuse_version", "torch_version", "targets", "single_output", "kernels", "train", "call"))
             train = d.get("train")
             return cls(d["format"], d.get("aotfuse_version", "?"), d.get("torch_version", "?"),
                        strs(d.get("targets", ())), strs(d["programs"]),
                        tuple(InputSpec.from_dict(s) for s in d["inputs"]),
                        tuple(OutputSpec.from_dict(s) for s in d["outputs"]), d.get("single_output", True),
-                       strs(d.get("kernels", ())), None if train is None else TrainInfo.from_dict(train))
+                       strs(d.get("kernels", ())), None if train is None else TrainInfo.from_dict(train),
+                       _call(d.get("call")))
+
+
+def _call(c: Any) -> dict | None:
+    """The manifest's call map, checked for shape (its tree is plain data the runtime walks)."""
+    if c is None:
+        return None
+    c = fields(c, "manifest call", ("inputs", "outputs"), ("loss_leaf",))
+    ins = fields(c["inputs"], "manifest call inputs", ("positional", "keywords"))
+    if type(ins["positional"]) is not int or ins["positional"] < 0:
+        raise ArchiveError("manifest call inputs: 'positional' must be a non-negative int", remedy=DAMAGED)
+    strs(ins["keywords"])
+    return c

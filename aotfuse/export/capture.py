@@ -12,6 +12,7 @@ from ..contract.manifest import InputSpec as ContractInputSpec
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .fold import fold_unlowerable_constants, lowerable_ops
 from .ranges import int_range
 
 
@@ -47,30 +48,121 @@ class CapturedGraph:
     inputs: tuple[InputSpec, ...]
     single_output: bool
     seconds: float
+    # How the model is called and what it returns (see `call_structure` / `output_structure`):
+    # {"positional": n, "keywords": [name, ...]}: the flat inputs are the n positional tensors, then the
+    # keyword tensors in this order; `None` for graphs that are not a model's call (the backward).
+    call: dict | None = None
+    # {"kind": "tensor"} | {"kind": "tuple"|"list", "items": [...]} |
+    # {"kind": "dict", "class": "module.QualName", "keys": [...], "items": [...]}: the model's output
+    # as a tree whose leaves are the program's outputs in order (ModelOutput fields, dict keys, tuple).
+    outputs_tree: dict | None = None
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = False) -> CapturedGraph:
-    t0 = time.perf_counter()
-    if not isinstance(example_inputs, tuple):
-        example_inputs = tuple(example_inputs)
-    for i, x in enumerate(example_inputs):
+def _qualname(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def output_structure(spec) -> dict:
+    """A pytree spec of the model's output as plain data (msgpack/JSON-able), leaves in flat order.
+
+    Dicts and dict-like classes (transformers' ModelOutput, which registers itself as a pytree node
+    keyed by its non-None fields) keep their class and keys so a runtime can rebuild an equivalent
+    dict (or the class itself, where importable)."""
+    if spec.is_leaf():
+        return {"kind": "tensor"}
+    items = [output_structure(c) for c in spec.children()]
+    t = spec.type
+    if t in (tuple, list):
+        return {"kind": t.__name__, "items": items}
+    if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context) and \
+            len(spec.context) == len(items):
+        return {"kind": "dict", "class": _qualname(t), "keys": list(spec.context), "items": items}
+    if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):  # a namedtuple
+        return {"kind": "dict", "class": _qualname(t), "keys": list(t._fields), "items": items}
+    raise BuildError(f"the model returns a {_qualname(t)}, whose structure cannot be recorded",
+                     remedy="return a tensor, a tuple/list or a dict of tensors")
+
+
+def _signature_order(model, kwargs: dict) -> dict:
+    """kwargs in the order of the forward's parameters (then the rest as given): the order of the
+    keyword inputs does not depend on how the caller happened to write the call."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    first = [k for k in names if k in kwargs]
+    return {k: kwargs[k] for k in first + [k for k in kwargs if k not in first]}
+
+
+def split_example(model, example_inputs, example_kwargs) -> tuple[tuple, dict, dict]:
+    """Check the example call: (positional tensors, keyword tensors, keyword constants), keywords
+    in the forward signature's order.
+
+    Positional inputs must be tensors. Keyword values may be tensors (program inputs, named by the
+    keyword) or constants (None, bool, int, float, str: specialized into the program, as torch.export does)."""
+    args = tuple(example_inputs)
+    for i, x in enumerate(args):
         if not isinstance(x, torch.Tensor):
             raise BuildError(f"example input {i} is a {type(x).__name__}; only tensors are supported",
-                             remedy="wrap scalars and structures in the model's forward")
+                             remedy="pass non-tensor arguments by keyword (example_kwargs) or wrap them in the forward")
+    tensors, consts = {}, {}
+    for k, v in _signature_order(model, example_kwargs or {}).items():
+        if isinstance(v, torch.Tensor):
+            tensors[k] = v
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            consts[k] = v
+        else:
+            raise BuildError(f"example keyword argument {k!r} is a {type(v).__name__}; only tensors and "
+                             "None/bool/int/float/str constants are supported",
+                             remedy="wrap structures in the model's forward")
+    return args, tensors, consts
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
+            train: bool = False) -> CapturedGraph:
+    """Export `model(*example_inputs, **example_kwargs)`. Program inputs: the positional tensors, then
+    the keyword tensors in the order `CapturedGraph.call` records (the order torch.export flattens them)."""
+    t0 = time.perf_counter()
+    example_inputs, kw_tensors, kw_consts = split_example(model, example_inputs, example_kwargs)
+    kwargs = {**kw_tensors, **kw_consts}
     try:
-        ep = torch.export.export(model, example_inputs, strict=False)
+        ep = torch.export.export(model, example_inputs, kwargs or None, strict=False)
         ep = ep.run_decompositions(decomposition_table())
     except Exception as exc:  # torch raises many types here; name the stage and the cause
+        from ..joint.trace import data_dependent_error
+
+        dd = data_dependent_error(exc, "torch.export")
+        if dd is not None:
+            raise dd from exc
         raise BuildError(f"torch.export failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                          remedy="check that the model exports with torch.export.export(model, inputs)") from exc
     sig = ep.graph_signature
     state = dict(ep.state_dict)
     state.update(ep.constants)
+    # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's
+    # gather of its token-type buffer) are evaluated now: buffers are fixed in an inference archive.
+    fixed = {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(),
+                                        seeds={ph: state[fqn] for ph, fqn in fixed.items()})
+    folded_fqn = {name: fqn for name, fqn, _ in folded}
+    state.update({fqn: val for _, fqn, val in folded})
     ph_map: dict[str, Any] = {}
     ph_map.update({k: v for k, v in sig.inputs_to_parameters.items()})
     ph_map.update({k: v for k, v in sig.inputs_to_buffers.items()})
     ph_map.update({k: v for k, v in sig.inputs_to_lifted_tensor_constants.items()})
-    user_inputs = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    user_inputs = [s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
+                   and isinstance(s.arg, torch.export.graph_signature.TensorArgument)]
+    # the flat tensor inputs in export's order: positional, then keywords as its in_spec lists them
+    in_spec = ep.call_spec.in_spec
+    kw_order = [k for k in (in_spec.child(1).context if in_spec.num_children > 1 else []) if k in kw_tensors]
+    flat_inputs = list(example_inputs) + [kw_tensors[k] for k in kw_order]
+    if len(flat_inputs) != len(user_inputs):
+        raise BuildError(f"torch.export kept {len(user_inputs)} tensor inputs, expected {len(flat_inputs)}")
+    const_inputs = {s.arg.name for s in sig.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT
+                    and not isinstance(s.arg, torch.export.graph_signature.TensorArgument)}
+    dead: list = []
     placeholders = []
     weights = {}
     ph_by_name = {}
@@ -78,16 +170,24 @@ def capture(model: torch.nn.Module, example_inputs: tuple, *, train: bool = Fals
         if node.op != "placeholder":
             continue
         ph_by_name[node.name] = node
-        if node.name in ph_map:
-            fqn = ph_map[node.name]
+        if node.name in ph_map or node.name in folded_fqn:
+            fqn = ph_map.get(node.name) or folded_fqn[node.name]
             weights[fqn] = state[fqn].detach().contiguous()
             placeholders.append((node.name, "weight", fqn))
         elif node.name in user_inputs:
             placeholders.append((node.name, "input", user_inputs.index(node.name)))
+        elif node.name in const_inputs and not node.users:
+            dead.append(node)  # a keyword constant (flag=True): specialized, its placeholder unused
+            continue
         else:
             raise BuildError(f"placeholder {node.name} is neither a user input nor a weight")
-    specs = [InputSpec.of(name, ph_by_name[name], example_inputs[idx]) for idx, name in enumerate(user_inputs)]
+    for node in dead:
+        ep.graph_module.graph.erase_node(node)
+    if dead:
+        ep.graph_module.recompile()
+    specs = [InputSpec.of(name, ph_by_name[name], flat_inputs[idx]) for idx, name in enumerate(user_inputs)]
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
+                         outputs_tree=output_structure(out_spec) if out_spec is not None else None)

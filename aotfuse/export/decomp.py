@@ -117,6 +117,26 @@ def _full_like(x, fill_value, *, dtype=None, layout=None, device=None, pin_memor
     return torch.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
 
 
+def _constant_pad_nd(x, pad, value=0.0):
+    # F.pad(x, pads, value=v): slices (negative pads) and a cat with constant-filled blocks, all of which
+    # lower (transformers' causal-LM loss pads the labels with the ignore index).
+    out = x
+    for i in range(len(pad) // 2):
+        dim = x.dim() - 1 - i
+        lo, hi = int(pad[2 * i]), int(pad[2 * i + 1])
+        if lo < 0 or hi < 0:
+            out = aten.slice.Tensor(out, dim, max(-lo, 0), out.shape[dim] + min(hi, 0))
+        parts = [out]
+        for n, at in ((lo, 0), (hi, 1)):
+            if n > 0:
+                shape = list(out.shape)
+                shape[dim] = n
+                parts.insert(len(parts) * at, torch.full(shape, value, dtype=x.dtype, device=x.device))
+        if len(parts) > 1:
+            out = torch.cat(parts, dim)
+    return out.clone() if out is x else out
+
+
 OURS = {
     aten.layer_norm.default: _layer_norm,
     aten.native_layer_norm.default: _native_layer_norm,
@@ -129,6 +149,7 @@ OURS = {
     aten._log_softmax.default: _log_softmax,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
     aten.full_like.default: _full_like,
+    aten.constant_pad_nd.default: _constant_pad_nd,
 }
 
 

@@ -339,6 +339,29 @@ def _convolution_backward(grad_output, x, weight, bias_sizes, stride, padding, d
     return gi, gw, gb
 
 
+# ---------------------------------------------------------------- slices
+
+def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
+    """The backward of a slice (RoPE's rotate_half, x[..., :n]): base with src written over
+    [start, end) of dim, as a cat of base's two outer slices around src (step 1; else kept)."""
+    if step != 1:
+        return NotImplemented
+    dim = dim % base.dim()
+    size = base.shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    start, end = max(0, min(start, size)), max(0, min(end, size))
+    if end - start != src.shape[dim]:
+        return NotImplemented
+    parts = []
+    if start > 0:
+        parts.append(aten.slice.Tensor(base, dim, 0, start))
+    parts.append(src.to(base.dtype))
+    if end < size:
+        parts.append(aten.slice.Tensor(base, dim, end, size))
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+
+
 # ---------------------------------------------------------------- the table
 
 TRAIN: dict = {
@@ -360,6 +383,7 @@ TRAIN: dict = {
     aten.scaled_dot_product_attention.default: sdpa_math,
     aten.max_pool2d_with_indices_backward.default: _max_pool2d_with_indices_backward,
     aten.convolution_backward.default: _convolution_backward,
+    aten.slice_scatter.default: _slice_scatter,
 }
 
 # Kept whole in training graphs: the inference externs (minus sdpa, which training decomposes)

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 import torch.fx
 
 from ..errors import AotfuseError, BuildError
-from ..export.capture import InputSpec
+from ..export.capture import InputSpec, output_structure
 from ..fxgraph import ancestors
 from .decomp_train import sdpa_math_mode, training_decompositions
 
@@ -45,6 +46,11 @@ class JointGraph:
     tangent: str  # the tangent placeholder's name
     tangent_mode: str  # "seed" (replaced aot_autograd's ones_like seed) | "multiply" (fallback)
     seconds: float
+    # the model's call and output (export/capture.py's CapturedGraph.call / outputs_tree); the user
+    # outputs are the loss (leaf `loss_leaf` of outputs_tree), then the other leaves in tree order
+    call: dict | None = None
+    outputs_tree: dict | None = None
+    loss_leaf: int = 0
 
     @property
     def user_output_nodes(self) -> list:
@@ -73,15 +79,82 @@ def _output_args(gm: torch.fx.GraphModule):
 
 
 class _TupleOut(torch.nn.Module):
-    """aot_export_module wants tuple outputs; the model is kept under `model.`."""
+    """aot_export_module wants positional tensor inputs and tuple outputs; the model is kept under `model.`.
 
-    def __init__(self, model: torch.nn.Module):
+    Calls `model(*args[:n_pos], **keywords)` with the keyword tensors (then the constants) and
+    flattens the output tree (tuple, dict, ModelOutput) into its leaves. The loss is moved first:
+    it is the leaf at `loss_key` (dict-like outputs: "loss", as transformers models return it),
+    else leaf `loss_index`. With keep_rest, the other outputs follow, detached (the packaged backward
+    differentiates the loss only); without it (the default: today's train archives return the loss
+    alone, runtime/training.py), only the loss is returned. `out_spec` / `loss_leaf` record what
+    the trace saw."""
+
+    def __init__(self, model: torch.nn.Module, n_pos: int = 0, keywords: tuple = (), consts: dict | None = None,
+                 loss_index: int = 0, keep_rest: bool = False):
         super().__init__()
+        self.keep_rest = keep_rest
         self.model = model
+        self.n_pos, self.keywords, self.consts = n_pos, tuple(keywords), dict(consts or {})
+        self.loss_index = loss_index
+        self.out_spec = None
+        self.loss_leaf = None
+        self._tied = self._ties()  # read off the real tensors, before aot_autograd swaps in fakes
+
+    # Tied weights (an LM head tied to the embedding, BERT's decoder bias tied to cls.predictions.bias):
+    # aot_export_module lists named_parameters(remove_duplicate=False) and would make each name its own
+    # input, so a tied pair got two gradients (or one name none: "Found a parameter that did not
+    # receive a gradient"). Here each tensor is listed once, under its first name, as
+    # nn.Module.parameters() and optimizers see it; while the forward runs, every other name is
+    # pointed at the first name's (traced) tensor, so the uses share it and their gradients add up.
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return super().named_parameters(prefix, recurse, True)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return super().named_buffers(prefix, recurse, True)
+
+    def _ties(self):
+        """[(module, attr kind, attr, owner module, owner attr)] for every alias of a parameter/buffer."""
+        out = []
+        for kind, named in (("_parameters", self.named_parameters), ("_buffers", self.named_buffers)):
+            first = {id(t): n for n, t in named()}
+            listed = super().named_parameters if kind == "_parameters" else super().named_buffers
+            for name, t in listed(remove_duplicate=False):
+                if first.get(id(t), name) != name:
+                    mod, _, attr = name.rpartition(".")
+                    omod, _, oattr = first[id(t)].rpartition(".")
+                    out.append((self.get_submodule(mod), kind, attr, self.get_submodule(omod), oattr))
+        return out
 
     def forward(self, *args):
-        out = self.model(*args)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        ties = self._tied
+        saved = [getattr(m, kind)[a] for m, kind, a, _, _ in ties]
+        try:
+            for m, kind, a, om, oa in ties:
+                getattr(m, kind)[a] = getattr(om, kind)[oa]
+            return self._forward(*args)
+        finally:
+            for (m, kind, a, _, _), t in zip(ties, saved):
+                getattr(m, kind)[a] = t
+
+    def _forward(self, *args):
+        import torch.utils._pytree as pytree
+
+        kw = dict(zip(self.keywords, args[self.n_pos:]))
+        out = self.model(*args[:self.n_pos], **kw, **self.consts)
+        leaves, spec = pytree.tree_flatten(out)
+        idx = self.loss_index
+        if not spec.is_leaf() and isinstance(spec.context, (list, tuple)) and "loss" in spec.context:
+            before = spec.context.index("loss")  # leaves of the children before "loss"
+            idx = sum(spec.child(i).num_leaves for i in range(before))
+        if not 0 <= idx < len(leaves):
+            raise BuildError(f"the model returned {len(leaves)} tensors; no loss at output {idx}",
+                             remedy="call the model with labels= (or return the loss first)")
+        self.out_spec, self.loss_leaf = spec, idx
+        loss = leaves[idx]
+        if not self.keep_rest:
+            return (loss,)
+        rest = [x.detach() if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves) if i != idx]
+        return (loss, *rest)
 
 
 def _strip(fqn: str) -> str:
@@ -239,27 +312,108 @@ def _rename_placeholders(phs, placeholders, input_names):
     return out
 
 
+# ---------------------------------------------------------------- data-dependent values
+
+_DATA_DEPENDENT = ("DataDependentOutputException", "GuardOnDataDependentSymNode", "DynamicOutputShapeException")
+
+
+def model_line(exc: BaseException) -> str | None:
+    """'file:line: code' of the innermost traceback frame outside torch and aotfuse: the model's line."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/aotfuse/" not in f.filename and "/contextlib" not in f.filename]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def data_dependent_error(exc: BaseException, stage: str) -> BuildError | None:
+    """A BuildError naming the model line that asked for a tensor's value while tracing (`.item()`,
+    `bool(t)`, `if t.any():`, a shape that depends on values), or None for other errors."""
+    if type(exc).__name__ not in _DATA_DEPENDENT:
+        return None
+    where = model_line(exc) or "the model's forward"
+    return BuildError(f"{stage}: the model reads a tensor's value at {where}",
+                      remedy="a compiled program cannot branch on data: compute that value outside the model "
+                             "and pass it in, or skip the check under `if not torch.compiler.is_compiling():`")
+
+
+# ---------------------------------------------------------------- constants
+
+def _fold(gm, placeholders, param_names, buffer_names, weights):
+    """export/fold.py on the joint graph: constant subgraphs lowering has no rule for (the causal
+    mask's cumsum) become buffers, placed after the other buffers (buffers are fixed archive weights
+    of a train archive). Returns the placeholders in graph order; updates buffer_names and weights."""
+    from ..export.fold import fold_unlowerable_constants, lowerable_ops
+
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kinds = {name: (kind, ref) for name, kind, ref in placeholders}
+    seeds = {n.name: weights[kinds[n.name][1]] for n in phs if kinds[n.name][0] == "buffer"}
+    fixed = [n for n in phs if kinds[n.name][0] in ("param", "buffer")]
+    after = fixed[-1] if fixed else None
+    if after is None:  # nothing but inputs: the folded buffers go first
+        with gm.graph.inserting_before(phs[0]):
+            after = gm.graph.placeholder("_fold_anchor")
+    folded = fold_unlowerable_constants(gm, lowerable_ops(), after=after, seeds=seeds)
+    if after.name == "_fold_anchor":
+        gm.graph.erase_node(after)
+    for name, fqn, val in folded:
+        buffer_names.append(fqn)
+        weights[fqn] = val
+        kinds[name] = ("buffer", fqn)
+    return [(n.name, *kinds[n.name]) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 # ---------------------------------------------------------------- trace
 
-def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) -> JointGraph:
-    """Trace `model` (forward returns the loss) into a joint forward/backward FX graph."""
+@contextlib.contextmanager
+def _compiling():
+    """`torch.compiler.is_compiling()` / `is_exporting()` are True while the joint graph is traced, as
+    they are under torch.export (which the inference capture uses).
+
+    Model code reads these flags to leave out eager-only, data-dependent Python checks: transformers'
+    masking_utils skips `if (packed_sequence_mask[:, -1] == 0).all(): return None` (a `.item()` on a
+    tensor, which fake tensors cannot answer: `DataDependentOutputException:
+    aten._local_scalar_dense`) and keeps the branch-free form, which gives the same numbers."""
+    import torch.compiler as tc
+
+    old = tc._is_compiling_flag, tc._is_exporting_flag
+    tc._is_compiling_flag = tc._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag, tc._is_exporting_flag = old
+
+
+def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None,
+                loss_index: int = 0) -> JointGraph:
+    """Trace `model(*example_inputs, **example_kwargs)` into a joint forward/backward FX graph.
+
+    The call returns the loss: a scalar tensor, output `loss_index` of a tuple, or the "loss" entry
+    of a dict / transformers ModelOutput (`model(input_ids=ids, labels=ids)`). In the joint graph's
+    outputs the loss comes first (`JointGraph.loss_index` is then 0); `outputs_tree` records the
+    model's output structure and `loss_leaf` where the loss sits in it."""
     from torch._functorch.aot_autograd import aot_export_module
 
+    from ..export.capture import split_example
+
     t0 = time.perf_counter()
-    example_inputs = tuple(example_inputs)
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise BuildError(f"example input {i} is a {type(x).__name__}; only tensors are supported",
-                             remedy="wrap scalars and structures in the model's forward")
-    wrapped = _TupleOut(model)
+    args, kw_tensors, kw_consts = split_example(model, example_inputs, example_kwargs)
+    example_inputs = args + tuple(kw_tensors.values())
+    wrapped = _TupleOut(model, len(args), tuple(kw_tensors), kw_consts, loss_index)
     try:
-        with sdpa_math_mode():
-            gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=loss_index,
+        with _compiling(), sdpa_math_mode():
+            gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=0,
                                         decompositions=training_decompositions())
     except AotfuseError:
         raise
     except Exception as exc:
         msg = str(exc).splitlines()[0] if str(exc) else ""
+        dd = data_dependent_error(exc, "joint (forward+backward) trace")
+        if dd is not None:
+            raise dd from exc
         raise BuildError(f"joint (forward+backward) trace failed: {type(exc).__name__}: {msg}",
                          remedy="the model's forward must return the scalar loss (first output); "
                                 "check that loss.backward() works eagerly") from exc
@@ -306,12 +460,14 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
             if got != exp[1]:
                 raise BuildError(f"gradient output {name} is for {got}, expected {exp[1]}")
         grads.append(exp)
-    input_names = _input_names(model, len(example_inputs))
+    input_names = _input_names(model, len(args)) + list(kw_tensors)
     placeholders = _rename_placeholders(phs, placeholders, input_names)
+    loss_index = 0  # _TupleOut put it first
     loss = user_outputs[loss_index]
     tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
     placeholders.append((tangent.name, "tangent", None))
     graph.eliminate_dead_code()
+    placeholders = _fold(gm, placeholders, param_names, buffer_names, weights)
     _cse(graph)
     graph.eliminate_dead_code()
     graph.lint()
@@ -323,4 +479,6 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     return JointGraph(gm=gm, param_names=tuple(param_names), buffer_names=tuple(buffer_names), weights=weights,
                       inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0,
+                      call={"positional": len(args), "keywords": list(kw_tensors)},
+                      outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf)
