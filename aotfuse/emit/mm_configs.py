@@ -35,7 +35,7 @@ ARCH = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90}
 SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132}  # A100, A40/3090-class, L40/4090-class, H100
 
 # (target, dtype class, size class) -> config. dtype class: "half" (bf16/fp16) or "fp32".
-# size class: "large" (M >= 1024 and N >= 1024), "medium" (M >= 256), "small" (otherwise).
+# size class: "large" (M >= 1024 and N >= 512), "medium" (M >= 256), "small" (otherwise).
 _HALF = {
     "large": MMConfig(128, 128, 64, 8, 8, 3),
     "medium": MMConfig(64, 128, 64, 8, 4, 3),
@@ -64,7 +64,7 @@ def dtype_class(dtype: str) -> str:
 
 
 def size_class(m: int, n: int) -> str:
-    if m >= 1024 and n >= 1024:
+    if m >= 1024 and n >= 512:
         return "large"
     if m >= 256:
         return "medium"

@@ -28,6 +28,19 @@ def _source(n):
     return n
 
 
+def _unfusible(n) -> bool:
+    """Is n (looking through views) something a cast of it cannot fuse into: an input, a weight, a
+    library call's result? (A cast of a pointwise or reduction result runs in that op's kernel
+    anyway, so a template saves no copy there.)"""
+    from .registry import registry
+
+    n = _source(n)
+    if getattr(n, "op", None) in ("placeholder", "get_attr"):
+        return True
+    info = registry().get(getattr(n, "target", None))
+    return info is not None and info.category == "extern"
+
+
 def _epilogue_users(node, numel: int, depth: int = 0) -> list[str]:
     """Names of the pointwise ops that consume node's result (directly or through views) over as
     many elements: what would fuse into the template's store."""
@@ -81,7 +94,7 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
         for s in v.shape:
             numel *= int(s)
         nbytes = numel * ITEMSIZE[v.dtype]
-        if str(getattr(src, "target", "")) in _CASTS:
+        if str(getattr(src, "target", "")) in _CASTS and _unfusible(src.args[0]):
             copies.append(f"cast of {what}")
         elif v.as_strided() is None:
             copies.append(f"copy of {what} (not strided)")
