@@ -48,6 +48,12 @@ def _program_lines(name: str, rep: dict, refused_only: bool) -> list[str]:
             out.append(f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})")
         elif "folded" in d:
             out.append(f"  {d['folded']}: folded at build time into constant {d['into']}")
+        elif "matmul" in d:  # template or cuBLAS (schedule/templates.py)
+            sh, c = d.get("shape", {}), d.get("config")
+            shape = "x".join(str(sh.get(k)) for k in "BMNK")
+            tiles = (f"; tiles {c['block_m']}x{c['block_n']}x{c['block_k']}, {c['num_warps']} warps, "
+                     f"{c['num_stages']} stages ({d.get('config_why')})") if c and d.get("choice") == "template" else ""
+            out.append(f"  {d['matmul']}: {d.get('op')} {shape} {d.get('dtype')} -> {d.get('choice')} ({d.get('why')}){tiles}")
     out.append("-- inlining")
     for d in rep.get("inline", []):
         out.append(f"  {d['producer']} -> {d['consumer']}: {d['reason']}")
