@@ -111,6 +111,10 @@ def test_template_numerics_odd_sizes(dtype):
     groups = [g for g in res.report["groups"] if g["kind"] == "template"]
     assert len(groups) == 4 and sum(len(g["nodes"]) > 1 for g in groups) == 3  # all but the plain mm have epilogues
     assert not [g for g in res.report["groups"] if g["kind"] == "extern"]
+    from aotfuse.runtime.explain import explain
+
+    text = explain(res.data)
+    assert text.count("-> template (AOTFUSE_MM=template); tiles") == 4, text
     art = aotfuse.load(res.data, device="cpu")
     outs = art(*inputs)
     with torch.no_grad():
