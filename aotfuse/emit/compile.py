@@ -122,7 +122,8 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     unique = {}
     for k in kernels:
         unique.setdefault(k.name, k)
-    jobs = [(k.name, k.source, k.signature, k.num_warps, arch, k.num_stages) for k in unique.values() for arch in targets]
+    jobs = [(k.name, k.source, k.signature, k.num_warps, arch) + ((k.num_stages,) if k.num_stages else ())
+            for k in unique.values() for arch in targets]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)
     if progress:
