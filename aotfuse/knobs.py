@@ -17,6 +17,12 @@
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
 | graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
+| mm | AOTFUSE_MM | auto | matmuls: `template` (Triton template, epilogues fused), `extern` (cuBLAS), `auto` (cost model, schedule/templates.py) |
+| mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
+| mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
+| mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.8 | cost model: template throughput as a fraction of cuBLAS's |
+| mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
+| mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
 """
 from __future__ import annotations
 
@@ -54,6 +60,12 @@ class Knobs:
     cuda_graphs: bool = bool(_env_int("AOTFUSE_CUDA_GRAPHS", 1))
     graph_streams: int = _env_int("AOTFUSE_GRAPH_STREAMS", 4)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
+    mm: str = os.environ.get("AOTFUSE_MM", "auto") or "auto"
+    mm_tf32: bool = bool(_env_int("AOTFUSE_MM_TF32", 0))
+    mm_tflops: float = _env_float("AOTFUSE_MM_TFLOPS", 600.0)
+    mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.8)
+    mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
+    mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
 
 
 knobs = Knobs()

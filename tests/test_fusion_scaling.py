@@ -246,7 +246,7 @@ class _FourReaders(torch.nn.Module):
 def test_a_pair_that_enters_under_the_per_buffer_cap_is_a_candidate():
     from aotfuse.knobs import override
 
-    with override(inline_max_ops=0, max_pairs_per_buffer=3):
+    with override(inline_max_ops=0, max_pairs_per_buffer=3, mm="extern"):  # the matmul is the extern between
         graph, _ = inline_pointwise(lower(capture(_FourReaders().eval(), (torch.randn(16, 32),)))[0])
         merges, groups = _rescan_groups(graph)
         sched = fuse(graph)

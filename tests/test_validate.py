@@ -79,6 +79,7 @@ def decode(data: bytes) -> Decoded:
 @pytest.fixture(scope="module")
 def bases(monkeypatch_module):
     monkeypatch_module.setattr("aotfuse.pipeline.compile_all", _fake_compile)
+    monkeypatch_module.setattr("aotfuse.knobs.knobs.mm", "extern")  # the extern cases need cuBLAS calls
     return {"gpt": decode(_build(False)), "train": decode(_build(True)), "golden_v1": decode(GOLDEN.read_bytes())}
 
 

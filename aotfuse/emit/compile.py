@@ -77,7 +77,7 @@ def _stages_hook(triton_root: str):
     return hook
 
 
-def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: str) -> Binary:
+def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: str, num_stages: int = 0) -> Binary:
     import triton
     from triton import knobs as tknobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
@@ -99,7 +99,7 @@ def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: 
             # dump in the environment would change the cubin bytes).
             tknobs.compilation.disable_line_info = False
             tknobs.compilation.dump_ir_extract_di_local_variables = False
-            ck = triton.compile(src, target=GPUTarget("cuda", ARCHES[arch], 32), options={"num_warps": num_warps},
+            ck = triton.compile(src, target=GPUTarget("cuda", ARCHES[arch], 32), options={"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})},
                                 _env_vars=env_vars)
     except Exception as exc:  # triton raises CompilationError and plain errors alike
         raise BuildError(f"triton failed to compile kernel {name} for {arch}: {type(exc).__name__}: {exc}") from exc
@@ -122,7 +122,8 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     unique = {}
     for k in kernels:
         unique.setdefault(k.name, k)
-    jobs = [(k.name, k.source, k.signature, k.num_warps, arch) for k in unique.values() for arch in targets]
+    jobs = [(k.name, k.source, k.signature, k.num_warps, arch) + ((k.num_stages,) if k.num_stages else ())
+            for k in unique.values() for arch in targets]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)
     if progress:

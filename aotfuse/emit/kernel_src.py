@@ -59,6 +59,7 @@ class KernelSource:
     rnumel: int
     pattern: str = "inner"  # reductions: "inner" (loads run along r) | "outer" (column: along x)
     why: str = ""  # why these blocks (block_choice), for explain
+    num_stages: int = 0  # software-pipelining stages for the compiler (0: Triton's default); matmul templates
 
     @property
     def signature(self) -> dict[str, str]:
@@ -340,6 +341,10 @@ def _combine(rtype: str, acc: str, v: str) -> str:
 
 
 def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
+    if group.kind == "template":  # a matmul and its epilogue: emit/template_mm.py
+        from .template_mm import generate_mm
+
+        return generate_mm(group, graph, stored)
     nodes_by = {n.name: n for n in graph.nodes}
     x, r = group.xnumel, group.rnumel
     if x * r > INDEX_LIMIT or any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes):

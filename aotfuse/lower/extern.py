@@ -9,6 +9,7 @@ from ..ir.indexing import syms
 from ..ir.loop import Const, Op, compute_dtype
 from ..ir.views import View
 from .ctx import out_dtype, out_shape
+from .matmul import try_template
 from .rules import collector
 
 aten = torch.ops.aten
@@ -24,14 +25,18 @@ def _targ(ctx, v, node, what):
     return ctx.tensor_arg(v, f"{what} of {node.name} is not strided")
 
 
-@rule(aten.mm.default, category="extern")
+@rule(aten.mm.default, category="extern", note="a Triton template when the cost model prefers it (lower/matmul.py)")
 def _mm(ctx, node, args, kwargs):
+    if (t := try_template(ctx, node, args[0], args[1], "mm")) is not None:  # matmul template
+        return t
     a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
     return ctx.extern("aten.mm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
 
 
-@rule(aten.bmm.default, category="extern")
+@rule(aten.bmm.default, category="extern", note="a Triton template when the cost model prefers it (lower/matmul.py)")
 def _bmm(ctx, node, args, kwargs):
+    if (t := try_template(ctx, node, args[0], args[1], "bmm")) is not None:  # matmul template
+        return t
     a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
     return ctx.extern("aten.bmm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
 
@@ -42,6 +47,8 @@ def _addmm(ctx, node, args, kwargs):
     bias, a, b = args[:3]
     beta = kwargs.get("beta", 1)
     alpha = kwargs.get("alpha", 1)
+    if (t := try_template(ctx, node, a, b, "addmm", bias=bias, alpha=alpha, beta=beta)) is not None:  # template
+        return t
     consumers_fusible = _feeds_fusible(node)
     ta, tb = _targ(ctx, a, node, "lhs"), _targ(ctx, b, node, "rhs")
     shape = out_shape(node)

@@ -21,6 +21,12 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})"
     if "folded" in d:
         return f"  {d['folded']}: folded at build time into constant {d['into']}"
+    if "matmul" in d:  # template or cuBLAS (schedule/templates.py)
+        sh, c = d.get("shape", {}), d.get("config")
+        shape = "x".join(str(sh.get(k)) for k in "BMNK")
+        tiles = (f"; tiles {c['block_m']}x{c['block_n']}x{c['block_k']}, {c['num_warps']} warps, "
+                 f"{c['num_stages']} stages ({d.get('config_why')})") if c and d.get("choice") == "template" else ""
+        return f"  {d['matmul']}: {d.get('op')} {shape} {d.get('dtype')} -> {d.get('choice')} ({d.get('why')}){tiles}"
     return None
 
 

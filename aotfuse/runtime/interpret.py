@@ -100,6 +100,9 @@ def _plain_signature(fn: ast.FunctionDef) -> bool:
 def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable]:
     import triton
 
+    from .interpret_dot import patch_interpreter_dot
+
+    patch_interpreter_dot()  # tl.dot of bfloat16 tiles (matmul templates): see interpret_dot.py
     launchers = {}
     # interpret=True makes `@triton.jit` in the stored source build interpreter functions; the knob
     # is process-wide, so no other thread may define or compile a kernel meanwhile.

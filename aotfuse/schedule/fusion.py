@@ -28,6 +28,8 @@ from ..contract.report import FusionRecord
 from ..knobs import knobs
 from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
 from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, Scan, expr_loads
+from ..ir.matmul import is_matmul
+from .templates import fusion_refusal
 
 
 class FuseRefusal(enum.Enum):
@@ -43,6 +45,7 @@ class FuseRefusal(enum.Enum):
     NO_SHARED_DATA = "no shared data"
     COST_MODEL = "cost model"
     OUT_OF_FUEL = "out of fusion fuel"
+    TEMPLATE = "matmul template"  # what may join a template group: schedule/templates.py
 
 
 def _reason(refusal: FuseRefusal | None, detail: str) -> str:
@@ -55,7 +58,7 @@ def _reason(refusal: FuseRefusal | None, detail: str) -> str:
 class FusionGroup:
     name: str
     nodes: tuple[str, ...]  # topological order
-    kind: str  # "pointwise" | "reduction" | "scan" | "extern"
+    kind: str  # "pointwise" | "reduction" | "scan" | "extern" | "template" (a matmul and its epilogue)
     xnumel: int
     rnumel: int
 
@@ -283,6 +286,9 @@ def can_fuse(st: _State, a: str, b: str) -> Verdict:
         # Pointwise producers are inlined into the scan's loads (schedule/inline.py); the scan's own
         # kernel walks each row in order and writes every prefix, so consumers read it from memory.
         return _refuse(FuseRefusal.SCAN, "a scan runs in its own kernel (its producers are inlined into it)")
+    why = fusion_refusal(st, a, b)  # matmul templates take pointwise epilogues only
+    if why is not None:
+        return _refuse(FuseRefusal.TEMPLATE, why)
     if len(st.members[a]) + len(st.members[b]) > knobs.max_fusion_size:
         return _refuse(FuseRefusal.SIZE_LIMIT, f"more than {knobs.max_fusion_size} nodes")
     sp = _merged_space(st, a, b)
@@ -490,7 +496,8 @@ def _finish(st: _State, decisions) -> Schedule:
     for i, g in enumerate(order):
         mem = st.members[g]
         mset = set(mem)
-        kind = "extern" if st.is_extern(g) else "scan" if st.is_scan(g) else (
+        kind = "extern" if st.is_extern(g) else "scan" if st.is_scan(g) else "template" if any(
+            is_matmul(st.nodes[n]) for n in mem) else (
             "reduction" if any(isinstance(st.nodes[n], Reduction) for n in mem) else "pointwise")
         x, r = st.space[mem[0]] if kind == "scan" else st.gspace(g) if kind != "extern" else (0, 0)
         groups.append(FusionGroup(f"g{i}", tuple(mem), kind, x, r))

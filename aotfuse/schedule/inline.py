@@ -17,6 +17,7 @@ from ..ir.indexing import simplify, unravel
 from ..ir.loop import (INDIRECT, Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
                  subs_expr)
 from .deps import iteration
+from .templates import inline_ok
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,7 @@ class _Inliner:
         if len(users) == 1:
             u = users[0]
             n_idx = len({ld.index for ld in self.loads[u] if ld.buf == name})
-            if n_idx == 1 or cheap:
+            if (n_idx == 1 or cheap) and inline_ok(self.nodes[u], p):  # matmul operands: views/casts only
                 self._replace(u, _substitute(self.nodes[u], p, self.simplified))
                 self._remove(name)
                 self.decisions.append(InlineDecision(name, u, "only consumer"))
@@ -199,7 +200,7 @@ class _Inliner:
             return
         for u in users:
             kinds = {self._kind(u, ld.index, p.numel) for ld in self.loads[u] if ld.buf == name}
-            if kinds != {"point"}:
+            if kinds != {"point"} and inline_ok(self.nodes[u], p):  # matmul operands: views/casts only
                 self._replace(u, _substitute(self.nodes[u], p, self.simplified))
                 self.decisions.append(InlineDecision(name, u, "read does not line up with the write (recomputed)"))
         if not self.users.get(name):

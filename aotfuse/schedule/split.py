@@ -45,6 +45,7 @@ import torch
 from ..dtypes import FLOATS, TORCH
 from ..emit.kernel_src import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, _kernelize, reduction_pattern
 from ..ir.indexing import flat_index, simplify, syms, unravel
+from ..ir.matmul import is_matmul
 from ..ir.loop import (ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod, rewrite_expr,
                        subs_expr)
 from ..knobs import knobs
@@ -88,7 +89,7 @@ def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, 
     names = {b.name for b in graph.buffers}
     nodes, buffers, decisions = [], list(graph.buffers), []
     for n in graph.nodes:
-        if not isinstance(n, Reduction):
+        if not isinstance(n, Reduction) or is_matmul(n):  # a matmul template tiles K itself
             nodes.append(n)
             continue
         d = decide(n, graph)

@@ -1,0 +1,111 @@
+"""Tile configurations of the matmul template, chosen at build time without a GPU.
+
+A table keyed by (target, operand dtype class, size class); no autotuning. One kernel source
+serves every target of an archive (the tiles are literals in it), so a build for several targets
+takes the entry of its most constrained one (the lowest arch: the least shared memory). Then the
+tiles shrink while the grid would leave SMs idle (a small M x N), down to 16 (tl.dot's least),
+and each block dimension is clamped to the next power of two of its extent (odd and tiny sizes).
+Every choice comes with the reason, which the build report keeps.
+
+Shared memory per config: (BM*BK + BK*BN) * itemsize * stages; sm_80 allows 163 KiB per block,
+sm_90 227 KiB. The half-precision entries keep sm_80's under 100 KiB.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class MMConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def smem_bytes(self, itemsize: int) -> int:
+        return (self.block_m * self.block_k + self.block_k * self.block_n) * itemsize * self.num_stages
+
+
+ARCH = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90}
+SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132}  # A100, A40/3090-class, L40/4090-class, H100
+
+# (target, dtype class, size class) -> config. dtype class: "half" (bf16/fp16) or "fp32".
+# size class: "large" (M >= 1024 and N >= 512), "medium" (M >= 256), "small" (otherwise).
+_HALF = {
+    "large": MMConfig(128, 128, 64, 8, 8, 3),
+    "medium": MMConfig(64, 128, 64, 8, 4, 3),
+    "small": MMConfig(64, 64, 64, 8, 4, 3),
+}
+_HALF_SM90 = {
+    "large": MMConfig(128, 128, 64, 8, 8, 4),
+    "medium": MMConfig(64, 128, 64, 8, 4, 4),
+    "small": MMConfig(64, 64, 64, 8, 4, 4),
+}
+_FP32 = {
+    "large": MMConfig(128, 64, 32, 8, 8, 3),
+    "medium": MMConfig(64, 64, 32, 8, 4, 3),
+    "small": MMConfig(32, 64, 32, 8, 4, 2),
+}
+TABLE: dict[tuple[str, str, str], MMConfig] = {}
+for _t in ARCH:
+    for _cls, _c in (_HALF_SM90 if ARCH[_t] >= 90 else _HALF).items():
+        TABLE[_t, "half", _cls] = _c
+    for _cls, _c in _FP32.items():
+        TABLE[_t, "fp32", _cls] = _c
+
+
+def dtype_class(dtype: str) -> str:
+    return "fp32" if dtype == "float32" else "half"
+
+
+def size_class(m: int, n: int) -> str:
+    if m >= 1024 and n >= 512:
+        return "large"
+    if m >= 256:
+        return "medium"
+    return "small"
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _tiles(b: int, m: int, n: int, c: MMConfig) -> int:
+    return b * -(-m // c.block_m) * -(-n // c.block_n)
+
+
+def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[MMConfig, str]:
+    """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`."""
+    targets = tuple(targets) or ("sm_90",)
+    known = [t for t in targets if t in ARCH] or ["sm_90"]
+    target = min(known, key=ARCH.__getitem__)
+    cls, sc = dtype_class(dtype), size_class(m, n)
+    c = TABLE[target, cls, sc]
+    why = [f"table[{target}, {cls}, {sc}]" + (f" (most constrained of {', '.join(known)})" if len(known) > 1 else "")]
+    # Clamp to the problem (a block never exceeds the next power of two of its extent; tl.dot needs 16).
+    bm = max(16, min(c.block_m, _pow2_at_least(m)))
+    bn = max(16, min(c.block_n, _pow2_at_least(n)))
+    bk = max(16, min(c.block_k, _pow2_at_least(k)))
+    if (bm, bn, bk) != (c.block_m, c.block_n, c.block_k):
+        why.append(f"clamped to the problem: {bm}x{bn}x{bk}")
+        c = dataclasses.replace(c, block_m=bm, block_n=bn, block_k=bk)
+    # Fill the SMs: halve the larger block while the grid has fewer programs than the least SM count.
+    sms = min(SMS[t] for t in known)
+    shrunk = False
+    while _tiles(b, m, n, c) < sms and max(c.block_m, c.block_n) > 32:
+        if c.block_n >= c.block_m:
+            c = dataclasses.replace(c, block_n=c.block_n // 2)
+        else:
+            c = dataclasses.replace(c, block_m=c.block_m // 2)
+        shrunk = True
+    if shrunk:
+        why.append(f"shrunk to {c.block_m}x{c.block_n} for {_tiles(b, m, n, c)} programs (>= {sms} SMs if possible)")
+    warps = 4 if c.block_m * c.block_n <= 64 * 128 else c.num_warps
+    if warps != c.num_warps:
+        c = dataclasses.replace(c, num_warps=warps)
+    return c, "; ".join(why)

@@ -1,0 +1,228 @@
+"""A template group (a MatMul and its pointwise epilogue) -> one Triton matmul kernel's source.
+
+Classic tiled matmul: a 1-D grid of B x ceil(M/BM) x ceil(N/BN) programs, grouped GROUP_M rows of
+tiles at a time for L2 reuse; per program a loop over K in BK steps, fp32 accumulation with tl.dot.
+The operands are the MatMul's operand expressions evaluated on [BM, BK] and [BK, BN] tiles: loads
+through arbitrary views (the index math of transposes and reshapes) and casts, so the prologue costs
+no copy. Edges: a row (column) index past M (N) is wrapped (`% M`) so operand loads stay in bounds
+unmasked and only the store is masked; a K that BK does not divide masks the operand loads along K.
+When M (N) is a multiple of BM (BN) nothing is wrapped. The epilogue evaluates the group's other
+nodes at each (b, m, n) of the accumulator tile and stores what is read outside the group.
+
+fp32 operands use `input_precision="ieee"` (no TF32, as eager) unless AOTFUSE_MM_TF32=1.
+Numels and tiles are literals (static shapes); the source compiles for sm_80 and sm_90 and runs in
+Triton's interpreter (the CPU path).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import sympy
+
+from ..errors import BuildError
+from ..ir.indexing import simplify
+from ..ir.loop import Cast, Const, IndexValue, Load, LoopGraph, Op, expr_loads, subs_expr
+from ..ir.matmul import MatMul, split_operands
+from ..knobs import knobs
+from ..schedule.fusion import FusionGroup
+from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _HEADER, _kernelize
+from .mm_configs import choose_config
+from .printer import TL_DTYPE, literal, op_source, print_index
+
+SB = sympy.Symbol("sb", integer=True, nonnegative=True)
+SM = sympy.Symbol("sm", integer=True, nonnegative=True)
+SN = sympy.Symbol("sn", integer=True, nonnegative=True)
+SK = sympy.Symbol("sk", integer=True, nonnegative=True)
+
+
+class _Operand:
+    """Writes one operand expression on a 2-D tile, with its own CSE."""
+
+    def __init__(self, lines: list, args: dict, names: dict, mask: str | None, tag: str, depth: int):
+        self.lines, self.args, self.names, self.mask, self.tag, self.depth = lines, args, names, mask, tag, depth
+        self.memo: dict = {}
+        self.n = 0
+
+    def tmp(self, code: str) -> str:
+        self.n += 1
+        name = f"{self.tag}{self.n}"
+        self.lines.append("    " * self.depth + f"{name} = {code}")
+        return name
+
+    def emit(self, e) -> str:
+        hit = self.memo.get(e)
+        if hit is not None:
+            return hit
+        if isinstance(e, Load):
+            idx = print_index(e.index, self.names)
+            ptr = f"{self.args[e.buf]} + {idx}"
+            code = f"tl.load({ptr}, {self.mask}, other=0)" if self.mask and e.index.free_symbols else f"tl.load({ptr})"
+        elif isinstance(e, Const):
+            code = f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
+        elif isinstance(e, IndexValue):
+            code = f"({print_index(e.expr, self.names)}).to({TL_DTYPE[e.dtype]})"
+        elif isinstance(e, Cast):
+            inner = self.emit(e.arg)
+            code = inner if e.dtype == e.arg.dtype else (
+                f"({inner} != 0)" if e.dtype == "bool" else f"{inner}.to({TL_DTYPE[e.dtype]})")
+        elif isinstance(e, Op):
+            code = op_source(e.op, [self.emit(a) for a in e.args], e.dtype)
+        else:
+            raise BuildError(f"internal: cannot emit {type(e).__name__} in a matmul operand")
+        name = code if code.isidentifier() else self.tmp(code)
+        self.memo[e] = name
+        return name
+
+
+def _peel(e, dot_dtype: str):
+    """The operand as it should enter tl.dot: a cast up from the dot dtype is dropped (a bf16 load
+    goes to tl.dot as bf16, not through fp32 and back)."""
+    while isinstance(e, Cast) and e.arg.dtype == dot_dtype:
+        e = e.arg
+        break
+    return e
+
+
+def _has_ops(e) -> bool:
+    if isinstance(e, Op):
+        return True
+    if isinstance(e, Cast):
+        return _has_ops(e.arg)
+    return False
+
+
+class _EpilogueEmitter(_Emitter):
+    """kernel_src's emitter over the accumulator tile: loads outside the group index with
+    (pid_b, rm, rn) instead of the flat x index when the index simplifies to them."""
+
+    def __init__(self, *a, flat_to, rng, names, **kw):
+        super().__init__(*a, **kw)
+        self.flat_to, self.rng, self.names = flat_to, rng, names
+
+    def _code(self, e):
+        if isinstance(e, Load) and e.buf not in self.members and e.index.free_symbols:
+            idx = simplify(sympy.sympify(e.index).xreplace({SX: self.flat_to}), self.rng)
+            return f"tl.load({self.args[e.buf]} + {print_index(idx, self.names)}, {self.mask()}, other=0)"
+        return super()._code(e)
+
+
+def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
+    nodes_by = {n.name: n for n in graph.nodes}
+    mms = [nodes_by[n] for n in group.nodes if isinstance(nodes_by[n], MatMul)]
+    if len(mms) != 1:
+        raise BuildError(f"internal: template group {group.name} holds {len(mms)} matmuls")
+    mm: MatMul = mms[0]
+    ops = split_operands(mm)
+    if ops is None:
+        raise BuildError(f"internal: matmul {mm.name} is not a product of two operands after inlining")
+    bsz, m, n, k = mm.mnk
+    if any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes) or bsz * m * n > INDEX_LIMIT:
+        raise BuildError(f"group {group.name} indexes more than 2**31 elements",
+                         remedy="split the batch; 64-bit indexing is not supported yet")
+    cfg, _ = choose_config(bsz, m, n, k, mm.dot_dtype, knobs.targets)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tm, tn = -(-m // bm), -(-n // bn)
+    names = set(group.nodes)
+
+    # Operand expressions in tile symbols: lhs (b, m, k), rhs (b, k, n).
+    pv = mm.pvars
+    (r0,) = mm.rvars
+    sub = {pv[-2]: SM, pv[-1]: SN, r0: SK}
+    if mm.batched:
+        sub[pv[0]] = SB
+    lhs, rhs = (subs_expr(_peel(o, mm.dot_dtype), sub) for o in ops)
+
+    # Epilogue nodes, in the flat x index of the (b, m, n) output.
+    x = bsz * m * n
+    epi = [_kernelize(nodes_by[nm], x, 1) for nm in group.nodes if nm != mm.name]
+    knodes = [kn for kn, _ in epi]
+    stores = {kn.name: st for kn, st in epi}
+    stores[mm.name] = SX
+
+    ins: list[str] = []
+    for e in (lhs, rhs, *(kn.body for kn in knodes)):
+        for ld in expr_loads(e):
+            if ld.buf not in names and ld.buf not in ins:
+                ins.append(ld.buf)
+    outs = [nm for nm in group.nodes if nm in stored]
+    if not outs:
+        raise BuildError(f"internal: template group {group.name} stores nothing")
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", int(graph.buffer(b).numel))
+            for i, b in enumerate(ins)]
+    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", int(graph.buffer(b).numel))
+             for i, b in enumerate(outs)]
+    in_name = {a.buf: a.name for a in args if a.role == "in"}
+    out_name = {a.buf: a.name for a in args if a.role == "out"}
+
+    L: list[str] = []
+    w = L.append
+    w("    pid = tl.program_id(0)")
+    if mm.batched:
+        w(f"    pid_b = pid // {tm * tn}")
+        w(f"    pid = pid % {tm * tn}")
+    else:
+        w("    pid_b = 0")
+    gm = cfg.group_m
+    w(f"    group_id = pid // {gm * tn}")
+    w(f"    first_m = group_id * {gm}")
+    w(f"    group_size = tl.minimum({tm} - first_m, {gm})")
+    w(f"    pid_m = first_m + (pid % {gm * tn}) % group_size")
+    w(f"    pid_n = (pid % {gm * tn}) // group_size")
+    w(f"    rm = pid_m * {bm} + tl.arange(0, {bm})")
+    w(f"    rn = pid_n * {bn} + tl.arange(0, {bn})")
+    w(f"    ram = rm % {m}" if m % bm else "    ram = rm")
+    w(f"    rbn = rn % {n}" if n % bn else "    rbn = rn")
+    w(f"    acc = tl.zeros([{bm}, {bn}], dtype=tl.float32)")
+    w(f"    for k0 in range(0, {k}, {bk}):")
+    w(f"        rk = k0 + tl.arange(0, {bk})")
+    kmask = k % bk != 0
+    la = _Operand(L, in_name, {SB: "pid_b", SM: "ram[:, None]", SK: "rk[None, :]"},
+                  "rk[None, :] < " + str(k) if kmask else None, "a", 2)
+    lb = _Operand(L, in_name, {SB: "pid_b", SK: "rk[:, None]", SN: "rbn[None, :]"},
+                  "rk[:, None] < " + str(k) if kmask else None, "b", 2)
+    dt = TL_DTYPE[mm.dot_dtype]
+    a_val, b_val = la.emit(lhs), lb.emit(rhs)
+    if kmask and _has_ops(lhs):  # a computed prologue need not be 0 where its loads were masked
+        a_val = la.tmp(f"tl.where(rk[None, :] < {k}, {a_val}, 0)")
+    if kmask and _has_ops(rhs):
+        b_val = lb.tmp(f"tl.where(rk[:, None] < {k}, {b_val}, 0)")
+    w(f"        a = tl.broadcast_to({a_val}, [{bm}, {bk}]).to({dt})")
+    w(f"        b = tl.broadcast_to({b_val}, [{bk}, {bn}]).to({dt})")
+    if mm.dot_dtype == "float32":
+        prec = "tf32" if knobs.mm_tf32 else "ieee"
+        w(f'        acc = tl.dot(a, b, acc, input_precision="{prec}")')
+    else:
+        w("        acc = tl.dot(a, b, acc)")
+    w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
+    flat = SB * (m * n) + SM * n + SN
+    w(f"    xindex = {print_index(flat, {SB: 'pid_b', SM: 'rm[:, None]', SN: 'rn[None, :]'})}")
+    rng = {SB: bsz, SM: m, SN: n}
+    em = _EpilogueEmitter(graph, {kn.name: kn for kn in knodes} | {mm.name: mm}, in_name, "pointwise",
+                          flat_to=flat, rng=rng, names={SB: "pid_b", SM: "rm[:, None]", SN: "rn[None, :]"})
+    em.xnumel = x
+    em.stores = stores
+    em.red_vars[mm.name] = "acc"
+    em.lines = L
+    em.n = 0
+
+    def store(name: str, value: str):
+        dtype = TL_DTYPE[graph.buffer(name).dtype]
+        idx = print_index(stores[name], {SX: "xindex", SR: "rindex"})
+        L.append(f"    tl.store({out_name[name]} + {idx}, {value}.to({dtype}), xmask)")
+
+    if mm.name in out_name:
+        store(mm.name, "acc")
+    for kn in knodes:
+        if kn.name in out_name:
+            store(kn.name, em.emit(kn.body))
+    body = "\n".join(L)
+    params = ", ".join(a.name for a in args)
+    text = f"{_HEADER}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    name = f"aotf_mm_{digest}"
+    grid = bsz * tm * tn
+    return dataclasses.replace(
+        KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid, 1, 1), cfg.num_warps, group.name,
+                     "template_mm", group.nodes, bm * bn, bk, grid * bm * bn, 1),
+        num_stages=cfg.num_stages)

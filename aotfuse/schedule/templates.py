@@ -1,0 +1,166 @@
+"""Matmul templates: template or cuBLAS (the cost model), what may fuse into a template, and which
+producers are inlined into its operands (prologues).
+
+Choice (made at lowering, where the FX graph still shows a matmul's consumers), `AOTFUSE_MM`:
+- `extern`: every matmul calls cuBLAS (aten mm/addmm/bmm .out), epilogues run as separate kernels;
+- `template`: every floating-point matmul is a Triton template (emit/template_mm.py);
+- `auto` (default): the cheaper of the two by a small model, in microseconds:
+    extern   = mm_extern_us + flops / throughput
+               + per separate epilogue kernel: launch + a round trip of the M x N output
+               + per operand copy cuBLAS needs (a cast, a non-strided view): launch + its round trip
+    template = launch + flops / (throughput * mm_template_efficiency * tile utilization)
+  so a template wins when its epilogue saves a round trip of the output or the matmul is small
+  enough that a launch beats a library call, and cuBLAS keeps large plain matmuls.
+Each decision, with the two estimates, the tile configuration and why, goes into the report's
+`lowering` records.
+
+Fusion (called by fusion.can_fuse): a template group holds one MatMul and pointwise nodes over its
+(B x) M x N output space that read the group's values at their own point (the epilogue). Refused,
+with a reason: a second matmul, a reduction, a node over another space, a read at another index,
+and a node that feeds the matmul's operands.
+"""
+from __future__ import annotations
+
+from ..emit.mm_configs import choose_config
+from ..ir.loop import ITEMSIZE, Cast, Const, IndexValue, Load, Op, Pointwise, Reduction, expr_op_count
+from ..ir.matmul import MatMul, is_matmul
+from ..knobs import knobs
+
+MODES = ("auto", "template", "extern")
+TEMPLATE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def mode() -> str:
+    m = (knobs.mm or "auto").lower()
+    if m not in MODES:
+        from ..errors import BuildError
+
+        raise BuildError(f"AOTFUSE_MM={knobs.mm!r}", remedy=f"use one of {', '.join(MODES)}")
+    return m
+
+
+def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, operand_copies: int,
+             bias_in_library: bool, config) -> dict:
+    """The two cost estimates (us) of one matmul."""
+    flops = 2.0 * b * m * n * k
+    tput = knobs.mm_tflops * (0.1 if dtype == "float32" else 1.0) * 1e6  # flops per us
+    bw = knobs.bandwidth_gbs * 1e3  # bytes per us
+    out_bytes = b * m * n * ITEMSIZE[dtype]
+    t_lib = flops / tput
+    extern = knobs.mm_extern_us + t_lib
+    extern += epilogue_kernels * (knobs.launch_overhead_us + 2 * out_bytes / bw)
+    extern += operand_copies  # (launch + the operand's round trip) each, precomputed by the caller
+    pad_m = -(-m // config.block_m) * config.block_m
+    pad_n = -(-n // config.block_n) * config.block_n
+    util = (m * n) / (pad_m * pad_n)
+    template = knobs.launch_overhead_us + t_lib / (knobs.mm_template_efficiency * util)
+    return {"template": round(template, 2), "extern": round(extern, 2), "tile_utilization": round(util, 3),
+            "bias_in_library": bias_in_library}
+
+
+def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *, epilogue: list[str],
+           bias: bool, operand_copy_us: float, operand_copies: list[str], targets=None) -> dict:
+    """Template or extern for one matmul; the returned record goes into the report."""
+    md = mode()
+    rec = {"matmul": name, "op": origin, "shape": {"B": b, "M": m, "N": n, "K": k}, "dtype": dtype, "mode": md,
+           "epilogue": list(epilogue), "prologue": list(operand_copies)}
+    if dtype not in TEMPLATE_DTYPES:
+        rec.update(choice="extern", why=f"{dtype} matmuls have no template")
+        return rec
+    if max(b * m * k, b * k * n, b * m * n) > 2**31 - 1:
+        rec.update(choice="extern", why="an operand indexes more than 2**31 elements (32-bit template indexing)")
+        return rec
+    cfg, cfg_why = choose_config(b, m, n, k, dtype, targets or knobs.targets)
+    rec.update(config=cfg.as_dict(), config_why=cfg_why)
+    # Epilogue kernels the extern path needs: a bias cuBLAS cannot add in its call (addmm adds it
+    # only when nothing else consumes the product), and the pointwise consumers.
+    separate = 1 if epilogue else 0
+    est = estimate(b, m, n, k, dtype, separate, operand_copy_us, bias and not epilogue, cfg)
+    rec["cost_us"] = est
+    if md != "auto":
+        rec.update(choice=md, why=f"AOTFUSE_MM={md}")
+        return rec
+    if est["template"] <= est["extern"]:
+        parts = []
+        if epilogue:
+            parts.append(f"epilogue ({', '.join(epilogue)}) saves a round trip of the {m}x{n} output")
+        if operand_copies:
+            parts.append(f"prologue ({', '.join(operand_copies)}) saves an operand copy")
+        if not parts:
+            parts.append("small enough that a launch beats a library call")
+        why = "; ".join(parts)
+        rec.update(choice="template", why=f"{why}: {est['template']} us <= cuBLAS {est['extern']} us")
+    else:
+        rec.update(choice="extern", why=f"cuBLAS {est['extern']} us < template {est['template']} us"
+                                        + ("" if epilogue else " (plain matmul: nothing to fuse)"))
+    return rec
+
+
+# ---------------------------------------------------------------- fusion
+
+def _template_of(st, g: str) -> str | None:
+    for n in st.members[g]:
+        if is_matmul(st.nodes[n]):
+            return n
+    return None
+
+
+def fusion_refusal(st, a: str, b: str) -> str | None:
+    """Why groups a and b may not fuse because of a matmul template (None: templates allow it)."""
+    ta, tb = _template_of(st, a), _template_of(st, b)
+    if ta is None and tb is None:
+        return None
+    if ta is not None and tb is not None:
+        return f"two matmul templates ({ta}, {tb}) in one kernel"
+    t, other, tg = (ta, b, a) if ta is not None else (tb, a, b)
+    mm: MatMul = st.nodes[t]
+    x = mm.numel
+    inside = set(st.members[tg])
+    outside = set(st.members[other])
+    for n in st.members[other]:
+        node = st.nodes[n]
+        if isinstance(node, Reduction):
+            return f"{n} is a reduction: a matmul template's epilogue is pointwise over its output"
+        if not isinstance(node, Pointwise):
+            return f"{n} is not pointwise"
+        if node.numel != x:
+            return f"{n} iterates over {node.numel} elements, the matmul {t} over {x}"
+        for i, ld in enumerate(st.loads(n)):
+            if ld.buf in inside and st.read_kind(n, i, 1) != "point":
+                return f"{n} reads {ld.buf}[{ld.index}] at another index than the template computes it"
+    # Nothing in the template group may read the other group at another index either, and the
+    # matmul's operands may not come from a fused node (they are loaded tile by tile along K).
+    for ld in st.loads(t):
+        if ld.buf in outside:
+            return f"{ld.buf} feeds the operand of matmul {t} (loaded along K, not at the output point)"
+    for n in st.members[tg]:
+        if n == t:
+            continue
+        for i, ld in enumerate(st.loads(n)):
+            if ld.buf in outside and st.read_kind(n, i, 1) != "point":
+                return f"{n} reads {ld.buf}[{ld.index}] at another index than the template computes it"
+    return None
+
+
+# ---------------------------------------------------------------- inlining
+
+_FREE_OPS = ()  # ops a prologue may always hold (none: casts and index math are not ops)
+
+
+def inline_ok(consumer, producer) -> bool:
+    """May `producer` be recomputed in a matmul's operand? Only when (nearly) free: the operand is
+    evaluated once per N tile (A) or M tile (B), inside the K loop."""
+    if not is_matmul(consumer):
+        return True
+    return expr_op_count(producer.body) <= knobs.mm_prologue_max_ops
+
+
+def is_view_or_cast(e) -> bool:
+    """An expression of loads, casts and constants only."""
+    if isinstance(e, (Load, Const, IndexValue)):
+        return True
+    if isinstance(e, Cast):
+        return is_view_or_cast(e.arg)
+    if isinstance(e, Op):
+        return False
+    return False

@@ -1,0 +1,179 @@
+"""Matmul templates (issue 11.3): the decision table, the config table, fusion refusals with reasons,
+CPU numerics of mm / addmm / bmm / linear with epilogues vs eager, and extern counts of the demo GPT."""
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.errors import BuildError
+from aotfuse.emit.mm_configs import TABLE, choose_config
+from aotfuse.knobs import override
+from aotfuse.schedule import templates
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _program(model, inputs):
+    from aotfuse.emit.program import build_program
+    from aotfuse.export import capture
+    from aotfuse.pipeline import _schedule_program, _Stages
+
+    p = _schedule_program(_Stages(None), "forward", capture(model, inputs))
+    return p, build_program(p.graph, p.sched, p.kernels, p.plan)
+
+
+def _externs(prog) -> collections.Counter:
+    return collections.Counter(i["target"] for i in prog.to_dict()["instructions"] if i["op"] == "extern")
+
+
+# ---------------------------------------------------------------- decision and config tables
+
+def _choose(b, m, n, k, dtype="bfloat16", epilogue=(), bias=False, copies=()):
+    return templates.choose("mm0", "mm", b, m, n, k, dtype, epilogue=list(epilogue), bias=bias,
+                            operand_copy_us=len(copies) * 10.0, operand_copies=list(copies), targets=("sm_80", "sm_90"))
+
+
+def test_decision_table():
+    with override(mm="auto"):
+        big = _choose(1, 8192, 8192, 768)
+        assert big["choice"] == "extern" and "plain matmul" in big["why"]
+        fc = _choose(1, 8192, 3072, 768, epilogue=["add", "gelu"], bias=True)
+        assert fc["choice"] == "template" and "epilogue" in fc["why"]
+        small = _choose(1, 128, 768, 768)
+        assert small["choice"] == "template" and "launch beats" in small["why"]
+        qkv = _choose(1, 2048, 2304, 768, bias=True)  # cuBLAS adds the bias in its call
+        assert qkv["choice"] == "extern"
+        cast = _choose(1, 4096, 4096, 4096, copies=["cast of lhs"])
+        assert cast["cost_us"]["extern"] > _choose(1, 4096, 4096, 4096)["cost_us"]["extern"]
+        assert _choose(1, 64, 64, 64, dtype="int64")["choice"] == "extern"
+        for rec in (big, fc, small, qkv):
+            assert rec["why"] and set(rec["cost_us"]) >= {"template", "extern"} and rec["config_why"]
+    with override(mm="extern"):
+        assert _choose(1, 128, 128, 128, epilogue=["relu"])["choice"] == "extern"
+    with override(mm="template"):
+        assert _choose(1, 8192, 8192, 8192)["choice"] == "template"
+        assert _choose(1, 64, 64, 64, dtype="int32")["choice"] == "extern"  # no template for ints
+    with override(mm="bogus"), pytest.raises(BuildError):
+        _choose(1, 64, 64, 64)
+
+
+def test_config_table():
+    for (target, cls, _), c in TABLE.items():
+        limit = 163 * 1024 if target != "sm_90" else 227 * 1024
+        assert c.smem_bytes(4 if cls == "fp32" else 2) <= limit, (target, cls, c)
+    c, why = choose_config(1, 8192, 3072, 768, "bfloat16", ("sm_80", "sm_90"))
+    assert (c.block_m, c.block_n, c.block_k) == (128, 128, 64) and "sm_80" in why
+    c90, _ = choose_config(1, 8192, 3072, 768, "bfloat16", ("sm_90",))
+    assert c90.num_stages >= c.num_stages
+    odd, why = choose_config(1, 37, 101, 65, "float32", ("sm_90",))
+    assert odd.block_m <= 64 and odd.block_k <= 128 and min(odd.block_m, odd.block_n, odd.block_k) >= 16
+    small, why = choose_config(1, 128, 768, 768, "bfloat16", ("sm_90",))
+    assert -(-128 // small.block_m) * -(-768 // small.block_n) >= 48 and "shrunk" in why
+
+
+# ---------------------------------------------------------------- numerics on the CPU path
+
+class Epilogues(torch.nn.Module):
+    def __init__(self, k=65, n=101):
+        super().__init__()
+        self.lin = torch.nn.Linear(k, n)  # addmm with the weight's transposed view
+        self.w2 = torch.nn.Parameter(torch.randn(n, k) * 0.1)
+        self.w3 = torch.nn.Parameter(torch.randn(k, n) * 0.1)
+        self.b3 = torch.nn.Parameter(torch.randn(n) * 0.1)
+
+    def forward(self, x, r, y1, y2):
+        h = F.gelu(self.lin(x), approximate="tanh") + r  # bias + GELU(tanh) + residual
+        p = torch.mm(x, self.w2.t())  # transposed weight view, no epilogue
+        q = torch.bmm(y1, y2.transpose(1, 2)) * 0.5 + 1.0  # batched, transposed rhs, scale epilogue
+        s = torch.relu(torch.addmm(self.b3, x, self.w3, beta=0.5, alpha=2.0))
+        return h, p, q, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_template_numerics_odd_sizes(dtype):
+    torch.manual_seed(0)
+    model = Epilogues().to(dtype).eval()
+    m, k, n = 37, 65, 101
+    inputs = (torch.randn(m, k, dtype=dtype), torch.randn(m, n, dtype=dtype), torch.randn(3, 37, 65, dtype=dtype),
+              torch.randn(3, 101, 65, dtype=dtype))
+    with override(mm="template"):
+        res = aotfuse.build(model, inputs, targets=("sm_90",))
+    mms = [d for d in res.report.lowering if "matmul" in d]
+    assert len(mms) == 4 and all(d["choice"] == "template" for d in mms)
+    groups = [g for g in res.report.groups if g.kind == "template"]
+    assert len(groups) == 4 and sum(len(g.nodes) > 1 for g in groups) == 3  # all but the plain mm have epilogues
+    assert not [g for g in res.report.groups if g.kind == "extern"]
+    from aotfuse.runtime.explain import explain
+
+    text = explain(res.data)
+    assert text.count("-> template (AOTFUSE_MM=template); tiles") == 4, text
+    art = aotfuse.load(res.data, device="cpu")
+    outs = art(*inputs)
+    with torch.no_grad():
+        refs = model(*inputs)
+        ref32 = copy.deepcopy(model).float()(*[t.float() for t in inputs])
+    for o, r, r32 in zip(outs, refs, ref32):
+        assert o.dtype == dtype and o.shape == r.shape
+        if dtype == torch.float32:
+            assert rel_err(o, r) < 1e-5
+        else:
+            assert rel_err(o, r32) <= max(2e-2, 2 * rel_err(r, r32))
+
+
+def test_epilogue_fused_and_refusals_explained():
+    class Soft(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 96)
+
+        def forward(self, x):
+            y = torch.relu(self.lin(x))
+            return torch.softmax(y, dim=-1), y.t() + 1.0  # a reduction and a transposed read of the output
+
+    torch.manual_seed(0)
+    model = Soft().eval()
+    with override(mm="template"):
+        p, prog = _program(model, (torch.randn(48, 64),))
+    tgroups = [g for g in p.sched.groups if g.kind == "template"]
+    assert len(tgroups) == 1 and len(tgroups[0].nodes) >= 2  # bias + relu fused into the store
+    from aotfuse.schedule.fusion import FuseRefusal
+
+    refused = [d for d in p.sched.decisions if d.refusal is FuseRefusal.TEMPLATE]
+    details = " | ".join(d.detail for d in refused)
+    assert "reduction" in details, details
+    assert "another index" in details, details
+    assert not _externs(prog)
+
+
+def test_mode_extern_keeps_cublas():
+    from aotfuse.examples.gpt import demo
+
+    model, inputs = demo()
+    with override(mm="extern"):
+        _, prog = _program(model, inputs)
+    ext = _externs(prog)
+    assert ext["aten.mm.out"] + ext["aten.addmm.out"] == 9
+    with override(mm="auto"):
+        _, prog = _program(model, inputs)
+    ext = _externs(prog)
+    assert sum(ext.values()) <= 4 and not ext["aten.mm.out"] and not ext["aten.addmm.out"]
+
+
+def test_anchor_gpt_extern_count():
+    from aotfuse.examples.gpt import medium
+
+    model, inputs = medium()
+    with override(mm="auto"):
+        p, prog = _program(model, inputs)
+    n = sum(_externs(prog).values())
+    assert n <= 11, _externs(prog)
+    recs = [d for d in p.lctx.decisions if "matmul" in d]
+    assert len(recs) == 17 and all(d["why"] for d in recs)
