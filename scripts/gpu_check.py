@@ -45,14 +45,14 @@ def check_fixture(name, spec, path, rows):
                 assert o.shape == r.shape and o.dtype == r.dtype, (o.shape, r.shape, o.dtype, r.dtype)
                 assert torch.isfinite(o.float()).all()
                 worst = max(worst, rel_err(o, r))
-    tol = TOL[art.output_specs[0]["dtype"]]
+    tol = TOL[art.output_specs[0].dtype]
     rows.append((name, "numerics", worst <= tol, f"rel err {worst:.2e} (tol {tol:.0e}), load {load_s*1e3:.1f} ms"))
     # guards
     spec0 = art.input_specs[0]
     bad = []
     good = random_inputs(art.input_specs, device="cuda", seed=7)
     cases = {
-        "shape": [torch.zeros([s + 1 for s in spec0["shape"]], dtype=good[0].dtype, device="cuda")] + list(good[1:]),
+        "shape": [torch.zeros([s + 1 for s in spec0.shape], dtype=good[0].dtype, device="cuda")] + list(good[1:]),
         "dtype": [good[0].to(torch.float64 if good[0].is_floating_point() else torch.int32)] + list(good[1:]),
         "device": [good[0].cpu()] + list(good[1:]),
         "count": list(good) + [good[0]],
@@ -62,7 +62,7 @@ def check_fixture(name, spec, path, rows):
             art(*args)
             bad.append(what)
         except GuardError as e:
-            if what != "count" and spec0["name"] not in str(e):
+            if what != "count" and spec0.name not in str(e):
                 bad.append(what + ":no-name")
     rows.append((name, "guards", not bad, "ok" if not bad else f"not refused: {bad}"))
 
