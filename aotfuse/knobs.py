@@ -17,7 +17,7 @@
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
 | graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
-| mm | AOTFUSE_MM | auto | matmuls: `template` (Triton template, epilogues fused), `extern` (cuBLAS), `auto` (cost model, schedule/templates.py) |
+| mm | AOTFUSE_MM | extern | matmuls: `template` (Triton template, epilogues fused), `extern` (cuBLAS), `auto` (cost model, schedule/templates.py). Default extern: on an H100 (2026-11-23, scripts/bench_mm.py, anchor GPT bf16) the template lost to cuBLAS + a separate epilogue kernel at both sizes measured (1x128: 218 vs 187 us; 8x1024: 1762 vs 1481 us; auto 1625 us), so it stays opt-in until its tiles are tuned for Hopper |
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
 | mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
 | mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.8 | cost model: template throughput as a fraction of cuBLAS's |
@@ -60,7 +60,7 @@ class Knobs:
     cuda_graphs: bool = bool(_env_int("AOTFUSE_CUDA_GRAPHS", 1))
     graph_streams: int = _env_int("AOTFUSE_GRAPH_STREAMS", 4)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
-    mm: str = os.environ.get("AOTFUSE_MM", "auto") or "auto"
+    mm: str = os.environ.get("AOTFUSE_MM", "extern") or "extern"
     mm_tf32: bool = bool(_env_int("AOTFUSE_MM_TF32", 0))
     mm_tflops: float = _env_float("AOTFUSE_MM_TFLOPS", 600.0)
     mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.8)

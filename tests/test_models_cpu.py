@@ -62,13 +62,10 @@ def test_model_matches_eager_on_cpu(built, spec, dtype):
 
 
 def test_demo_fuses_each_layernorm_and_gelu_into_one_kernel(built):
-    _, res = built("aotfuse.examples.gpt:demo")
-    groups = [g for g in res.report.groups if g.kind not in ("extern", "template")]
-    # 2 layers: embed-add+LN1, then per layer LN2 and LN1'/LN_f; bias, GELU and the residual adds
-    # are matmul epilogues (template groups: 4 a layer and the head).
-    templates = [g for g in res.report.groups if g.kind == "template"]
-    assert len(templates) == 9 and sum(len(g.nodes) > 1 for g in templates) == 8, [g.nodes for g in templates]
-    assert len(groups) == 5, [g.nodes for g in groups]
+    _, res = built("aotfuse.examples.gpt:demo")  # default AOTFUSE_MM=extern: matmuls are cuBLAS calls
+    groups = [g for g in res.report.groups if g.kind != "extern"]
+    # 2 layers: embed-add+LN1, then per layer residual+LN2, GELU(+bias), residual+LN1'/LN_f.
+    assert len(groups) == 7, [g.nodes for g in groups]
     reductions = [g for g in groups if g.kind == "reduction"]
     assert len(reductions) == 5
     for g in reductions:  # each holds both LayerNorm reductions and the normalizing pointwise

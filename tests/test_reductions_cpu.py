@@ -131,7 +131,7 @@ def test_block_choice_patterns():
 def _check(fn, inputs, tol=1e-5, **kn):
     with override(**{**SMALL, **kn}):
         res = aotfuse.build(Fn(fn), inputs, targets=TARGETS)
-    assert any(d["split"] for d in res.report["splits"]), res.report["splits"]
+    assert any(d["split"] for d in res.report.splits), res.report.splits
     art = aotfuse.load(res.data, device="cpu")
     out = art(*inputs)
     ref = fn(*inputs)
@@ -165,7 +165,7 @@ def test_full_sum_2d_half():
 def test_column_sums(shape):
     x = torch.randn(*shape)
     res = _check(lambda x: (x.sum(0), x.amax(0)), (x,), tol=1e-4)
-    assert any(g["blocks"]["pattern"] == "outer" for g in res.report["groups"])
+    assert any(g.blocks["pattern"] == "outer" for g in res.report.groups if g.blocks)
 
 
 def test_middle_dims():
@@ -218,11 +218,11 @@ def _train_check(model, inputs, grad_of, tol=1e-4):
 def test_layernorm_loss_training():
     torch.manual_seed(0)
     res = _train_check(LayerNormLoss(256), (torch.randn(512, 256, requires_grad=True),), [0])
-    fwd = [d for d in res.report["splits"] if d["split"]]
-    bwd = [d for d in res.report["backward"]["splits"] if d["split"]]
+    fwd = [d for d in res.report.splits if d["split"]]
+    bwd = [d for d in res.report.backward.splits if d["split"]]
     assert fwd and fwd[0]["how"] == "aligned"  # the loss sum, fused into the LayerNorm kernel
     assert any(d["pattern"] == "outer" for d in bwd)  # the weight gradient, a column reduction
-    kernels = [g["blocks"] for g in res.report["backward"]["groups"] if g.get("blocks")]
+    kernels = [g.blocks for g in res.report.backward.groups if g.blocks]
     assert any(b["pattern"] == "outer" and b["xblock"] == 64 for b in kernels)
 
 

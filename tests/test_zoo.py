@@ -18,15 +18,9 @@ from aotfuse.errors import BuildError, UnsupportedOpError
 from aotfuse.testing.zoo import ZOO, flat_inputs, have_transformers, loss_of, output_leaves
 
 # (entry, mode) -> (exception type, message fragment, reason) for cases that fail today.
-_MAXPOOL = (UnsupportedOpError, "max_pool2d_with_indices", "max-pool padding/ceil_mode lowering (lower/*, in progress)")
 _BN = (BuildError, "mutates buffers", "train-mode BatchNorm: running-stat updates returned by the program (runtime side)")
-_INDEX = (UnsupportedOpError, "aten.index.Tensor", "advanced indexing of the padding mask: aten.index.Tensor lowering")
 EXPECTED_FAIL = {
-    ("bert", "infer"): _INDEX,
-    ("bert", "train"): _INDEX,
-    ("hf_resnet", "infer"): _MAXPOOL,
     ("hf_resnet", "train"): _BN,
-    ("tv_resnet18", "infer"): _MAXPOOL,
     ("tv_resnet18", "train"): _BN,
 }
 # Quick enough for the default tier (build + one CPU run under ~15 s on 2 cores); the rest are slow.
@@ -156,7 +150,7 @@ def test_keyword_inputs_are_named_and_ordered_by_signature():
     assert call["outputs"] == {"kind": "dict", "class": "builtins.dict", "keys": ["y", "z"],
                                "items": [{"kind": "tensor"}, {"kind": "tensor"}]}
     art = aotfuse.load(res.data, device="cpu")
-    assert [s_["name"] for s_ in art.input_specs] == ["x", "scale"]
+    assert [s_.name for s_ in art.input_specs] == ["x", "scale"]
     x2, s2 = torch.randn(3, 4), torch.randn(3, 4)
     y, z = art(x2, s2)
     ref = m(x2, scale=s2)

@@ -31,7 +31,7 @@ TEMPLATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def mode() -> str:
-    m = (knobs.mm or "auto").lower()
+    m = (knobs.mm or "extern").lower()
     if m not in MODES:
         from ..errors import BuildError
 
