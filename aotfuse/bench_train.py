@@ -58,21 +58,15 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 def _time_steps(step: Callable[[], torch.Tensor], iters: int, warmup: int) -> tuple[list[float], float, float]:
     """Step times (ms), the first loss, and the peak MB above what was allocated before the timed steps."""
+    from .bench import time_calls
+
     first = float(step())
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    times = time_calls(step, iters=iters, warmup=0, device="cuda")  # events, the stream drained before each
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     return times, first, peak
 

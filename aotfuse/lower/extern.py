@@ -1,15 +1,12 @@
 """Extern lowerings: matmuls, convolution, attention and embedding, kept whole and called on strided views."""
 from __future__ import annotations
 
-import sympy
 import torch
 
 from ..errors import UnsupportedOpError
-from ..ir.indexing import syms
-from ..ir.loop import Const, Op, compute_dtype
 from ..ir.views import View
 from .ctx import out_dtype, out_shape
-from .matmul import try_template
+from .matmul import add_bias, try_template
 from .rules import collector
 
 aten = torch.ops.aten
@@ -59,18 +56,7 @@ def _addmm(ctx, node, args, kwargs):
         return ctx.extern("aten.addmm.out", (tbias, ta, tb), {}, shape, dt, True)
     ctx.decisions.append({"addmm": node.name, "kept": False, "why": "bias add fuses into the consumer"})
     mm = ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True)
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
-    cdt = compute_dtype(dt)
-    lead = len(shape) - len(bias.shape)
-    bidx = [sympy.Integer(0) if bias.shape[j] == 1 else pv[j + lead] for j in range(len(bias.shape))]
-    prod = ctx.load_compute(mm, pv, ranges)
-    badd = ctx.load_compute(bias, bidx, ranges)
-    if alpha != 1:
-        prod = Op("mul", (prod, Const(alpha, cdt)), cdt)
-    if beta != 1:
-        badd = Op("mul", (badd, Const(beta, cdt)), cdt)
-    return ctx.pointwise(shape, dt, Op("add", (prod, badd), cdt), hint="bias")
+    return add_bias(ctx, mm, bias, shape, dt, alpha, beta)
 
 
 def _feeds_fusible(node) -> bool:

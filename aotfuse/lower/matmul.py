@@ -122,14 +122,21 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
     out = View.of_buffer(name, shape, dt)
     if bias is None:
         return out
+    return add_bias(ctx, out, bias, shape, dt, alpha, beta)
+
+
+def add_bias(ctx, prod: View, bias: View, shape, dt: str, alpha=1, beta=1) -> View:
+    """`alpha * prod + beta * bias` (bias broadcast over the leading dims), as a pointwise node that
+    fuses with its consumers: addmm's bias when cuBLAS does not add it, and a template's epilogue."""
+    pv = syms("p", len(shape))
     cdt = compute_dtype(dt)
-    lead_n = len(shape) - len(bias.shape)
-    bidx = [sympy.Integer(0) if bias.shape[j] == 1 else pv[j + lead_n] for j in range(len(bias.shape))]
-    pranges = dict(zip(pv, shape))
-    prod = ctx.load_compute(out, pv, pranges)
-    badd = ctx.load_compute(bias, bidx, pranges)
+    lead = len(shape) - len(bias.shape)
+    bidx = [sympy.Integer(0) if bias.shape[j] == 1 else pv[j + lead] for j in range(len(bias.shape))]
+    ranges = dict(zip(pv, shape))
+    p = ctx.load_compute(prod, pv, ranges)
+    b = ctx.load_compute(bias, bidx, ranges)
     if alpha != 1:
-        prod = Op("mul", (prod, Const(alpha, cdt)), cdt)
+        p = Op("mul", (p, Const(alpha, cdt)), cdt)
     if beta != 1:
-        badd = Op("mul", (badd, Const(beta, cdt)), cdt)
-    return ctx.pointwise(shape, dt, Op("add", (prod, badd), cdt), hint="bias")
+        b = Op("mul", (b, Const(beta, cdt)), cdt)
+    return ctx.pointwise(shape, dt, Op("add", (p, b), cdt), hint="bias")
