@@ -15,6 +15,7 @@ import torch
 from ..archive import Archive, read_archive
 from ..errors import GuardError
 from ..knobs import knobs
+from .calling import flatten, rebuild
 from .executor import Executor
 from .payload import read_payload, read_sources
 
@@ -80,10 +81,19 @@ class Artifact:
                                  remedy="pass x.clone()")
 
     # ---------------------------------------------------------------- call
-    def __call__(self, *inputs):
-        return self.run("forward", *inputs)
+    def __call__(self, *args, **kwargs):
+        """Call it as the model was called at build time: positional and keyword tensors; the result
+        has the model's output structure (runtime/calling.py) where the archive records it."""
+        call = self.manifest.call
+        inputs = flatten(call, args, kwargs)
+        self.check_inputs(inputs)
+        with self.device_scope():
+            if call is None or self.manifest.train is not None:
+                return self._run("forward", inputs)
+            return rebuild(call["outputs"], self._run_flat("forward", inputs))
 
     def run(self, program: str, *inputs):
+        """One program on flat positional inputs (as the program takes them)."""
         self.check_inputs(inputs)
         with self.device_scope():
             return self._run(program, inputs)
@@ -99,11 +109,13 @@ class Artifact:
         if train is not None:  # forward of a train archive: parameters are program inputs; return the loss
             params = [self.weights[n] for n in train.params]
             return self.executors["forward"].run(params + list(inputs))[0]
-        if program == "forward" and self._forward_graph is not None:
-            outs = self._forward_graph(list(inputs))
-        else:
-            outs = self.executors[program].run(list(inputs))
+        outs = self._run_flat(program, inputs)
         return outs[0] if self.manifest.single_output and len(outs) == 1 else tuple(outs)
+
+    def _run_flat(self, program: str, inputs: tuple) -> list:
+        if program == "forward" and self._forward_graph is not None:
+            return self._forward_graph(list(inputs))
+        return self.executors[program].run(list(inputs))
 
     def as_module(self, cuda_graphs: bool | None = None):
         """An nn.Module whose forward/backward run the packaged programs (train archives).

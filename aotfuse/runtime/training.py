@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ..dtypes import TORCH
 from ..errors import AotfuseError, GuardError
+from .calling import flatten, loss_tree, rebuild
 
 
 class _Packaged(torch.autograd.Function):
@@ -85,7 +86,16 @@ class PackagedModule(nn.Module):
         for name, p in zip(self._names, self._param_list):
             yield (prefix + name, p)
 
-    def forward(self, *inputs):
+    def forward(self, *args, **kwargs):
+        """Called as the model was at build time (positional and keyword tensors, e.g. `input_ids=`,
+        `labels=`). Returns the loss, as the model's output class (`out.loss`) when it returned one."""
+        call = self._art.manifest.call
+        inputs = flatten(call, args, kwargs)
+        loss = self._forward(inputs)
+        tree = loss_tree(call)
+        return loss if tree is None else rebuild(tree, [loss])
+
+    def _forward(self, inputs: tuple):
         self._art.check_inputs(inputs)
         with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
         for i, x in enumerate(inputs):
