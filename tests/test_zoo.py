@@ -15,14 +15,12 @@ import torch
 
 import aotfuse
 from aotfuse.errors import BuildError, UnsupportedOpError
-from aotfuse.testing.zoo import ZOO, flat_inputs, have_transformers, loss_of, output_leaves
+from aotfuse.testing.zoo import KNOWN_FAILURES, ZOO, flat_inputs, have_transformers, loss_of, output_leaves
 
-# (entry, mode) -> (exception type, message fragment, reason) for cases that fail today.
-_BN = (BuildError, "mutates buffers", "train-mode BatchNorm: running-stat updates returned by the program (runtime side)")
-EXPECTED_FAIL = {
-    ("hf_resnet", "train"): _BN,
-    ("tv_resnet18", "train"): _BN,
-}
+# (entry, mode) -> (exception type, message fragment, reason) for cases that fail today (one table with
+# docs/models.md: aotfuse/testing/zoo.py KNOWN_FAILURES).
+_ERRORS = {"BuildError": BuildError, "UnsupportedOpError": UnsupportedOpError}
+EXPECTED_FAIL = {k: (_ERRORS[cls], frag, why) for k, (cls, frag, why) in KNOWN_FAILURES.items()}
 # Quick enough for the default tier (build + one CPU run under ~15 s on 2 cores); the rest are slow.
 FAST = {("llama", "infer"), ("gpt2", "infer")}
 
@@ -212,3 +210,14 @@ def test_constant_causal_mask_is_folded():
     res = aotfuse.build(M(), (torch.randn(2, 5),), targets=("sm_90",))
     x = torch.randn(2, 5)
     assert torch.equal(aotfuse.load(res.data, device="cpu")(x), M()(x))
+
+
+def test_models_doc_is_current():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen_models_doc", root / "scripts" / "gen_models_doc.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (root / "docs" / "models.md").read_text() == mod.render(), "run python3 scripts/gen_models_doc.py"
