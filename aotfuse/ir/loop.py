@@ -232,23 +232,29 @@ def prod(xs) -> int:
     return n
 
 
-def expr_loads(e: Expr) -> list[Load]:
-    """All loads in an expression DAG (with repeats removed, order of first appearance)."""
-    seen: dict[Load, None] = {}
+def expr_leaves(e: Expr):
+    """The leaves of an expression DAG, depth first in argument order: Load, Gather (then the leaves
+    of its offset), IndexValue and Const; Op and Cast are walked through."""
+    if isinstance(e, Op):
+        for a in e.args:
+            yield from expr_leaves(a)
+    elif isinstance(e, Cast):
+        yield from expr_leaves(e.arg)
+    else:
+        yield e
+        if isinstance(e, Gather):
+            yield from expr_leaves(e.offset)
 
-    def walk(x):
+
+def expr_loads(e: Expr) -> list[Load]:
+    """All loads in an expression DAG (with repeats removed, order of first appearance); a Gather
+    reads its buffer at the opaque index INDIRECT."""
+    seen: dict[Load, None] = {}
+    for x in expr_leaves(e):
         if isinstance(x, Load):
             seen.setdefault(x, None)
         elif isinstance(x, Gather):
             seen.setdefault(Load(x.buf, INDIRECT, x.dtype), None)
-            walk(x.offset)
-        elif isinstance(x, Op):
-            for a in x.args:
-                walk(a)
-        elif isinstance(x, Cast):
-            walk(x.arg)
-
-    walk(e)
     return list(seen)
 
 

@@ -34,22 +34,17 @@ class MatMul(Reduction):
 
 
 def _free(e: Expr) -> set:
-    from .loop import IndexValue, Load
+    """The loop variables an expression's indices use (loads, gathers' base, index values)."""
+    from .loop import Gather, IndexValue, Load, expr_leaves
 
     out: set = set()
-
-    def walk(x):
+    for x in expr_leaves(e):
         if isinstance(x, Load):
             out.update(sympy.sympify(x.index).free_symbols)
+        elif isinstance(x, Gather):
+            out.update(sympy.sympify(x.base).free_symbols)
         elif isinstance(x, IndexValue):
             out.update(sympy.sympify(x.expr).free_symbols)
-        elif isinstance(x, Op):
-            for a in x.args:
-                walk(a)
-        elif isinstance(x, Cast):
-            walk(x.arg)
-
-    walk(e)
     return out
 
 

@@ -227,18 +227,21 @@ def _avg_pool2d(ctx, node, args, kwargs):
     return ctx.pointwise(shape, x.dtype, Op("div", (acc, d), cdt), hint="pool")
 
 
+def _grad_space(node, g):
+    """A pooling backward's loop space: the input's shape, dtype and compute dtype, its (H, W), the
+    gradient's (Ho, Wo), the loop variables and their ranges."""
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    pv = syms("p", len(shape))
+    return shape, dt, compute_dtype(dt), (shape[-2], shape[-1]), (g.shape[-2], g.shape[-1]), pv, dict(zip(pv, shape))
+
+
 @rule(aten.avg_pool2d_backward.default, category="pointwise",
       note="each input element gathers grad / divisor of the windows that contain it")
 def _avg_pool2d_backward(ctx, node, args, kwargs):
     g = args[0]
     k, stride, pad, _ceil, cip, divisor = _avg_params(args[1:], {})
-    shape = out_shape(node)
-    dt = out_dtype(node)
-    cdt = compute_dtype(dt)
-    H, W = shape[-2], shape[-1]
-    Ho, Wo = g.shape[-2], g.shape[-1]
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
+    shape, dt, cdt, (H, W), (Ho, Wo), pv, ranges = _grad_space(node, g)
     acc = None
     for i in range(k[0]):
         oh, vh = _windows_of(pv[-2], pad[0], i, stride[0], Ho, ranges)
@@ -301,13 +304,7 @@ def _adaptive_avg_pool2d(ctx, node, args, kwargs):
       note="each input element gathers grad / size of the windows that contain it")
 def _adaptive_avg_pool2d_backward(ctx, node, args, kwargs):
     g = args[0]
-    shape = out_shape(node)
-    dt = out_dtype(node)
-    cdt = compute_dtype(dt)
-    H, W = shape[-2], shape[-1]
-    Ho, Wo = g.shape[-2], g.shape[-1]
-    pv = syms("p", len(shape))
-    ranges = dict(zip(pv, shape))
+    shape, dt, cdt, (H, W), (Ho, Wo), pv, ranges = _grad_space(node, g)
 
     def cands(pos, n_in, n_out):
         # windows containing pos: o in [floor(pos * m / n), ceil((pos + 1) * m / n) - 1]
