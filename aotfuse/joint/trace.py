@@ -45,6 +45,7 @@ class JointGraph:
     tangent: str  # the tangent placeholder's name
     tangent_mode: str  # "seed" (replaced aot_autograd's ones_like seed) | "multiply" (fallback)
     seconds: float
+    decisions: tuple = ()  # per attention call: fused or math, and why (decomp_train.sdpa_math_mode)
 
     @property
     def user_output_nodes(self) -> list:
@@ -253,7 +254,7 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
                              remedy="wrap scalars and structures in the model's forward")
     wrapped = _TupleOut(model)
     try:
-        with sdpa_math_mode():
+        with sdpa_math_mode() as attention:
             gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=loss_index,
                                         decompositions=training_decompositions())
     except AotfuseError:
@@ -323,4 +324,4 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     return JointGraph(gm=gm, param_names=tuple(param_names), buffer_names=tuple(buffer_names), weights=weights,
                       inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, decisions=tuple(attention.decisions))
