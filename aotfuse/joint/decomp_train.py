@@ -316,6 +316,11 @@ class sdpa_math_mode(TorchFunctionMode):
         self.fused = fused
         self.decisions: list[dict] = []
 
+    def new_run(self) -> None:
+        """The model's forward starts again (aot_autograd runs it more than once: metadata collection,
+        then the joint trace; each run makes the same calls): keep the last run's decisions."""
+        self.decisions = []
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention or \

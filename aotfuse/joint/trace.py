@@ -255,6 +255,7 @@ def trace_joint(model: torch.nn.Module, example_inputs, *, loss_index: int = 0) 
     wrapped = _TupleOut(model)
     try:
         with sdpa_math_mode() as attention:
+            wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=loss_index,
                                         decompositions=training_decompositions())
     except AotfuseError:

@@ -143,7 +143,8 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         return _as_bthd(out), lse[:, :, :query.shape[2]].contiguous()
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, is_causal, attn_mask=bias,
                                                                 scale=scale)
-    return _as_bthd(out), lse.contiguous()  # the CPU kernel's lse is laid out [B, T, H]
+    # the CPU kernel's lse is laid out [B, T, H], and float64 for float64 inputs: the contract's is float32
+    return _as_bthd(out), lse.to(torch.float32).contiguous()
 
 
 def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa):
@@ -174,6 +175,8 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
                 grad_out, query, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False],
                 is_causal, scale=scale)
     else:
+        if query.dtype == torch.float64:
+            lse = lse.to(torch.float64)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
     return _as_bthd(dq), _as_bthd(_narrow(dk, rep)), _as_bthd(_narrow(dv, rep))
