@@ -122,10 +122,14 @@ def _use_flash(q, mask) -> bool:
 
 def _expand_bias(bias, q, k):
     # the efficient kernel wants a 4-d bias broadcastable to [B, H, T, S] (expanded views are fine)
+    # and its strides multiples of 8 elements: pad the key dim to a multiple of 8 and slice (as sdpa does)
     b, h, t, _ = q.shape
+    s = k.shape[2]
     while bias.dim() < 4:
         bias = bias.unsqueeze(0)
-    return bias.expand(b, h, t, k.shape[2])
+    if s % 8:
+        bias = torch.nn.functional.pad(bias.expand(*bias.shape[:-1], s), (0, 8 - s % 8))[..., :s]
+    return bias.expand(b, h, t, s)
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
@@ -159,9 +163,9 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
             # no dropout: the Philox state is never read (placeholders of the forward's shapes)
             seed = torch.zeros(2, dtype=torch.uint64, device=dev)
             offset = torch.zeros((), dtype=torch.uint64, device=dev)
-            none = torch.empty(0, dtype=torch.int32, device=dev)
+            # cum_seq_q/k: undefined tensors (None) for dense batches, as the forward returns them
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                grad_out, query, k, v, out, lse, none, none, t, s, 0.0, is_causal, seed, offset, scale=scale)
+                grad_out, query, k, v, out, lse, None, None, t, s, 0.0, is_causal, seed, offset, scale=scale)
         else:
             if bias is not None:
                 bias = _expand_bias(bias, query, k)
