@@ -179,5 +179,5 @@ def test_attention_ops_match_sdpa_with_gqa_and_masks():
         assert out.stride() == out.transpose(1, 2).contiguous().transpose(1, 2).stride()  # [B, T, H, E] storage
         torch.testing.assert_close(out, ref)
         got = attention_backward(g, q, k, v, m, out, lse, causal, e ** -0.5, gqa)
-        for x, y in zip(got, want):
-            torch.testing.assert_close(x, y)
+        for x, y in zip(got, want):  # the contract's lse is float32, also for float64 inputs
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import aotfuse
+from aotfuse.contract import MAX_SUPPORTED_VERSION
 from aotfuse.archive import read_archive, write_archive
 from aotfuse.errors import ArchiveError
 from aotfuse.runtime.validate import validate_program
@@ -420,7 +421,7 @@ def m_program_fields(d, rng):
             return None
         p["arena_bytes"] = max(ends)  # smaller than the allocation that reaches furthest
     elif kind == 2:
-        p["version"] = rng.choice([0, 3, "2", None, True, 2.0])
+        p["version"] = rng.choice([0, MAX_SUPPORTED_VERSION + 1, "2", None, True, 2.0])
     elif kind == 3:
         if not p["inputs"]:
             return None
