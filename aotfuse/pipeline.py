@@ -135,7 +135,9 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
     report = _report(progs[0])
     params = {}
     if len(progs) > 1:
-        report = dataclasses.replace(report, backward=_report(progs[1]), partition=part.report())
+        # the joint trace's attention choices (fused or math, and why) go with the partition's record
+        part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions]}
+        report = dataclasses.replace(report, backward=_report(progs[1]), partition=part_rec)
         params = {name: joint.weights[name] for name in joint.param_names}
     manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info,
                                       params, call)

@@ -166,6 +166,8 @@ def test_untested_reasons_hold():
             assert op not in targets, f"{name}: said to be rewritten by export ({why}) but the graph has it"
         elif kind == opcases.BACKWARD:
             assert op.name().endswith("_backward"), f"{name}: said to be a backward op ({why})"
+        elif kind == opcases.TRAIN:
+            assert any(name in c.aten_ops for c in opcases.TRAIN_CASES), f"{name}: no train case builds it ({why})"
         else:
             pytest.fail(f"{name}: unknown UNTESTED kind {kind!r}")
 

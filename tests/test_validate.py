@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import aotfuse
+from aotfuse.contract import MAX_SUPPORTED_VERSION
 from aotfuse.archive import read_archive, write_archive
 from aotfuse.errors import ArchiveError
 from aotfuse.runtime.validate import validate_program
@@ -94,7 +95,7 @@ def test_unmutated_archives_load_and_run(bases):
     for name, d in bases.items():
         art = aotfuse.load(d.encode(), device="cpu")
         assert art.kernels and art.programs, name
-    assert bases["gpt"].version == 2 and bases["golden_v1"].version == 1
+    assert bases["gpt"].version == 3 and bases["golden_v1"].version == 1
     ids = torch.randint(0, 32, (2, 4))
     aotfuse.load(bases["gpt"].encode(), device="cpu")(ids)  # the re-encoded archive still runs
 
@@ -421,7 +422,7 @@ def m_program_fields(d, rng):
             return None
         p["arena_bytes"] = max(ends)  # smaller than the allocation that reaches furthest
     elif kind == 2:
-        p["version"] = rng.choice([0, 3, "2", None, True, 2.0])
+        p["version"] = rng.choice([0, MAX_SUPPORTED_VERSION + 1, "2", None, True, 2.0])
     elif kind == 3:
         if not p["inputs"]:
             return None

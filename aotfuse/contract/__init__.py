@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from .kernels import Binary, KernelArg, KernelEntry, kernels_from_dict, kernels_to_dict
 from .manifest import InputSpec, Manifest, OutputSpec, TrainInfo
-from .program import (MAX_SUPPORTED_VERSION, MIN_SUPPORTED_VERSION, PROGRAM_VERSION, Alloc, Extern, Free,
+from .program import (MAX_SUPPORTED_VERSION, MIN_SUPPORTED_VERSION, PROGRAM_VERSION, Alloc, Extern, ExternOut, Free,
                       Instruction, Launch, Program, ProgramInput, Return, TensorRef, WeightSpec,
                       check_program_version)
 from .report import (FusionRecord, FusionSummary, GroupRecord, InlineRecord, MemorySummary, Report)
 
 __all__ = ["Binary", "KernelArg", "KernelEntry", "kernels_from_dict", "kernels_to_dict", "InputSpec", "Manifest",
            "OutputSpec", "TrainInfo", "MAX_SUPPORTED_VERSION", "MIN_SUPPORTED_VERSION", "PROGRAM_VERSION", "Alloc",
-           "Extern", "Free", "Instruction", "Launch", "Program", "ProgramInput", "Return", "TensorRef",
+           "Extern", "ExternOut", "Free", "Instruction", "Launch", "Program", "ProgramInput", "Return", "TensorRef",
            "WeightSpec", "check_program_version", "FusionRecord", "FusionSummary", "GroupRecord", "InlineRecord",
            "MemorySummary", "Report"]

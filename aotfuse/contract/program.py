@@ -4,7 +4,7 @@ One `Program` per packaged program (`program.forward`, `program.backward`). Inst
 
   Alloc  {buf, offset, shape, dtype}      a buffer: a view of the per-call arena (offset -1: its own allocation)
   Launch {kernel, grid, args: [buf...]}   one fused kernel (see kernels.py for its ABI)
-  Extern {target, args, kwargs, out, out_view, out_variant, shape, dtype}   an allow-listed ATen op
+  Extern {target, args, kwargs, out, out_view, out_variant, shape, dtype[, outs]}   an allow-listed ATen op
   Free   {bufs: [...]}                    drop references after their last use
   Return {outputs: [view...]}             the program's results, as views of buffers
 
@@ -15,6 +15,9 @@ PROGRAM_VERSION is the payload's version: written in every program, checked at l
   1  (aotfuse 0.1.0)  first version (golden artifacts/golden/v1_model.aotf)
   2  (2026-11-23)     `weight_specs` {buf: {shape, dtype}}; the kernels part records `xnumel`,
                       `rnumel` and each argument's `numel`
+  3  (2026-12)        multi-output externs: an extern's optional `outs` [{out, out_view, shape, dtype}]
+                      binds the op's results after the first (training's fused attention,
+                      `aotfuse.attention.default` / `aotfuse.attention_backward.default`)
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ import dataclasses
 from typing import Any, ClassVar, Union
 
 from ..errors import ArchiveError
-from ._codec import UPGRADE, decoding, fields, ints, strs
+from ._codec import UPGRADE, decoding, fields, ints, put_optional, strs
 
-PROGRAM_VERSION = 2  # what this aotfuse writes
+PROGRAM_VERSION = 3  # what this aotfuse writes
 MIN_SUPPORTED_VERSION = 1  # the oldest it reads
 MAX_SUPPORTED_VERSION = PROGRAM_VERSION  # the newest it reads
 
@@ -124,31 +127,55 @@ class Launch:
 
 
 @dataclasses.dataclass(frozen=True)
-class Extern:
-    op: ClassVar[str] = "extern"
-    target: str  # "aten.<op>.<overload>", on the runtime's allow-list (runtime/externs.py)
-    args: tuple  # of Arg
-    kwargs: dict  # name -> Arg (read-only)
-    out: str  # the result buffer
+class ExternOut:
+    """A further result of a multi-output extern (version 3+): the op's result i+1 defines `out`."""
+
+    out: str
     out_view: TensorRef  # where the result goes: a view of `out`
-    out_variant: bool  # True: an `.out` op writing into `out` (allocated before); False: the op allocates it
     shape: tuple[int, ...]  # of `out`
     dtype: str
 
     def to_dict(self) -> dict:
-        return {"op": "extern", "target": self.target, "args": encode_arg(self.args),
-                "kwargs": {k: encode_arg(v) for k, v in self.kwargs.items()}, "out": self.out,
-                "out_view": self.out_view.to_dict(), "out_variant": self.out_variant,
-                "shape": list(self.shape), "dtype": self.dtype}
+        return {"out": self.out, "out_view": self.out_view.to_dict(), "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ExternOut":
+        d = fields(d, "extern result", ("out", "out_view", "shape", "dtype"))
+        return cls(d["out"], TensorRef.from_dict(d["out_view"]), ints(d["shape"]), d["dtype"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Extern:
+    op: ClassVar[str] = "extern"
+    target: str  # "aten.<op>.<overload>" (or "aotfuse.<op>.<overload>"), on the runtime's allow-list (runtime/externs.py)
+    args: tuple  # of Arg
+    kwargs: dict  # name -> Arg (read-only)
+    out: str  # the result buffer (of a multi-output op: its first result)
+    out_view: TensorRef  # where the result goes: a view of `out`
+    out_variant: bool  # True: an `.out` op writing into `out` (allocated before); False: the op allocates it
+    shape: tuple[int, ...]  # of `out`
+    dtype: str
+    outs: tuple[ExternOut, ...] = ()  # version 3+: the op returns a tuple; its results after the first
+
+    def to_dict(self) -> dict:
+        d = {"op": "extern", "target": self.target, "args": encode_arg(self.args),
+             "kwargs": {k: encode_arg(v) for k, v in self.kwargs.items()}, "out": self.out,
+             "out_view": self.out_view.to_dict(), "out_variant": self.out_variant,
+             "shape": list(self.shape), "dtype": self.dtype}
+        return put_optional(d, "outs", [o.to_dict() for o in self.outs], [])
 
     @classmethod
     def from_dict(cls, d: dict) -> "Extern":
-        d = fields(d, "extern", ("op", "target", "args", "kwargs", "out", "out_view", "out_variant", "shape", "dtype"))
+        d = fields(d, "extern", ("op", "target", "args", "kwargs", "out", "out_view", "out_variant", "shape", "dtype"),
+                   ("outs",))
         if type(d["kwargs"]) is not dict:
             raise TypeError("kwargs is not a map")
+        outs = d.get("outs", [])
+        if type(outs) is not list:
+            raise TypeError("outs is not a list")
         return cls(d["target"], tuple(decode_arg(a) for a in d["args"]),
                    {k: decode_arg(v) for k, v in d["kwargs"].items()}, d["out"], TensorRef.from_dict(d["out_view"]),
-                   d["out_variant"], ints(d["shape"]), d["dtype"])
+                   d["out_variant"], ints(d["shape"]), d["dtype"], tuple(ExternOut.from_dict(o) for o in outs))
 
 
 @dataclasses.dataclass(frozen=True)

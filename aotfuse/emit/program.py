@@ -4,7 +4,7 @@ Its schema (instructions, fields, versions) is aotfuse/contract/program.py and a
 """
 from __future__ import annotations
 
-from ..contract.program import (PROGRAM_VERSION, Alloc, Extern as ExternIns, Free, Launch, Program, ProgramInput,
+from ..contract.program import (PROGRAM_VERSION, Alloc, Extern as ExternIns, ExternOut, Free, Launch, Program, ProgramInput,
                                 Return, TensorRef, WeightSpec)
 from ..ir.loop import Extern, LoopGraph, TensorArg
 from ..schedule.fusion import Schedule
@@ -35,14 +35,25 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         b = bufs[name]
         return Alloc(name, -1 if own else alloc_of[name].offset, tuple(b.shape), b.dtype)
 
+    # multi-output externs: the call's further results (ir.loop.Extern.result), defined by its instruction
+    results: dict[str, list] = {}
+    for n in graph.nodes:
+        if isinstance(n, Extern) and n.result is not None:
+            results.setdefault(n.result[0], []).append(n)
     for step, g in enumerate(sched.groups):
         if g.kind == "extern":
             ext: Extern = nodes[g.nodes[0]]
+            if ext.result is not None:  # bound by its call's instruction (scheduled before it)
+                if step in frees:
+                    instrs.append(Free(tuple(frees[step])))
+                continue
             b = bufs[ext.name]
             if ext.name in alloc_of or ext.name in separate:
                 instrs.append(alloc(ext.name, ext.name not in alloc_of))
+            outs = tuple(ExternOut(r.name, program_arg(r.out), tuple(bufs[r.name].shape), bufs[r.name].dtype)
+                         for r in sorted(results.get(ext.name, ()), key=lambda r: r.result[1]))
             instrs.append(ExternIns(ext.target, program_arg(ext.args), {k: program_arg(v) for k, v in ext.kwargs},
-                                    ext.name, program_arg(ext.out), ext.out_variant, tuple(b.shape), b.dtype))
+                                    ext.name, program_arg(ext.out), ext.out_variant, tuple(b.shape), b.dtype, outs))
         else:
             k = kernels[g.name]
             instrs += [alloc(a.buf, a.buf in separate) for a in k.args if a.role == "out"]

@@ -195,6 +195,11 @@ class Extern:
     kwargs: tuple[tuple[str, Any], ...]
     out_variant: bool  # True: the runtime passes the planned buffer as out=; False: op returns a new tensor
     out: "TensorArg"  # the op's result as a strided view of this node's buffer
+    # A multi-output extern (it returns a tuple; never out_variant) is one node per result: the call,
+    # which writes result 0, then one node per further result i with result=(the call's name, i),
+    # the call's target, args=(the call's `out`,) (a whole-buffer read: ordered after the call), no
+    # kwargs. Scheduling treats each as an extern; the program emits one call that defines them all.
+    result: tuple[str, int] | None = None
 
 
 Node = Union[Pointwise, Reduction, Scan, Extern]

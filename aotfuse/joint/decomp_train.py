@@ -15,11 +15,13 @@ Notes
 - nll_loss uses the one-hot form `arange(C) == target[:, None]`; `ignore_index` rows get zero loss
   and zero gradient; reduction='mean' divides by the (weighted) count of non-ignored targets.
   A `joint.trace` pass recognises `eq(arange(C), target)` to record the target range [0, C).
-- scaled_dot_product_attention becomes its math form (bmm, scale, causal mask from an `arange`
-  comparison + `where`, softmax, bmm) so its backward is bmm + softmax-backward. The flash kernels
-  stay inference-only for now. dropout_p must be 0. The table entry exists, but aot_autograd
-  dispatches sdpa's CompositeImplicitAutograd kernel in C++ above autograd (it never reaches the
-  table); `sdpa_math_mode()` is the TorchFunctionMode that `trace_joint` uses to apply it.
+- scaled_dot_product_attention becomes the fused op `aotfuse::attention` (an extern; its backward
+  `aotfuse::attention_backward`, see runtime/attention.py), so no B x H x T x T tensor exists in the
+  training graphs. Where the fused ops cannot apply (`fused_attention_refusal`) it becomes its math
+  form (bmm, scale, causal mask from an `arange` comparison + `where`, softmax, bmm) whose backward
+  is bmm + softmax-backward. dropout_p must be 0. aot_autograd dispatches sdpa's
+  CompositeImplicitAutograd kernel in C++ above autograd (a table entry never sees it);
+  `sdpa_math_mode()` is the TorchFunctionMode that `trace_joint` uses to route it.
 - native_dropout(x, p, train) -> (x * mask * 1/(1-p), mask) with mask = `aten.rand(x.shape) >= p`
   (fp32 uniforms). The lowering implements `aten.rand.default` from a Philox seed input; the
   partitioner never recomputes it, so the mask drawn in the forward is the one the backward uses.
@@ -275,18 +277,74 @@ def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     return out.reshape(*batch, L, Ev)
 
 
+def fused_attention_refusal(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False) -> str | None:
+    """Why this attention call cannot use the fused ops (runtime/attention.py), or None when it can."""
+    from ..runtime.attention import shapes
+
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "query, key and value must be tensors"
+    why = shapes(tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                 None if attn_mask is None else tuple(attn_mask.shape), bool(enable_gqa))
+    if why:
+        return why
+    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
+        return f"query, key, value of dtypes {q.dtype}, {k.dtype}, {v.dtype}"
+    if attn_mask is not None:
+        if attn_mask.requires_grad:
+            return "the attention mask requires grad (the fused backward computes no mask gradient)"
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            return f"attention mask of dtype {attn_mask.dtype}"
+        if is_causal:
+            return "an attention mask with is_causal=True"
+    return None
+
+
 class sdpa_math_mode(TorchFunctionMode):
-    """Redirects F.scaled_dot_product_attention to `sdpa_math` while the joint graph is traced.
+    """Routes F.scaled_dot_product_attention while the joint graph is traced: to the fused op
+    `aotfuse::attention` (runtime/attention.py; its autograd formula puts `aotfuse::attention_backward`
+    in the backward, and the partition saves q, k, v, out and the fp32 logsumexp), or, where the fused
+    ops cannot apply (`fused_attention_refusal`: a mask that requires grad, 3-d inputs, a value head
+    dim other than the query's, ...), to its math form `sdpa_math`. Attention dropout is refused either way.
 
     sdpa's CompositeImplicitAutograd kernel picks a flash kernel above autograd, so a decomposition
-    table entry alone never sees it; this mode intercepts it at the torch-function level."""
+    table entry alone never sees it; this mode intercepts it at the torch-function level. `decisions`
+    records each call's choice (the partition report's "attention" list, shown by `aotfuse explain`)."""
+
+    def __init__(self, fused: bool = True):
+        super().__init__()
+        self.fused = fused
+        self.decisions: list[dict] = []
+
+    def new_run(self) -> None:
+        """The model's forward starts again (aot_autograd runs it more than once: metadata collection,
+        then the joint trace; each run makes the same calls): keep the last run's decisions."""
+        self.decisions = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention or \
                 func is torch._C._nn.scaled_dot_product_attention:
-            return sdpa_math(*args, **kwargs)
+            return self._sdpa(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p:
+            sdpa_math(q, k, v, dropout_p=dropout_p)  # raises the refusal, with its remedy
+        why = fused_attention_refusal(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) \
+            if self.fused else "fused attention is off"
+        i = len(self.decisions)
+        shape = [int(s) for s in q.shape]
+        if why is None:
+            from ..runtime.attention import attention
+
+            s = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+            self.decisions.append({"attention": i, "kernel": "fused", "query": shape, "causal": bool(is_causal),
+                                   "mask": attn_mask is not None, "gqa": bool(enable_gqa and k.shape[1] != q.shape[1]),
+                                   "why": "aotfuse::attention: no B x H x T x T tensor; saves q, k, v, out, lse"})
+            return attention(q, k, v, attn_mask, bool(is_causal), s, bool(enable_gqa))[0]
+        self.decisions.append({"attention": i, "kernel": "math", "query": shape, "why": why})
+        return sdpa_math(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 # ---------------------------------------------------------------- pooling / convolution

@@ -51,6 +51,7 @@ class JointGraph:
     call: dict | None = None
     outputs_tree: dict | None = None
     loss_leaf: int = 0
+    decisions: tuple = ()  # per attention call: fused or math, and why (decomp_train.sdpa_math_mode)
 
     @property
     def user_output_nodes(self) -> list:
@@ -404,7 +405,8 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     example_inputs = args + tuple(kw_tensors.values())
     wrapped = _TupleOut(model, len(args), tuple(kw_tensors), kw_consts, loss_index)
     try:
-        with _compiling(), sdpa_math_mode():
+        with _compiling(), sdpa_math_mode() as attention:
+            wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=0,
                                         decompositions=training_decompositions())
     except AotfuseError:
@@ -481,4 +483,5 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
                       seconds=time.perf_counter() - t0,
                       call={"positional": len(args), "keywords": list(kw_tensors)},
-                      outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf)
+                      outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf,
+                      decisions=tuple(attention.decisions))

@@ -127,6 +127,26 @@ class LoweringCtx:
         self.nodes.append(Extern(name, target, tuple(args), tuple(sorted(kwargs.items())), out_variant, out))
         return view
 
+    def extern_results(self, target: str, args: tuple, kwargs: dict, results) -> tuple[View, ...]:
+        """An extern returning a tuple of tensors (never an .out op): one View per result.
+        results: (shape, dtype, storage_perm or None) per result; the call node writes result 0,
+        each further result is a node of its own (ir.loop.Extern.result)."""
+        (shape0, dt0, perm0), rest = results[0], results[1:]
+        first = self.extern(target, args, kwargs, shape0, dt0, False, storage_perm=perm0)
+        call = self.nodes[-1]
+        views = [first]
+        for i, (shape, dtype, perm) in enumerate(rest, start=1):
+            name = self.fresh("ext")
+            shape = tuple(int(s) for s in shape)
+            stored = shape if perm is None else tuple(shape[p] for p in perm)
+            self.add_buffer(name, stored, dtype, "extern")
+            view = View.of_buffer(name, stored, dtype)
+            if perm is not None:
+                view = view.permute([perm.index(j) for j in range(len(perm))])
+            self.nodes.append(Extern(name, target, (call.out,), (), False, view.as_strided(), result=(call.name, i)))
+            views.append(view)
+        return tuple(views)
+
     def realize(self, view: View, why: str) -> View:
         """A contiguous copy of a view that is not strided (e.g. reshape of a permute)."""
         pv = syms("p", len(view.shape))

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.ops.aotfuse.*)
+
 from ..errors import UnsupportedOpError
 from ..ir.views import View
-from .ctx import out_dtype, out_shape
+from .ctx import dtype_name, out_dtype, out_shape
 from .matmul import add_bias, try_template
 from .rules import collector
 
@@ -110,6 +112,36 @@ def _sdpa(ctx, node, args, kwargs):
     kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
     return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),
                       False, storage_perm=perm)
+
+
+_BTHD = [0, 2, 1, 3]  # [B, H, T, E] results stored [B, T, H, E], as the flash kernels write them
+
+
+@rule(torch.ops.aotfuse.attention.default, category="extern",
+      note="training's fused attention (runtime/attention.py): (out [B,H,T,E] stored [B,T,H,E], lse fp32 [B,H,T])")
+def _attention(ctx, node, args, kwargs):
+    q, k, v, mask, causal, scale, gqa = args[:7]
+    tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
+    tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    out, lse = (node.meta["val"][i] for i in range(2))
+    ctx.decisions.append({"attention": node.name, "kernel": "fused", "why": "aotfuse::attention extern: out and "
+                          "logsumexp, no B x H x T x T tensor"})
+    return ctx.extern_results("aotfuse.attention.default", (tq, tk, tv, tm, bool(causal), float(scale), bool(gqa)), {},
+                              ((tuple(out.shape), dtype_name(out.dtype, node.name), _BTHD),
+                               (tuple(lse.shape), dtype_name(lse.dtype, node.name), None)))
+
+
+@rule(torch.ops.aotfuse.attention_backward.default, category="extern",
+      note="training's fused attention backward (runtime/attention.py): (dq, dk, dv), stored [B,T,H,E]")
+def _attention_backward(ctx, node, args, kwargs):
+    g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
+    tensors = [_targ(ctx, t, node, n) for t, n in zip((g, q, k, v), ("grad_out", "query", "key", "value"))]
+    tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    to, tl = _targ(ctx, out, node, "out"), _targ(ctx, lse, node, "lse")
+    vals = node.meta["val"]
+    return ctx.extern_results("aotfuse.attention_backward.default",
+                              (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},
+                              tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD) for x in vals))
 
 
 @rule(aten.embedding_dense_backward.default, category="extern")

@@ -25,8 +25,59 @@ def _spec(node, name: str) -> InputSpec:
     return InputSpec(name, tuple(int(s) for s in val.shape), val.dtype, kind)
 
 
+def _physical(val):
+    """The permutation that puts a dense, non-contiguous tensor's dims in memory order (its permute by it
+    is contiguous), or None for a contiguous tensor or one no permutation makes contiguous."""
+    import torch
+
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or val.is_contiguous():
+        return None
+    perm = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+    return perm if val.permute(perm).is_contiguous() else None
+
+
+def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int) -> list:
+    """Saved tensors cross from the forward program to the backward as contiguous buffers. One whose
+    layout is a permutation (fused attention's out, stored [B, T, H, E] for the [B, H, T, E] result)
+    is returned permuted into memory order (a free view in the forward) and permuted back in the
+    backward (a view), so nothing is copied. Returns the (saved index, permutation) pairs."""
+    import torch
+
+    aten = torch.ops.aten
+    out = next(n for n in reversed(fwd_gm.graph.nodes) if n.op == "output")
+    outs = list(out.args[0])
+    bph = _placeholders(bwd_gm)
+    done = []
+    for i, ph in enumerate(bph[:len(outs) - n_user]):
+        node = outs[n_user + i]
+        val = getattr(node, "meta", {}).get("val")
+        perm = _physical(val)
+        if perm is None or _physical(ph.meta.get("val")) != perm:
+            continue
+        with fwd_gm.graph.inserting_before(out):
+            fp = fwd_gm.graph.call_function(aten.permute.default, (node, perm))
+        fp.meta["val"] = val.permute(perm)
+        outs[n_user + i] = fp
+        inverse = [perm.index(d) for d in range(len(perm))]
+        logical = ph.meta["val"]
+        ph.meta["val"] = logical.permute(perm)
+        ph.meta.pop("tensor_meta", None)
+        with bwd_gm.graph.inserting_after(ph):
+            bp = bwd_gm.graph.call_function(aten.permute.default, (ph, inverse))
+        bp.meta["val"] = logical
+        ph.replace_all_uses_with(bp, delete_user_cb=lambda u: u is not bp)
+        done.append((i, perm))
+    if done:
+        out.args = (tuple(outs),)
+        for gm in (fwd_gm, bwd_gm):
+            gm.graph.lint()
+            gm.recompile()
+    return done
+
+
 def train_graphs(joint, part):
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
+    _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_user_outputs)
     fph = _placeholders(part.fwd_gm)
     if len(fph) != n_p + n_b + len(joint.inputs):
         raise BuildError(f"forward graph has {len(fph)} placeholders; expected params+buffers+inputs = "

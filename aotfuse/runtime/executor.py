@@ -174,10 +174,15 @@ class Executor:
             out = self._slot(ins.out)
             if not ins.out_variant:
                 self.per_call.add(out)  # the op allocates its result
+            # a multi-output op's further results: (slot, view, shape, dtype, contiguous strides) each
+            more = tuple((self._slot(o.out), _View(self._slot(o.out), o.out_view), o.shape, torch_dtype(o.dtype),
+                          _contig_strides(o.shape)) for o in ins.outs)
+            self.per_call.update(m[0] for m in more)
             self.n_externs += 1
             return ("extern", self.n_externs - 1, resolve(ins.target), self._arg(ins.args),
                     {k: self._arg(v) for k, v in ins.kwargs.items()}, ins.out_variant,
-                    _View(out, ins.out_view), out, ins.shape, torch_dtype(ins.dtype), _contig_strides(ins.shape))
+                    _View(out, ins.out_view), out, ins.shape, torch_dtype(ins.dtype), _contig_strides(ins.shape),
+                    more)
         if isinstance(ins, Free):
             return ("free", tuple(s for s in (self._slots.get(b) for b in ins.bufs) if s is not None))
         if isinstance(ins, Return):
@@ -262,7 +267,7 @@ class Executor:
         return a
 
     def _extern(self, st: State, step, env, addr) -> None:
-        _, i, fn, _a, _k, out_variant, ov, out, shape, dtype, contig = step
+        _, i, fn, _a, _k, out_variant, ov, out, shape, dtype, contig, more = step
         args, kwargs, outv, dynamic = st.externs[i]
         if dynamic:
             args = [self._decode(a, env) for a in args]
@@ -273,6 +278,18 @@ class Executor:
             fn(*args, **kwargs, out=outv)
             return
         result = fn(*args, **kwargs)
+        if more:  # a tuple of results: the first binds `out`, the others their own buffers
+            if not isinstance(result, (tuple, list)) or len(result) != len(more) + 1:
+                raise ArchiveError(f"extern returned {type(result).__name__}, the program expects {len(more) + 1} "
+                                   "results")
+            for r, (slot, rv, rshape, rdt, rcontig) in zip(result[1:], more):
+                self._bind(env, addr, r, rv, slot, rshape, rdt, rcontig)
+            result = result[0]
+        self._bind(env, addr, result, ov, out, shape, dtype, contig)
+
+    @staticmethod
+    def _bind(env, addr, result, ov, out, shape, dtype, contig) -> None:
+        """An op's result as buffer `out`: bound as it is when it has the planned layout, else copied."""
         t = None
         if result.stride() == ov.stride:
             # The op wrote the layout we planned for (e.g. flash attention's [B, T, H, D]): bind it.

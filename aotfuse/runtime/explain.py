@@ -19,6 +19,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['addmm']}: {'kept as addmm' if d['kept'] else 'mm + bias add'} ({d['why']})"
     if "realize" in d:
         return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})"
+    if "attention" in d:
+        return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
     if "folded" in d:
         return f"  {d['folded']}: folded at build time into constant {d['into']}"
     if "matmul" in d:  # template or cuBLAS (schedule/templates.py)
@@ -86,6 +88,8 @@ def _partition_lines(part: dict) -> list[str]:
     for s in part["saved"]:
         packed = " (bit-packed)" if s.get("packed") else ""
         out.append(f"  saved {s['name']}: {s['nbytes']} B from {s['producer_op']}{packed}: {s['why']}")
+    for a in part.get("attention", []):
+        out.append(f"  attention {a.get('attention')} {a.get('query')}: {a.get('kernel')} ({a.get('why')})")
     rec = part.get("recomputed", [])
     names = [f"{r['name']} ({r['op']})" for r in rec]
     out.append(f"  recomputed in the backward ({len(rec)}): {', '.join(names)}")

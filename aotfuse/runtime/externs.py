@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from ..errors import ArchiveError
+from . import attention as _attention  # defines aotfuse::attention and aotfuse::attention_backward
 
 aten = torch.ops.aten
 
@@ -44,6 +45,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(aten.addmm.default, (aten.addmm.out, aten.mm.out)),
     ExternOp(aten.bmm.default, (aten.bmm.out,)),
     ExternOp(aten.embedding_dense_backward.default, (aten.embedding_dense_backward.out,), inference=False),
+    # training's fused attention (runtime/attention.py): multi-output externs, (out, lse) and (dq, dk, dv)
+    ExternOp(_attention.attention, (_attention.attention,), inference=False),
+    ExternOp(_attention.attention_backward, (_attention.attention_backward,), inference=False),
 )
 
 ALLOWED = {_name(c): c for e in EXTERNS for c in e.calls}

@@ -29,7 +29,7 @@ from ..contract.program import check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
-from .validate_extern import _Ref, _flat, _meta_check, _overlaps
+from .validate_extern import _Ref, _flat, _meta_check, _multi_check, _overlaps
 from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, KERNEL_PTR_ALIGN, KINDS,
                               MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS,
                               MAX_NUMEL, NUM_WARPS, _align, _bool, _dict,
@@ -405,6 +405,9 @@ def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
 
 def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     _dict(ins, where, ("target", "args", "kwargs", "out", "out_view", "out_variant", "shape", "dtype"))
+    if "outs" in ins:
+        _extern_results(w, ins, where)
+        return
     target = ins["target"]
     fn = ALLOWED.get(target) if type(target) is str else None
     if fn is None:
@@ -440,6 +443,49 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     if _numel(ov["shape"]) != buf.numel:  # the writer makes every output a (permuted) view of all of it
         _fail(where, f"out_view holds {_numel(ov['shape'])} of the output's {buf.numel} elements")
     _meta_check(fn, args, kwargs, ov, dtype, where)
+
+
+def _extern_results(w: _Walk, ins: dict, where: str) -> None:
+    """A multi-output extern (version 3+): a non-out op returning a tuple, whose results define `out`
+    then each of `outs`; its arguments and every result are checked by the op's written-out rule."""
+    if w.prog["version"] < 3:
+        _fail(where, f"a version {w.prog['version']} program has no multi-output externs ('outs' is version 3+)")
+    target = ins["target"]
+    fn = ALLOWED.get(target) if type(target) is str else None
+    if fn is None:
+        _fail(where, f"calls {_short(target)}, which is not on the runtime's extern allow-list")
+    if _bool(ins["out_variant"], f"{where}: out_variant"):
+        _fail(where, "a multi-output extern is never an out variant")
+    extra = _list(ins["outs"], f"{where}: outs", 1, 8)
+    results = [{"out": ins["out"], "out_view": ins["out_view"], "shape": ins["shape"], "dtype": ins["dtype"]}]
+    for j, r in enumerate(extra):
+        results.append(_dict(r, f"{where}: outs[{j}]", ("out", "out_view", "shape", "dtype")))
+    args = [_arg(w, a, f"{where}: argument {j}", 1) for j, a in enumerate(_list(ins["args"], f"{where}: args", 0, 32))]
+    kwargs = _dict(ins["kwargs"], f"{where}: kwargs")
+    for key in kwargs:
+        if type(key) is not str or not _IDENT.match(key) or key == "out":
+            _fail(where, f"keyword argument {_short(key)} is not allowed")
+    kwargs = {key: _arg(w, v, f"{where}: keyword {key}", 1) for key, v in kwargs.items()}
+    names = [r["out"] for r in results]
+    if any(isinstance(a, _Ref) and a.name in names for a in _flat(args + list(kwargs.values()))):
+        _fail(where, "reads one of its own outputs")
+    declared = []
+    for j, r in enumerate(results):
+        rw = f"{where}: result {j}"
+        dtype, shape = _dtype(r["dtype"], f"{rw} dtype"), _shape(r["shape"], f"{rw} shape")
+        out = _str(r["out"], f"{rw} out")
+        buf = _Buf(dtype, shape, "extern")
+        w._define(out, buf, rw)
+        w.own_bytes += buf.numel * ITEMSIZE[dtype]
+        _, ov = w._view(r["out_view"], f"{rw} out_view")
+        if ov["t"] != out:
+            _fail(rw, f"out_view is a view of {ov['t']!r}, not of the output {out!r}")
+        if _overlaps(ov["shape"], ov["stride"]):
+            _fail(rw, f"out_view strides {ov['stride']} make elements overlap")
+        if _numel(ov["shape"]) != buf.numel:
+            _fail(rw, f"out_view holds {_numel(ov['shape'])} of the output's {buf.numel} elements")
+        declared.append((dtype, tuple(ov["shape"])))
+    _multi_check(fn, args, kwargs, declared, where)
 
 
 def _arg(w: _Walk, a, where: str, depth: int):

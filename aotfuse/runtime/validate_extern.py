@@ -111,6 +111,69 @@ def _sdpa_shape(args: list, kwargs: dict, where: str) -> tuple:
 _SHAPE_RULES = {"addmm": _addmm_shape, "scaled_dot_product_attention": _sdpa_shape}
 
 
+# ---------------------------------------------------------------- multi-output externs
+
+def _attention_args(args: list, first: int, where: str):
+    """query, key, value, attn_mask at args[first:first + 4], then is_causal, scale, enable_gqa at the end."""
+    q, k, v = (_tensor(a, n, where, 4) for a, n in zip(args[first:first + 3], ("query", "key", "value")))
+    mask = args[first + 3]
+    if mask is not None:
+        mask = _tensor(mask, "attn_mask", where)
+        if mask.dtype != "bool" and mask.dtype != q.dtype:
+            _fail(where, f"attention: attn_mask is {mask.dtype}, expected bool or {q.dtype}")
+    causal, scale, gqa = args[-3:]
+    if type(causal) is not bool or type(gqa) is not bool or type(scale) not in (int, float):
+        _fail(where, f"attention: is_causal, scale, enable_gqa are {_short(causal)}, {_short(scale)}, {_short(gqa)}")
+    from .attention import shapes
+
+    why = shapes(q.shape, k.shape, v.shape, None if mask is None else mask.shape, gqa)
+    if why:
+        _fail(where, f"attention: {why}")
+    if len({q.dtype, k.dtype, v.dtype}) != 1 or q.dtype not in ("float32", "float16", "bfloat16", "float64"):
+        _fail(where, f"attention: query, key, value of dtypes {q.dtype}, {k.dtype}, {v.dtype}")
+    return q, k, v
+
+
+def _attention_results(args: list, kwargs: dict, where: str) -> list:
+    # attention(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> (out, lse float32 [B, H, T])
+    if len(args) != 7 or kwargs:
+        _fail(where, f"aotfuse::attention takes 7 positional arguments; got {len(args)} and {sorted(kwargs)}")
+    q, _, _ = _attention_args(args, 0, where)
+    return [(q.dtype, q.shape), ("float32", q.shape[:3])]
+
+
+def _attention_backward_results(args: list, kwargs: dict, where: str) -> list:
+    # attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa)
+    #   -> (grad_query, grad_key, grad_value)
+    if len(args) != 10 or kwargs:
+        _fail(where, f"aotfuse::attention_backward takes 10 positional arguments; got {len(args)} and {sorted(kwargs)}")
+    q, k, v = _attention_args(args[:5] + args[7:], 1, where)
+    g, out, lse = (_tensor(a, n, where) for a, n in zip((args[0], args[5], args[6]), ("grad_out", "out", "lse")))
+    for t, name in ((g, "grad_out"), (out, "out")):
+        if (t.dtype, t.shape) != (q.dtype, q.shape):
+            _fail(where, f"attention backward: {name} is {t.dtype}{list(t.shape)}, expected {q.dtype}{list(q.shape)}")
+    if (lse.dtype, lse.shape) != ("float32", q.shape[:3]):
+        _fail(where, f"attention backward: lse is {lse.dtype}{list(lse.shape)}, expected float32{list(q.shape[:3])}")
+    return [(q.dtype, q.shape), (k.dtype, k.shape), (v.dtype, v.shape)]
+
+
+_RESULT_RULES = {"aotfuse::attention": _attention_results, "aotfuse::attention_backward": _attention_backward_results}
+
+
+def _multi_check(fn, args: list, kwargs: dict, declared: list, where: str) -> None:
+    """A multi-output extern: its written-out rule gives (dtype, shape) per result; the program's
+    results must be exactly those."""
+    rule = _RESULT_RULES.get(fn._schema.name)
+    if rule is None:
+        _fail(where, f"{fn} is not a multi-output extern")
+    want = rule(args, kwargs, where)
+    if len(want) != len(declared):
+        _fail(where, f"{fn} returns {len(want)} results, the program binds {len(declared)}")
+    for j, ((wd, ws), (dd, ds)) in enumerate(zip(want, declared)):
+        if (wd, tuple(ws)) != (dd, tuple(ds)):
+            _fail(where, f"{fn} result {j} is {wd}{list(ws)}, the program's view is {dd}{list(ds)}")
+
+
 def _overlaps(shape: list, stride: list) -> bool:
     """Whether two indices of a strided view reach the same element."""
     dims = sorted((s, d) for d, s in zip(shape, stride) if d > 1)

@@ -401,9 +401,27 @@ class _EmbeddingLoss(nn.Module):
         return (self.emb(idx) ** 2).sum()
 
 
+class _AttentionLoss(nn.Module):
+    """Fused attention in training (runtime/attention.py): causal with GQA, and a boolean mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x, mask):
+        q = x @ self.w
+        k, v = x[:, :2] @ self.w, x[:, :2]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b = F.scaled_dot_product_attention(q, x, x, attn_mask=mask)
+        return (a * b).sum()
+
+
 TRAIN_CASES: list[OpCase] = [
     OpCase("embedding_backward", lambda dt: (_EmbeddingLoss().to(dt).train(), (torch.randint(0, 11, (3, 4)),)),
            ("aten.embedding_dense_backward.default",)),
+    OpCase("attention_train", lambda dt: (_AttentionLoss().to(dt), (randn(2, 4, 6, 8, dtype=dt),
+                                                                    (torch.rand(2, 1, 6, 6) > 0.3) | torch.eye(6, dtype=torch.bool))),
+           ("aotfuse.attention.default", "aotfuse.attention_backward.default")),
 ]
 
 
@@ -447,6 +465,7 @@ DECOMPOSED = "decomposed"  # torch.export's core-ATen table or ours rewrites it 
 IMPLICIT = "implicit"  # CompositeImplicitAutograd: traced into other ops before the graph exists
 REWRITTEN = "rewritten"  # export's functionalization replaces it (checked by exporting op(x))
 BACKWARD = "backward"  # only in the backward graphs of train builds, which the op table does not build
+TRAIN = "train"  # only in train builds (an op of the joint trace's own, not of export's): a TRAIN_CASES case builds it
 
 UNTESTED: dict[str, tuple[str, str]] = {
     # op -> (kind, reason). tests/test_ops_cpu.py checks each kind against torch.
@@ -480,6 +499,8 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aten.contiguous.default": (IMPLICIT, "traced into aten.clone (or nothing)"),
     "aten.lift_fresh_copy.default": (REWRITTEN, "export functionalizes it into aten.clone"),
     "aten.embedding_dense_backward.default": (BACKWARD, "the gradient of aten.embedding"),
+    "aotfuse.attention.default": (TRAIN, "training's fused attention (tests/test_train_attention.py)"),
+    "aotfuse.attention_backward.default": (TRAIN, "the gradient of aotfuse.attention"),
     "aten.max_pool2d_with_indices_backward.default": (BACKWARD, "the gradient of max-pool with overlapping "
                                                       "windows (tests/test_train_ops_cpu.py)"),
     "aten.avg_pool2d_backward.default": (BACKWARD, "the gradient of avg_pool2d (tests/test_train_ops_cpu.py)"),

@@ -1,0 +1,183 @@
+"""Training keeps attention fused (issue 9, point 1): `aotfuse::attention` in the forward and
+`aotfuse::attention_backward` in the backward, as multi-output externs. No B x H x T x T tensor is
+materialized or saved; the partition saves q, k, v, out and the fp32 logsumexp. Causal, padding-mask
+and GQA variants, on the CPU path (externs as aten calls, kernels in Triton's interpreter)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.archive import read_archive
+from aotfuse.contract import PROGRAM_VERSION
+from aotfuse.examples.gpt import demo_train
+from aotfuse.joint import trace_joint
+from aotfuse.runtime.attention import attention, attention_backward
+from aotfuse.runtime.payload import read_payload, read_report
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class _Attn(nn.Module):
+    """x -> qkv -> attention (causal + padding mask as one boolean mask, or GQA) -> proj -> mse loss."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=4, masked=False, causal=True):
+        super().__init__()
+        self.h, self.hk, self.d = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.d)
+        self.proj = nn.Linear(dim, dim)
+        self.masked, self.causal = masked, causal
+
+    def forward(self, x, keep, target):
+        b, t, c = x.shape
+        q = self.q(x).view(b, t, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.hk, self.d).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.masked:  # causal and padding: one boolean [B, 1, T, T] mask (sdpa refuses a mask with is_causal)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            mask = causal & keep[:, None, None, :]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.hk != self.h)
+        y = self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return F.mse_loss(y, target)
+
+
+def _attn_case(**kw):
+    torch.manual_seed(0)
+    model = _Attn(**kw)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 32, generator=g)
+    keep = torch.ones(2, 16, dtype=torch.bool)
+    keep[1, 11:] = False  # the second sequence is padded
+    return model, (x, keep, torch.randn(2, 16, 32, generator=g))
+
+
+CASES = {
+    "gpt": lambda: demo_train(dropout=0.0),
+    "causal_padding_mask": lambda: _attn_case(masked=True),
+    "gqa": lambda: _attn_case(kv_heads=2),
+}
+_ATT_SHAPES = {"gpt": (2, 4, 64), "causal_padding_mask": (2, 4, 16), "gqa": (2, 4, 16)}  # B, H, T
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def built():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model, inputs = CASES[name]()
+            cache[name] = (model, inputs, aotfuse.build(model, inputs, train=True, targets=("sm_90",)))
+        return cache[name]
+    return get
+
+
+def _all_shapes(data: bytes) -> dict:
+    """program -> every tensor shape its instructions define or read (allocs, inputs, extern results)."""
+    with read_archive(data) as ar:
+        payload = read_payload(ar)
+    out = {}
+    for name, prog in payload.programs.items():
+        shapes = [tuple(i.shape) for i in prog.inputs]
+        for ins in prog.instructions:
+            if ins.op == "alloc":
+                shapes.append(tuple(ins.shape))
+            elif ins.op == "extern":
+                shapes.append(tuple(ins.out_view.shape))
+                shapes += [tuple(o.out_view.shape) for o in ins.outs]
+        out[name] = (shapes, prog)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fused_attention_loss_and_every_gradient_match_eager(built, name):
+    model, inputs, res = built(name)
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    loss = mod(*inputs)
+    loss.backward()
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(*inputs)
+    ref.backward()
+    assert rel(loss, ref) < 1e-4, (float(loss), float(ref))
+    ref_params = dict(ref_model.named_parameters())
+    for n, p in mod.named_parameters():
+        assert rel(p.grad, ref_params[n].grad) < 1e-4, n
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_b_h_t_t_tensor_and_the_partition_saves_q_k_v_out_lse(built, name):
+    _, _, res = built(name)
+    b, h, t = _ATT_SHAPES[name]
+    progs = _all_shapes(res.data)
+    for pname, (shapes, prog) in progs.items():
+        assert prog.version == PROGRAM_VERSION == 3
+        assert not [s for s in shapes if len(s) == 4 and s[0] == b and s[-2:] == (t, t) and s[1] in (h, 1) and
+                    s[1] == h], (pname, sorted(set(shapes)))
+        assert not [s for s in shapes if s[-2:] == (t, t) and len(s) >= 3 and s[-3] == h], (pname, sorted(set(shapes)))
+    fwd = [i for i in progs["forward"][1].instructions if i.op == "extern" and "attention" in i.target]
+    bwd = [i for i in progs["backward"][1].instructions if i.op == "extern" and "attention" in i.target]
+    assert fwd and {i.target for i in fwd} == {"aotfuse.attention.default"}
+    assert len(bwd) == len(fwd) and {i.target for i in bwd} == {"aotfuse.attention_backward.default"}
+    assert all(len(i.outs) == 1 for i in fwd) and all(len(i.outs) == 2 for i in bwd)
+    with read_archive(res.data) as ar:
+        part = read_report(ar).partition
+    acts = [s for s in part["saved"] if s["kind"] == "activation"]
+    assert not [s for s in acts if len(s["shape"]) >= 2 and s["shape"][-2:] == [t, t]], acts
+    lse = [s for s in acts if s["shape"] == [b, h, t] and s["dtype"] == "float32"]
+    assert len(lse) == len(fwd), acts  # one logsumexp per attention
+    assert [a["kernel"] for a in part["attention"]] == ["fused"] * len(fwd)
+    from aotfuse.runtime.explain import explain
+
+    assert "attention 0" in explain(res.data) and "kept whole" in explain(res.data)
+
+
+def test_mask_that_requires_grad_falls_back_to_the_math_form_with_a_recorded_reason():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(1, 1, 8, 8))
+
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).sum()
+
+    q = torch.randn(1, 2, 8, 4)
+    joint = trace_joint(M(), (q, q, q))
+    assert [d["kernel"] for d in joint.decisions] == ["math"]
+    assert "requires grad" in joint.decisions[0]["why"]
+    assert not [n for n in joint.gm.graph.nodes if "aotfuse" in str(n.target)]
+
+
+def test_attention_ops_match_sdpa_with_gqa_and_masks():
+    torch.manual_seed(0)
+    for gqa, causal, mask in ((False, True, None), (True, True, None), (False, False, "bool"), (True, False, "float")):
+        b, h, hk, t, e = 2, 4, 2 if gqa else 4, 16, 8
+        q = torch.randn(b, h, t, e, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(b, hk, t, e, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(b, hk, t, e, dtype=torch.float64, requires_grad=True)
+        m = None
+        if mask == "bool":
+            m = torch.rand(b, 1, t, t) > 0.3
+            m[..., 0] = True
+        elif mask == "float":
+            m = torch.randn(b, 1, 1, t, dtype=torch.float64)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, enable_gqa=gqa)
+        g = torch.randn_like(ref)
+        want = torch.autograd.grad(ref, (q, k, v), g)
+        out, lse = attention(q, k, v, m, causal, e ** -0.5, gqa)
+        assert lse.shape == (b, h, t) and lse.dtype == torch.float32 and lse.is_contiguous()
+        assert out.stride() == out.transpose(1, 2).contiguous().transpose(1, 2).stride()  # [B, T, H, E] storage
+        torch.testing.assert_close(out, ref)
+        got = attention_backward(g, q, k, v, m, out, lse, causal, e ** -0.5, gqa)
+        for x, y in zip(got, want):  # the contract's lse is float32, also for float64 inputs
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
