@@ -128,6 +128,43 @@ def test_template_numerics_odd_sizes(dtype):
             assert rel_err(o, r32) <= max(2e-2, 2 * rel_err(r, r32))
 
 
+class PerBatchScalars(torch.nn.Module):
+    """Reads that depend only on the batch program id: a per-(batch, head) scale and mask added in a
+    4-D matmul's epilogue (BERT's attention scores), and a per-batch scalar expanded into a bmm operand
+    whose K the tile does not divide (a masked operand load)."""
+
+    def forward(self, q, k, scale, mask, v, s):
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale + mask
+        b, _, d = v.shape
+        return scores, torch.bmm(v, s.expand(b, d, 12)) + 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_template_per_batch_scalar_reads(dtype):
+    model = PerBatchScalars()
+    shapes = [(2, 4, 16, 8), (2, 4, 24, 8), (2, 4, 1, 1), (2, 4, 1, 1), (3, 16, 8), (3, 1, 1)]
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(sh, generator=g).to(dtype) for sh in shapes)
+
+    with override(mm="template"):
+        res = aotfuse.build(model, inputs(0), targets=("sm_90",))
+    assert [d["choice"] for d in res.report.lowering if "matmul" in d] == ["template", "template"]
+    art = aotfuse.load(res.data, device="cpu")
+    for seed in (1, 2):  # fresh inputs, not the ones the build saw
+        ins = inputs(seed)
+        outs = art(*ins)
+        refs = model(*ins)
+        ref32 = model(*[t.float() for t in ins])
+        for o, r, r32 in zip(outs, refs, ref32):
+            assert o.dtype == dtype and o.shape == r.shape
+            if dtype == torch.float32:
+                assert rel_err(o, r) < 1e-5
+            else:
+                assert rel_err(o, r32) <= max(2e-2, 2 * rel_err(r, r32))
+
+
 def test_epilogue_fused_and_refusals_explained():
     class Soft(torch.nn.Module):
         def __init__(self):

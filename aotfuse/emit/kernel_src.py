@@ -254,7 +254,13 @@ class _Emitter:
             raise BuildError(f"internal: fused read of {name} at {index} but it is held at {want}",
                              remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
         if isinstance(node, Reduction):
-            return self.red_vars[name]
+            if name in self.red_vars:  # computed at an earlier level (a template's matmul: its accumulator)
+                return self.red_vars[name]
+            if self.kind != "pointwise":
+                raise BuildError(f"internal: {name} is read before its reduction is computed",
+                                 remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
+            # A pointwise kernel (r = 1) holds reductions over one element only (an adaptive pool
+            # or a mean of 1x1 maps): the value is that element, emitted like a pointwise body.
         saved = self.ctx
         self.ctx = "xr" if self.kind != "pointwise" and node.numel != self.xnumel else "x"
         try:
@@ -269,7 +275,8 @@ def _kernelize(node, x: int, r: int):
     rng = {SX: x, SR: r}
     if isinstance(node, Reduction):
         mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
-        mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges))))
+        # r = 1 (one element per row: the group runs as a pointwise kernel, which has no rindex)
+        mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges) if r > 1 else [sympy.Integer(0)] * len(node.rvars))))
         store = SX
     elif isinstance(node, Scan):  # rows: the other dims, in order; columns: the scanned dim
         outer = [i for i in range(len(node.ranges)) if i != node.dim]

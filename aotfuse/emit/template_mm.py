@@ -39,8 +39,10 @@ SK = sympy.Symbol("sk", integer=True, nonnegative=True)
 class _Operand:
     """Writes one operand expression on a 2-D tile, with its own CSE."""
 
-    def __init__(self, lines: list, args: dict, names: dict, mask: str | None, tag: str, depth: int):
+    def __init__(self, lines: list, args: dict, names: dict, mask: str | None, tag: str, depth: int,
+                 bcast: str | None = None):
         self.lines, self.args, self.names, self.mask, self.tag, self.depth = lines, args, names, mask, tag, depth
+        self.bcast = bcast  # a block term of the mask's shape (0 * rk): a masked load needs a block pointer
         self.memo: dict = {}
         self.n = 0
 
@@ -57,7 +59,12 @@ class _Operand:
         if isinstance(e, Load):
             idx = print_index(e.index, self.names)
             ptr = f"{self.args[e.buf]} + {idx}"
-            code = f"tl.load({ptr}, {self.mask}, other=0)" if self.mask and e.index.free_symbols else f"tl.load({ptr})"
+            if self.mask and e.index.free_symbols:
+                if not e.index.free_symbols - {SB}:  # one element per batch (pid_b): a scalar pointer
+                    ptr = f"{ptr} + {self.bcast}"
+                code = f"tl.load({ptr}, {self.mask}, other=0)"
+            else:
+                code = f"tl.load({ptr})"
         elif isinstance(e, Const):
             code = f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         elif isinstance(e, IndexValue):
@@ -103,7 +110,10 @@ class _EpilogueEmitter(_Emitter):
     def _code(self, e):
         if isinstance(e, Load) and e.buf not in self.members and e.index.free_symbols:
             idx = simplify(sympy.sympify(e.index).xreplace({SX: self.flat_to}), self.rng)
-            return f"tl.load({self.args[e.buf]} + {print_index(idx, self.names)}, {self.mask()}, other=0)"
+            ptr = f"{self.args[e.buf]} + {print_index(idx, self.names)}"
+            if not idx.free_symbols - {SB}:  # one element per tile (a per-(batch, head) scale or mask):
+                ptr = f"{ptr} + 0 * xindex"  # pid_b is a scalar; the masked load needs a block pointer
+            return f"tl.load({ptr}, {self.mask()}, other=0)"
         return super()._code(e)
 
 
@@ -178,9 +188,9 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     w(f"        rk = k0 + tl.arange(0, {bk})")
     kmask = k % bk != 0
     la = _Operand(L, in_name, {SB: "pid_b", SM: "ram[:, None]", SK: "rk[None, :]"},
-                  "rk[None, :] < " + str(k) if kmask else None, "a", 2)
+                  "rk[None, :] < " + str(k) if kmask else None, "a", 2, "0 * rk[None, :]")
     lb = _Operand(L, in_name, {SB: "pid_b", SK: "rk[:, None]", SN: "rbn[None, :]"},
-                  "rk[:, None] < " + str(k) if kmask else None, "b", 2)
+                  "rk[:, None] < " + str(k) if kmask else None, "b", 2, "0 * rk[:, None]")
     dt = TL_DTYPE[mm.dot_dtype]
     a_val, b_val = la.emit(lhs), lb.emit(rhs)
     if kmask and _has_ops(lhs):  # a computed prologue need not be 0 where its loads were masked

@@ -100,9 +100,11 @@ def _plain_signature(fn: ast.FunctionDef) -> bool:
 def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable]:
     import triton
 
+    from .interpret_cast import patch_interpreter_bf16_cast
     from .interpret_dot import patch_interpreter_dot
 
     patch_interpreter_dot()  # tl.dot of bfloat16 tiles (matmul templates): see interpret_dot.py
+    patch_interpreter_bf16_cast()  # float32 -> bfloat16 rounds to nearest even, as on the GPU
     launchers = {}
     # interpret=True makes `@triton.jit` in the stored source build interpreter functions; the knob
     # is process-wide, so no other thread may define or compile a kernel meanwhile.
