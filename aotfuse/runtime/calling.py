@@ -27,6 +27,8 @@ def flatten(call: dict | None, args: Sequence[Any], kwargs: dict[str, Any]) -> t
                              remedy="build it with example_kwargs= to call it with keywords")
         return tuple(args)
     n, names = call["inputs"]["positional"], list(call["inputs"]["keywords"])
+    if not names and not kwargs:
+        return tuple(args)  # positional only: the input guards check the count, naming the inputs
     if len(args) != n:
         how = f"and keywords {', '.join(names)}" if names else "and no keywords"
         raise GuardError(f"expected {n} positional input(s) {how}, got {len(args)} positional",
