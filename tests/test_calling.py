@@ -56,12 +56,14 @@ def test_keywords_in_model_structure_out(built):
     for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     assert art.run("forward", x, b, lab)[1].shape == (3, 5)  # flat program inputs still work
+    flat = art(x, b, lab)  # every input positionally, in program order: the same call
+    torch.testing.assert_close(flat.logits, got.logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda art, x, b, lab: art(x, bias=b), "missing keyword input.*labels"),
     (lambda art, x, b, lab: art(x, bias=b, labels=lab, scale=2.0), "unknown keyword input.*scale"),
-    (lambda art, x, b, lab: art(x, b, lab), "expected 1 positional"),
+    (lambda art, x, b, lab: art(x, b), "expected 1 positional"),
 ])
 def test_bad_calls_name_the_input(built, call, match):
     art = aotfuse.load(built[1].data, device="cpu")

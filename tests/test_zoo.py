@@ -80,8 +80,11 @@ def test_zoo_matches_eager(entry, mode, dtype):
         if hasattr(eager, "keys"):
             assert call["outputs"]["kind"] == "dict" and call["outputs"]["keys"] == list(eager.keys())
             assert call["outputs"]["class"].endswith(type(eager).__qualname__)
-        outs = art(*flat)
-        outs = list(outs) if isinstance(outs, tuple) else [outs]
+        got = art(*inputs[0], **inputs[1])  # called as the model is: keywords in, its output structure out
+        if hasattr(eager, "keys"):
+            assert type(got).__name__ == type(eager).__name__ and list(got.keys()) == list(eager.keys())
+        outs = output_leaves(got)
+        assert len(flat) == len(art.input_specs)
         refs = output_leaves(eager)
         assert len(outs) == len(refs)
         for i, (o, r) in enumerate(zip(outs, refs)):
@@ -95,7 +98,7 @@ def test_zoo_matches_eager(entry, mode, dtype):
                 assert err <= max(TOL[dtype], 2 * eager_err), f"{entry.name} output {i}: {err:.2e} (eager {eager_err:.2e})"
         return
     mod = art.as_module()
-    loss = mod(*flat)
+    loss = loss_of(mod(*inputs[0], **inputs[1]))
     loss.backward()
     ref = loss_of(ex.call(ref_model, inputs))
     ref.backward()
@@ -150,7 +153,9 @@ def test_keyword_inputs_are_named_and_ordered_by_signature():
     art = aotfuse.load(res.data, device="cpu")
     assert [s_.name for s_ in art.input_specs] == ["x", "scale"]
     x2, s2 = torch.randn(3, 4), torch.randn(3, 4)
-    y, z = art(x2, s2)
+    out = art(x2, scale=s2)
+    assert type(out) is dict and list(out) == ["y", "z"]
+    y, z = out["y"], out["z"]
     ref = m(x2, scale=s2)
     assert torch.allclose(y, ref["y"], atol=1e-5) and torch.allclose(z, ref["z"], atol=1e-5)
 
@@ -164,7 +169,7 @@ def test_train_with_labels_keyword_and_tied_weights():
     mod = aotfuse.load(res.data, device="cpu").as_module()
     assert {n for n, _ in mod.named_parameters()} == {"a.weight", "a.bias", "b.bias"}  # the tied weight once
     x2, lab2 = torch.randn(3, 4), torch.randint(0, 4, (3,))
-    loss = mod(x2, lab2)
+    loss = loss_of(mod(x2, labels=lab2))
     loss.backward()
     ref = copy.deepcopy(m)
     ref_loss = ref(x2, labels=lab2)["loss"]

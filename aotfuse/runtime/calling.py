@@ -4,7 +4,8 @@ The manifest's `call` (aotfuse/contract/manifest.py; FORMAT.md) records how the 
 inputs and outputs map to the model's call: `inputs = {positional: n, keywords: [name, ...]}` (the
 n positional tensors, then the keyword tensors in this order) and `outputs`, a tree whose leaves
 are the program's outputs in order. `flatten` turns `(args, kwargs)` into the flat inputs, refusing
-a missing or unknown keyword by name; `rebuild` turns the flat outputs into the tree: tuples and
+a missing or unknown keyword by name (all inputs passed positionally, in program order, are accepted
+as they are); `rebuild` turns the flat outputs into the tree: tuples and
 lists as such, dicts as dicts. A dict node names the model's output class (a transformers
 ModelOutput, say): when that class's module is already imported and the class is a dict subclass,
 the result is an instance of it (so `out.loss`, `out.logits` work as with the model); the runtime
@@ -27,8 +28,10 @@ def flatten(call: dict | None, args: Sequence[Any], kwargs: dict[str, Any]) -> t
                              remedy="build it with example_kwargs= to call it with keywords")
         return tuple(args)
     n, names = call["inputs"]["positional"], list(call["inputs"]["keywords"])
-    if not names and not kwargs:
-        return tuple(args)  # positional only: the input guards check the count, naming the inputs
+    if not kwargs and (not names or len(args) == n + len(names)):
+        # positional only, or every input flat in program order (as `Artifact.run` takes them):
+        # the input guards check the count, naming the inputs
+        return tuple(args)
     if len(args) != n:
         how = f"and keywords {', '.join(names)}" if names else "and no keywords"
         raise GuardError(f"expected {n} positional input(s) {how}, got {len(args)} positional",
