@@ -418,12 +418,7 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     dtype = _dtype(ins["dtype"], f"{where}: dtype")
     shape = _shape(ins["shape"], f"{where}: shape")
     out = _str(ins["out"], f"{where}: out")
-    args = [_arg(w, a, f"{where}: argument {j}", 1) for j, a in enumerate(_list(ins["args"], f"{where}: args", 0, 32))]
-    kwargs = _dict(ins["kwargs"], f"{where}: kwargs")
-    for key in kwargs:
-        if type(key) is not str or not _IDENT.match(key) or key == "out":
-            _fail(where, f"keyword argument {_short(key)} is not allowed")
-    kwargs = {key: _arg(w, v, f"{where}: keyword {key}", 1) for key, v in kwargs.items()}
+    args, kwargs = _call_args(w, ins, where)
     if any(isinstance(a, _Ref) and a.name == out for a in _flat(args + list(kwargs.values()))):
         _fail(where, f"reads its own output {out!r}")
     if out_variant:
@@ -445,6 +440,16 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
     _meta_check(fn, args, kwargs, ov, dtype, where)
 
 
+def _call_args(w: _Walk, ins: dict, where: str) -> tuple[list, dict]:
+    """An extern's positional and keyword arguments, each checked (keywords: identifiers, never `out`)."""
+    args = [_arg(w, a, f"{where}: argument {j}", 1) for j, a in enumerate(_list(ins["args"], f"{where}: args", 0, 32))]
+    kwargs = _dict(ins["kwargs"], f"{where}: kwargs")
+    for key in kwargs:
+        if type(key) is not str or not _IDENT.match(key) or key == "out":
+            _fail(where, f"keyword argument {_short(key)} is not allowed")
+    return args, {key: _arg(w, v, f"{where}: keyword {key}", 1) for key, v in kwargs.items()}
+
+
 def _extern_results(w: _Walk, ins: dict, where: str) -> None:
     """A multi-output extern (version 3+): a non-out op returning a tuple, whose results define `out`
     then each of `outs`; its arguments and every result are checked by the op's written-out rule."""
@@ -460,12 +465,7 @@ def _extern_results(w: _Walk, ins: dict, where: str) -> None:
     results = [{"out": ins["out"], "out_view": ins["out_view"], "shape": ins["shape"], "dtype": ins["dtype"]}]
     for j, r in enumerate(extra):
         results.append(_dict(r, f"{where}: outs[{j}]", ("out", "out_view", "shape", "dtype")))
-    args = [_arg(w, a, f"{where}: argument {j}", 1) for j, a in enumerate(_list(ins["args"], f"{where}: args", 0, 32))]
-    kwargs = _dict(ins["kwargs"], f"{where}: kwargs")
-    for key in kwargs:
-        if type(key) is not str or not _IDENT.match(key) or key == "out":
-            _fail(where, f"keyword argument {_short(key)} is not allowed")
-    kwargs = {key: _arg(w, v, f"{where}: keyword {key}", 1) for key, v in kwargs.items()}
+    args, kwargs = _call_args(w, ins, where)
     names = [r["out"] for r in results]
     if any(isinstance(a, _Ref) and a.name in names for a in _flat(args + list(kwargs.values()))):
         _fail(where, "reads one of its own outputs")
