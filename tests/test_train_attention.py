@@ -25,8 +25,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 class _Attn(nn.Module):
     """x -> qkv -> attention (causal + padding mask as one boolean mask, or GQA) -> proj -> mse loss."""
 
-    def __init__(self, dim=32, heads=4, kv_heads=4, masked=False, causal=True):
+    def __init__(self, dim=32, heads=4, kv_heads=4, masked=False, causal=True, rope=False):
         super().__init__()
+        self.rope = rope
         self.h, self.hk, self.d = heads, kv_heads, dim // heads
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * kv_heads * self.d)
@@ -38,6 +39,11 @@ class _Attn(nn.Module):
         q = self.q(x).view(b, t, self.h, self.d).transpose(1, 2)
         k, v = self.kv(x).view(b, t, 2, self.hk, self.d).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.rope:  # pointwise on the transposed views (as Llama's RoPE): the FX layout is [B, T, H, E]
+            pos = torch.arange(t, dtype=x.dtype, device=x.device)[:, None] * 0.1
+            cos, sin = torch.cos(pos), torch.sin(pos)
+            q = q * cos + torch.cat((-q[..., self.d // 2:], q[..., :self.d // 2]), -1) * sin
+            k = k * cos + torch.cat((-k[..., self.d // 2:], k[..., :self.d // 2]), -1) * sin
         if self.masked:  # causal and padding: one boolean [B, 1, T, T] mask (sdpa refuses a mask with is_causal)
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             mask = causal & keep[:, None, None, :]
@@ -62,8 +68,11 @@ CASES = {
     "gpt": lambda: demo_train(dropout=0.0),
     "causal_padding_mask": lambda: _attn_case(masked=True),
     "gqa": lambda: _attn_case(kv_heads=2),
+    # saved q, k produced by pointwise ops on transposed views (a Llama/Qwen2 regression: the forward
+    # returned them as permuted views and the backward read them as row-major buffers)
+    "rope_masked": lambda: _attn_case(masked=True, rope=True),
 }
-_ATT_SHAPES = {"gpt": (2, 4, 64), "causal_padding_mask": (2, 4, 16), "gqa": (2, 4, 16)}  # B, H, T
+_ATT_SHAPES = {"gpt": (2, 4, 64), "causal_padding_mask": (2, 4, 16), "gqa": (2, 4, 16), "rope_masked": (2, 4, 16)}  # B, H, T
 
 
 def rel(a, b) -> float:

@@ -56,6 +56,10 @@ class CapturedGraph:
     # {"kind": "dict", "class": "module.QualName", "keys": [...], "items": [...]}: the model's output
     # as a tree whose leaves are the program's outputs in order (ModelOutput fields, dict keys, tuple).
     outputs_tree: dict | None = None
+    # Program-to-program outputs (the training programs): every output is a dense row-major buffer,
+    # because the program that reads it (the backward, or autograd's .grad) takes it as one. Lowering
+    # copies an output whose view is not (lower/graph.py); an inference output may stay a strided view.
+    contiguous_outputs: bool = False
 
 
 def _qualname(t: type) -> str:

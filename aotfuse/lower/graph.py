@@ -93,13 +93,27 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 v = env[out]
                 if not isinstance(v, View):
                     raise UnsupportedOpError("output", str(out), "model outputs must be tensors")
-                outputs.append(OutputRef(ctx.tensor_arg(v, "output is not strided")))
+                t = ctx.tensor_arg(v, "output is not strided")
+                if cg.contiguous_outputs and not _dense(t):
+                    # the next program reads this output as a row-major buffer (a saved tensor, a gradient)
+                    t = ctx.realize(v, "a program-to-program output is read as a row-major buffer").as_strided()
+                outputs.append(OutputRef(t))
         elif node.op == "get_attr":
             raise UnsupportedOpError("get_attr", node.name, "unlifted module attribute")
     inputs.sort()
     graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
                       tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
+
+
+def _dense(t) -> bool:
+    """A TensorArg that is a row-major buffer (size-1 dims' strides do not matter)."""
+    want = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride))):
+        if size != 1 and stride != want:
+            return False
+        want *= size
+    return True
 
 
 def _where(node) -> str:

@@ -36,11 +36,27 @@ def _physical(val):
     return perm if val.permute(perm).is_contiguous() else None
 
 
+def _layout_kept(node) -> bool:
+    """Whether the lowering keeps this node's FX layout: an extern's result (through getitem), whose
+    kernel writes the strides its meta says. A pointwise or reduction result is laid out row-major by
+    the lowering whatever strides the FX trace gave it."""
+    import operator
+
+    from ..runtime.externs import keep_whole
+
+    if getattr(node, "op", None) != "call_function":
+        return False
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return getattr(node, "target", None) in keep_whole(train=True)
+
+
 def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int) -> list:
-    """Saved tensors cross from the forward program to the backward as contiguous buffers. One whose
-    layout is a permutation (fused attention's out, stored [B, T, H, E] for the [B, H, T, E] result)
-    is returned permuted into memory order (a free view in the forward) and permuted back in the
-    backward (a view), so nothing is copied. Returns the (saved index, permutation) pairs."""
+    """Saved tensors cross from the forward program to the backward as contiguous buffers (lowering
+    copies any that is not: CapturedGraph.contiguous_outputs). An extern result whose layout is a
+    permutation (fused attention's out, stored [B, T, H, E] for the [B, H, T, E] result) is returned
+    permuted into memory order (a free view in the forward) and permuted back in the backward (a
+    view), so nothing is copied. Returns the (saved index, permutation) pairs."""
     import torch
 
     aten = torch.ops.aten
@@ -50,6 +66,8 @@ def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int) -> list:
     done = []
     for i, ph in enumerate(bph[:len(outs) - n_user]):
         node = outs[n_user + i]
+        if not _layout_kept(node):
+            continue  # our lowering lays it out row-major: its permutation would be a copy, not a view
         val = getattr(node, "meta", {}).get("val")
         perm = _physical(val)
         if perm is None or _physical(ph.meta.get("val")) != perm:
@@ -92,11 +110,11 @@ def train_graphs(joint, part):
             placeholders.append((node.name, "input", i - n_b))
     fwd_specs = tuple(_spec(fph[i], f"param:{joint.param_names[i]}") for i in range(n_p)) + tuple(joint.inputs)
     buffers = {b: joint.weights[b] for b in joint.buffer_names}
-    fwd = CapturedGraph(part.fwd_gm, tuple(placeholders), buffers, fwd_specs, False, 0.0)
+    fwd = CapturedGraph(part.fwd_gm, tuple(placeholders), buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
     bph = _placeholders(part.bwd_gm)
     bwd_specs = tuple(_spec(n, n.name) for n in bph)
     bwd = CapturedGraph(part.bwd_gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, bwd_specs,
-                        False, 0.0)
+                        False, 0.0, contiguous_outputs=True)
     info = TrainInfo(params=tuple(joint.param_names), buffers=tuple(joint.buffer_names),
                      user_inputs=tuple(s.to_contract() for s in joint.inputs),
                      grads=tuple((str(k), ref) for k, ref in joint.grads), n_saved=len(bph) - 1,

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..dtypes import TORCH
-from ..errors import AotfuseError, GuardError
+from ..errors import AotfuseError, ArchiveError, GuardError
 from .calling import flatten, loss_tree, rebuild
 
 
@@ -24,6 +24,11 @@ class _Packaged(torch.autograd.Function):
         loss, saved = outs[0], outs[1:]
         ctx.module = module
         ctx.n_inputs = len(args) - n_p
+        for i, t in enumerate(saved):
+            if not t.is_contiguous():  # the backward program reads each saved tensor as a row-major buffer
+                raise ArchiveError(f"saved tensor #{i} of the forward program is not row-major (strides "
+                                   f"{tuple(t.stride())}): this archive was built by an aotfuse with a known bug",
+                                   remedy="rebuild the archive with this aotfuse")
         ctx.save_for_backward(*saved)
         return loss.clone() if loss._base is not None else loss
 

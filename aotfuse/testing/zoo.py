@@ -288,10 +288,6 @@ ZOO: tuple[ZooEntry, ...] = (
 # (entry, mode) -> (error class name, message fragment, why): what still stops a case today. The test
 # tier marks these xfail(strict=True) on exactly that error, and docs/models.md prints them.
 KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str, str]] = {
-    # a regression found by CI at the end of 2026-11-23 (0d0b9ad): passed before the merges of that day
-    # (fused attention in training, the calling convention); to be fixed first next session
-    ("llama", "train"): ("AssertionError", "grad of", "REGRESSION: gradients off by ~3e-2 since the 2026-11-23 merges"),
-    ("qwen2", "train"): ("AssertionError", "grad of", "REGRESSION: gradients off by ~3e-2 since the 2026-11-23 merges"),
     ("hf_resnet", "train"): ("BuildError", "mutates buffers",
                              "train-mode BatchNorm: running-statistics updates returned by the program (not built yet)"),
     ("tv_resnet18", "train"): ("BuildError", "mutates buffers",
