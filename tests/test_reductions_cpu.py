@@ -239,3 +239,47 @@ def test_explain_shows_splits_and_blocks(tmp_path):
     text = explain(str(path))
     assert "SPLIT" in text and "chunks of" in text
     assert "XBLOCK=64" in text and "column reduction" in text
+
+
+# ---------------------------------------------------------------- online softmax (emit/online.py)
+
+def _kernel_whys(res, program="forward"):
+    rep = res.report if program == "forward" else res.report.backward
+    return [g.blocks.get("why", "") for g in rep.groups if g.blocks]
+
+
+def test_online_softmax_looped_rows_match_eager():
+    """Rows longer than the persistent limit: max and sum of exponentials in one pass (softmax, log_softmax),
+    with a masked tail (r not a multiple of the block), -inf entries and a row of -inf (NaN, as torch)."""
+    g = torch.Generator().manual_seed(3)
+    x = 4 * torch.randn(9, 1500, generator=g)
+    x[1, 700:] = -float("inf")
+    x[2, 3] = 60.0  # one dominant entry
+    x[4, :] = -float("inf")
+    with override(persistent_rblock_max=256):
+        res = aotfuse.build(Fn(lambda x: (torch.softmax(x, -1), torch.log_softmax(x, -1))), (x,), targets=TARGETS)
+    whys = _kernel_whys(res)
+    assert any("looped over r" in w and "online softmax" in w for w in whys), whys
+    art = aotfuse.load(res.data, device="cpu")
+    for o, r in zip(art(x), (torch.softmax(x, -1), torch.log_softmax(x, -1))):
+        assert torch.equal(o.isnan(), r.isnan())
+        torch.testing.assert_close(o.nan_to_num(), r.nan_to_num(), rtol=1e-5, atol=1e-5)
+
+
+def test_online_softmax_cross_entropy_training_one_pass():
+    torch.manual_seed(5)
+    with override(persistent_rblock_max=256):
+        res = _train_check(CrossEntropy(), (torch.randn(48, 1000, requires_grad=True),
+                                            torch.randint(0, 1000, (48,))), [0])
+    assert any("online softmax" in w for w in _kernel_whys(res)), _kernel_whys(res)
+
+
+def test_online_pairs_need_the_same_values():
+    """exp(y - max(x)) with y != x is not a softmax's sum: kept in two passes (and still right)."""
+    x = torch.randn(6, 700)
+    y = torch.randn(6, 700)
+    fn = lambda x, y: torch.exp(y - x.amax(-1, keepdim=True)).sum(-1)  # noqa: E731
+    with override(persistent_rblock_max=256):
+        res = aotfuse.build(Fn(fn), (x, y), targets=TARGETS)
+    assert not any("online softmax" in w for w in _kernel_whys(res))
+    torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(x, y), fn(x, y), rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from ..ir.indexing import simplify, unravel
 from ..ir.loop import (FLOATS, ITEMSIZE, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction,
                        Scan, subs_expr)
 from ..ir.indexing import flat_index
+from .online import finish as online_finish, online_update, pairs as online_pairs
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
@@ -302,11 +303,16 @@ def _simplify_loads(e, rng):
     return rewrite_expr(e, index=lambda ix: simplify(ix, rng))
 
 
-def _levels(nodes: list, names: set) -> dict[str, int]:
+def _levels(nodes: list, names: set, same_level: dict | None = None) -> dict[str, int]:
+    """The loop level of each node: one more than the reductions it reads. `same_level` {node: other}
+    puts a node at another's level (an online softmax's sum runs in its max's loop)."""
     from ..ir.loop import expr_loads
 
     level: dict[str, int] = {}
     for n in nodes:
+        if same_level and n.name in same_level:
+            level[n.name] = level[same_level[n.name]]
+            continue
         lv = 0
         for ld in expr_loads(n.body):
             if ld.buf in names and ld.buf != n.name:
@@ -400,8 +406,13 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     else:
         em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
         em.line(f"xmask = xindex < {x}")
-        levels = _levels(knodes, names)
         looped = kind == "looped_reduction"
+        online = online_pairs(knodes, stores) if looped else {}  # {sum: max} computed in one pass
+        paired = {m: sm for sm, m in online.items()}
+        if online:
+            blocks = dataclasses.replace(blocks, why=blocks.why + "; online softmax (max and sum of exp in one "
+                                         "pass): " + ", ".join(f"{m} + {sm}" for sm, m in online.items()))
+        levels = _levels(knodes, names, online)
         if not looped:
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")
             em.line(f"rmask = rindex < {r}")
@@ -428,11 +439,18 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                 em.line(f"rmask = rindex < {r}")
             em.ctx = "xr"
             for n in elem:
+                if n.name in online:
+                    continue  # computed with its max (online_update)
+                if not isinstance(n, Reduction) and n.name not in out_name:
+                    continue  # read by a later node: emitted where it is read
                 v = em.emit(n.body)
                 if isinstance(n, Reduction):
                     ident = _red_identity(n.rtype, n.acc_dtype)
                     masked = em.tmp(f"tl.where(xmask & rmask, {v}, {ident})")
-                    if looped:
+                    if n.name in paired:
+                        online_update(em, f"acc_{n.name}", f"acc_{paired[n.name]}", masked,
+                                      TL_DTYPE[n.acc_dtype])
+                    elif looped:
                         em.line(f"acc_{n.name} = {_combine(n.rtype, f'acc_{n.name}', masked)}")
                     else:
                         em.red_vars[n.name] = em.tmp(_finalize(n.rtype, masked))
@@ -442,6 +460,12 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                 em.scopes.pop()
                 em.depth -= 1
                 for n in reds:
+                    if n.name in online:
+                        continue
+                    if n.name in paired:
+                        em.red_vars[n.name], em.red_vars[paired[n.name]] = online_finish(
+                            em, f"acc_{n.name}", f"acc_{paired[n.name]}")
+                        continue
                     em.red_vars[n.name] = em.tmp(_finalize(n.rtype, f"acc_{n.name}"))
             em.ctx = "x"
             for n in reds:

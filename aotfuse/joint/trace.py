@@ -25,6 +25,7 @@ from ..errors import AotfuseError, BuildError
 from ..export.capture import InputSpec, output_structure
 from ..fxgraph import ancestors
 from .decomp_train import sdpa_math_mode, training_decompositions
+from .losses import cross_entropy_mode
 
 aten = torch.ops.aten
 
@@ -405,7 +406,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     example_inputs = args + tuple(kw_tensors.values())
     wrapped = _TupleOut(model, len(args), tuple(kw_tensors), kw_consts, loss_index)
     try:
-        with _compiling(), sdpa_math_mode() as attention:
+        with _compiling(), sdpa_math_mode() as attention, cross_entropy_mode():
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             gm, sig = aot_export_module(wrapped, example_inputs, trace_joint=True, output_loss_index=0,
                                         decompositions=training_decompositions())
