@@ -27,7 +27,8 @@ from ..ir.indexing import simplify, unravel
 from ..ir.loop import (FLOATS, ITEMSIZE, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction,
                        Scan, subs_expr)
 from ..ir.indexing import flat_index
-from .online import finish as online_finish, online_update, pairs as online_pairs
+from .online import finish as online_finish, init as online_init, pairs as online_pairs
+from .online import update as online_update
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
@@ -407,12 +408,14 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
         em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
         em.line(f"xmask = xindex < {x}")
         looped = kind == "looped_reduction"
-        online = online_pairs(knodes, stores) if looped else {}  # {sum: max} computed in one pass
-        paired = {m: sm for sm, m in online.items()}
+        # {second: (first, kind)}: two reductions of a row computed in one pass (emit/online.py)
+        online = online_pairs(knodes, stores) if looped else {}
+        paired = {m: (sm, kind) for sm, (m, kind) in online.items()}
         if online:
-            blocks = dataclasses.replace(blocks, why=blocks.why + "; online softmax (max and sum of exp in one "
-                                         "pass): " + ", ".join(f"{m} + {sm}" for sm, m in online.items()))
-        levels = _levels(knodes, names, online)
+            what = {"softmax": "online softmax (max and sum of exp)", "welford": "Welford (mean and variance)"}
+            blocks = dataclasses.replace(blocks, why=blocks.why + "; one pass: " + ", ".join(
+                f"{what[kind]} {m} + {sm}" for sm, (m, kind) in online.items()))
+        levels = _levels(knodes, names, {sm: m for sm, (m, _) in online.items()})
         if not looped:
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")
             em.line(f"rmask = rindex < {r}")
@@ -430,6 +433,12 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
             reds = [n for n in elem if isinstance(n, Reduction)]
             if looped:
                 for n in reds:
+                    if n.name in online:
+                        continue
+                    if n.name in paired:
+                        online_init(em, paired[n.name][1], f"acc_{n.name}", f"acc_{paired[n.name][0]}",
+                                    f"[{xb}, {rb}]", TL_DTYPE[n.acc_dtype])
+                        continue
                     em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
                              f"{TL_DTYPE[n.acc_dtype]})")
                 em.line(f"for roffset in range(0, {r}, {rb}):")
@@ -445,12 +454,14 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                     continue  # read by a later node: emitted where it is read
                 v = em.emit(n.body)
                 if isinstance(n, Reduction):
+                    if n.name in paired:
+                        second, how = paired[n.name]
+                        online_update(em, how, f"acc_{n.name}", f"acc_{second}", v, TL_DTYPE[n.acc_dtype],
+                                      "xmask & rmask")
+                        continue
                     ident = _red_identity(n.rtype, n.acc_dtype)
                     masked = em.tmp(f"tl.where(xmask & rmask, {v}, {ident})")
-                    if n.name in paired:
-                        online_update(em, f"acc_{n.name}", f"acc_{paired[n.name]}", masked,
-                                      TL_DTYPE[n.acc_dtype])
-                    elif looped:
+                    if looped:
                         em.line(f"acc_{n.name} = {_combine(n.rtype, f'acc_{n.name}', masked)}")
                     else:
                         em.red_vars[n.name] = em.tmp(_finalize(n.rtype, masked))
@@ -463,8 +474,9 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                     if n.name in online:
                         continue
                     if n.name in paired:
-                        em.red_vars[n.name], em.red_vars[paired[n.name]] = online_finish(
-                            em, f"acc_{n.name}", f"acc_{paired[n.name]}")
+                        second, how = paired[n.name]
+                        em.red_vars[n.name], em.red_vars[second] = online_finish(
+                            em, how, f"acc_{n.name}", f"acc_{second}")
                         continue
                     em.red_vars[n.name] = em.tmp(_finalize(n.rtype, f"acc_{n.name}"))
             em.ctx = "x"

@@ -1,4 +1,6 @@
-"""Online softmax in looped reductions: `max` and `sum(exp(f - max))` of the same row in ONE pass.
+"""One pass where a looped reduction kernel would read a row twice: online softmax and Welford.
+
+**Online softmax**: `max` and `sum(exp(f - max))` of the same row in ONE pass.
 
 A looped reduction kernel runs one `for roffset` loop per level (emit/kernel_src.py): a softmax's
 max is level 0 and its sum of exponentials, which reads the max, level 1, so the row is read from
@@ -14,8 +16,13 @@ running max is -inf, so the tail adds nothing and no NaN appears inside the loop
 gives M = -inf and S = 0; what reads them (exp(x - M), x - M - log S) is NaN, as in the two-pass
 form and in torch.
 
-`pairs()` finds the (sum, max) pairs of a group; the emitter asks `online_update` / `finish` for the
-code. The decision and its reason are recorded per kernel (explain).
+**Welford** (a norm's mean and variance): `S = sum(f)` and `V = sum((f - S * (1/n))**2)` of the same
+row in one pass: per lane a running (mean, m2, count) updated with each element (Welford, 1962),
+combined across lanes in one level (Chan et al.): S = sum(mean_l * n_l) and
+V = sum(m2_l + n_l * (mean_l - S/n)**2), each a tree sum. The two-pass values, without cancellation.
+
+`pairs()` finds the pairs of a group; the emitter asks `update` / `finish` for the code. The decision
+and its reason are recorded per kernel (explain).
 """
 from __future__ import annotations
 
@@ -56,34 +63,107 @@ def _exp_minus(e, m_name: str):
     return None
 
 
-def pairs(knodes: list, stores: dict) -> dict[str, str]:
-    """{sum reduction: max reduction} for every sum whose body is exp(f - max) with max = max(f) over
-    the same row (same rranges, float accumulators). Each max pairs with at most one sum."""
+def _squared_deviation(e, s_name: str, n: int):
+    """f when e is (f - load(s_name) * (1/n)) squared (x*x or pow(x, 2)), else None."""
+    e = _strip_casts(e)
+    if isinstance(e, Op) and e.op == "mul" and len(e.args) == 2 and e.args[0] == e.args[1]:
+        d = _strip_casts(e.args[0])
+    elif isinstance(e, Op) and e.op == "pow" and len(e.args) == 2 and _const(e.args[1]) == 2:
+        d = _strip_casts(e.args[0])
+    else:
+        return None
+    if not (isinstance(d, Op) and d.op == "sub" and len(d.args) == 2):
+        return None
+    f, mean = d.args
+    mean = _strip_casts(mean)
+    if isinstance(mean, Op) and len(mean.args) == 2:
+        a, b = (_strip_casts(x) for x in mean.args)
+        if mean.op == "mul" and isinstance(b, Load):
+            a, b = b, a
+        c = _const(b)
+        if isinstance(a, Load) and a.buf == s_name and c is not None and (
+                (mean.op == "mul" and abs(c * n - 1) < 1e-6) or (mean.op == "div" and c == n)):
+            return f
+    return None
+
+
+def _const(e):
+    from ..ir.loop import Const
+
+    e = _strip_casts(e)
+    return float(e.value) if isinstance(e, Const) and isinstance(e.value, (int, float)) else None
+
+
+def pairs(knodes: list, stores: dict) -> dict[str, tuple[str, str]]:
+    """{second reduction: (first reduction, kind)}: kind "softmax" for a sum whose body is exp(f - max)
+    with max = max(f); "welford" for a sum of (f - sum(f)/n)**2. Same row (ranges, rranges, store),
+    float accumulators; each first reduction pairs with at most one second."""
     members = {n.name: n for n in knodes}
-    maxes = [n for n in knodes if isinstance(n, Reduction) and n.rtype == "max" and n.acc_dtype in FLOATS]
-    out: dict[str, str] = {}
+    reds = [n for n in knodes if isinstance(n, Reduction) and n.acc_dtype in FLOATS]
+    out: dict[str, tuple[str, str]] = {}
     taken: set[str] = set()
-    for s in knodes:
-        if not (isinstance(s, Reduction) and s.rtype == "sum" and s.acc_dtype in FLOATS):
+    for s in reds:
+        if s.rtype != "sum":
             continue
         body = _resolve(s.body, members, stores)
-        for m in maxes:
-            if m.name in taken or m.rranges != s.rranges or m.ranges != s.ranges:
+        for m in reds:
+            if m is s or m.name in taken or m.name in out or m.rranges != s.rranges or m.ranges != s.ranges:
                 continue
             if sympy.expand(stores[m.name] - stores[s.name]) != 0:
                 continue
-            f = _exp_minus(body, m.name)
-            if f is None:
+            if m.rtype == "max":
+                f, kind = _exp_minus(body, m.name), "softmax"
+            elif m.rtype == "sum":
+                f, kind = _squared_deviation(body, m.name, s.rnumel), "welford"
+            else:
                 continue
-            if _strip_casts(f) == _strip_casts(_resolve(m.body, members, stores)):
-                out[s.name] = m.name
+            if f is not None and _strip_casts(f) == _strip_casts(_resolve(m.body, members, stores)):
+                out[s.name] = (m.name, kind)
                 taken.add(m.name)
                 break
     return out
 
 
-def online_update(em, m_acc: str, s_acc: str, v: str, dtype: str) -> None:
-    """The loop body's lines for one block: `v` holds the max's masked values (-inf where masked)."""
+def init(em, kind: str, first: str, second: str, shape: str, dtype: str) -> None:
+    """The accumulators before the loop (a Welford pair also counts elements per lane)."""
+    if kind == "softmax":
+        em.line(f"{first} = tl.full({shape}, float('-inf'), {dtype})")
+        em.line(f"{second} = tl.zeros({shape}, {dtype})")
+    else:
+        em.line(f"{first} = tl.zeros({shape}, {dtype})")  # running mean
+        em.line(f"{second} = tl.zeros({shape}, {dtype})")  # running m2
+        em.line(f"{first}_n = tl.zeros({shape}, {dtype})")  # elements seen
+
+
+def update(em, kind: str, first: str, second: str, v: str, dtype: str, mask: str) -> None:
+    """The loop body's lines for one block of values `v` of the first reduction's body."""
+    if kind == "softmax":
+        masked = em.tmp(f"tl.where({mask}, {v}, float('-inf'))")
+        _softmax_update(em, first, second, masked, dtype)
+        return
+    v = em.tmp(f"{v}.to({dtype})")
+    n = em.tmp(f"{first}_n + tl.where({mask}, 1.0, 0.0)")
+    delta = em.tmp(f"{v} - {first}")
+    em.line(f"{first} = tl.where({mask}, {first} + {delta} / tl.maximum({n}, 1.0), {first})")
+    em.line(f"{second} = tl.where({mask}, {second} + {delta} * ({v} - {first}), {second})")
+    em.line(f"{first}_n = {n}")
+
+
+def finish(em, kind: str, first: str, second: str) -> tuple[str, str]:
+    """After the loop: the (first, second) reductions' row values."""
+    if kind == "softmax":
+        return _softmax_finish(em, first, second)
+    # Lanes combine in one level with tl.sum (a tree on the GPU, pairwise in the interpreter):
+    # sum = sum(mean_l * n_l), mean = sum / n, m2 = sum(m2_l + n_l * (mean_l - mean)**2).
+    total = em.tmp(f"tl.sum({first} * {first}_n, 1)[:, None]")
+    mean = em.tmp(f"{total} / tl.maximum(tl.sum({first}_n, 1)[:, None], 1.0)")
+    dev = em.tmp(f"{first} - {mean}")
+    m2 = em.tmp(f"tl.sum({second} + {first}_n * {dev} * {dev}, 1)[:, None]")
+    return total, m2
+
+
+def _softmax_update(em, m_acc: str, s_acc: str, v: str, dtype: str) -> None:
+    """`v` holds the max's masked values (-inf where masked)."""
     v = em.tmp(f"{v}.to({dtype})")
     new = em.tmp(f"tl.maximum({m_acc}, {v})")
     safe = em.tmp(f"tl.where({new} == float('-inf'), 0.0, {new})")
@@ -91,7 +171,7 @@ def online_update(em, m_acc: str, s_acc: str, v: str, dtype: str) -> None:
     em.line(f"{m_acc} = {new}")
 
 
-def finish(em, m_acc: str, s_acc: str) -> tuple[str, str]:
+def _softmax_finish(em, m_acc: str, s_acc: str) -> tuple[str, str]:
     """After the loop: (row max, row sum of exp(f - max)) from the lanes' running pairs."""
     m = em.tmp(f"tl.max({m_acc}, 1)[:, None]")
     safe = em.tmp(f"tl.where({m} == float('-inf'), 0.0, {m})")
