@@ -41,6 +41,11 @@ _LIB.define("attention_backward(Tensor grad_out, Tensor query, Tensor key, Tenso
             "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)")
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# cuDNN attention (torch 2.11, cuDNN 9.x), as checked on an H100: GQA without repeating k and v, an additive
+# bias, and a logsumexp of [B, H, T, 1] (the backward takes it back in that shape)
+_CUDNN_GQA = True
+_CUDNN_BIAS = True
+_CUDNN_LSE_4D = True
 
 
 # ---------------------------------------------------------------- shapes (meta)
@@ -115,9 +120,90 @@ def _bias(mask, dtype):
     return mask.to(dtype)
 
 
-def _use_flash(q, mask) -> bool:
+# ---------------------------------------------------------------- the CUDA kernel of a call
+
+CUDNN, FLASH, EFFICIENT = "cudnn", "flash", "efficient"
+_CUDNN_MIN_VERSION = 91500  # torch prefers cuDNN attention above 9.15.0 (the fix for T % 128 != 0)
+_CUDNN_MAX_HEAD_DIM = 128  # forward and backward on every cuDNN 9 (256 needs a newer frontend)
+_CUDNN_MAX_BH = 65535
+
+# (query shape, key shape, dtype, device index, masked, causal) -> kernel: one dict lookup per call, the checks
+# once per key (forward and backward look up the same key). torch's switches (enable_cudnn_sdp, deterministic
+# algorithms) are read when a key is first seen; forget_choices() makes the next call read them again.
+_CHOICES: dict = {}
+_DEVICES: dict = {}  # device index -> why cuDNN attention does not apply on it, or None
+
+
+def chosen_kernels() -> dict:
+    """The kernel each CUDA attention shape seen in this process runs on (a copy, for logs and tests):
+    {(query shape, key shape, dtype, device index, masked, causal): "cudnn" | "flash" | "efficient"}."""
+    return dict(_CHOICES)
+
+
+def forget_choices() -> None:
+    """Drop the cached choices (after torch.backends.cuda.enable_cudnn_sdp, say). A captured CUDA graph keeps
+    the kernels it captured."""
+    _CHOICES.clear()
+    _DEVICES.clear()
+
+
+def _cudnn_device(index) -> str | None:
+    """Why this CUDA device cannot take cuDNN attention (None when it can): torch's own preference."""
+    if index not in _DEVICES:
+        why = None
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        major, minor = torch.cuda.get_device_capability(index)
+        if version is None:
+            why = "no cuDNN"
+        elif version <= _CUDNN_MIN_VERSION:
+            why = f"cuDNN {version} (attention wants > {_CUDNN_MIN_VERSION})"
+        elif major not in (9, 10):
+            why = f"sm_{major}{minor} (cuDNN attention: sm_90 and sm_100 families)"
+        _DEVICES[index] = why
+    return _DEVICES[index]
+
+
+def cudnn_refusal(q_shape, k_shape, dtype, masked: bool, device_index=None) -> str | None:
+    """Why cuDNN attention does not take these shapes (None when it does); device_index=None: shapes only."""
+    b, h, _, e = q_shape
+    s = k_shape[2]
+    if dtype not in _FLASH_DTYPES:
+        return f"dtype {dtype}"
+    if e % 8 or e > _CUDNN_MAX_HEAD_DIM:
+        return f"head dim {e} (cuDNN: a multiple of 8, at most {_CUDNN_MAX_HEAD_DIM})"
+    if b > _CUDNN_MAX_BH or h > _CUDNN_MAX_BH:
+        return f"batch {b} or heads {h} above {_CUDNN_MAX_BH}"
+    if s == 1:
+        return "key length 1"
+    if masked and not _CUDNN_BIAS:
+        return "a mask"
+    return None if device_index is None else _cudnn_device(device_index)
+
+
+def _choose(q, k, masked: bool, is_causal: bool) -> str:
+    det = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    if torch.backends.cuda.cudnn_sdp_enabled() and not det and \
+            cudnn_refusal(q.shape, k.shape, q.dtype, masked, q.get_device()) is None:
+        return CUDNN
     e = q.shape[-1]
-    return q.dtype in _FLASH_DTYPES and mask is None and e <= 256 and e % 8 == 0
+    # flash aligns a causal mask to the bottom right: sdpa's (top left) only when T == S
+    if q.dtype in _FLASH_DTYPES and not masked and e <= 256 and e % 8 == 0 and \
+            not (is_causal and q.shape[2] != k.shape[2]):
+        return FLASH
+    return EFFICIENT
+
+
+def _cuda_kernel(q, k, masked: bool, is_causal: bool) -> str:
+    key = (q.shape, k.shape, q.dtype, q.get_device(), masked, is_causal)
+    kind = _CHOICES.get(key)
+    if kind is None:
+        kind = _CHOICES[key] = _choose(q, k, masked, is_causal)
+    return kind
+
+
+def _placeholder(dev):
+    # Philox seed / offset of a kernel run without dropout: never read, so not even initialized
+    return torch.empty((), dtype=torch.int64, device=dev)
 
 
 def _expand_bias(bias, q, k):
@@ -132,12 +218,33 @@ def _expand_bias(bias, q, k):
     return bias.expand(b, h, t, s)
 
 
+def _cudnn_bias(bias, q, k):
+    # cuDNN takes a 4-d [B, 1 | H, T, S] bias (torch expands B and keeps its head dim), rows 16-byte aligned
+    b, _, t, _ = q.shape
+    s = k.shape[2]
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    bias = bias.expand(b, bias.shape[1], t, s)
+    if s % 8:
+        bias = torch.nn.functional.pad(bias, (0, 8 - s % 8))[..., :s]
+    return bias
+
+
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
-    rep = query.shape[1] // key.shape[1]
-    k, v = _widen(key, rep), _widen(value, rep)
     bias = _bias(attn_mask, query.dtype)
+    rep = query.shape[1] // key.shape[1]
     if query.device.type == "cuda":
-        if _use_flash(query, bias):
+        kind = _cuda_kernel(query, key, bias is not None, is_causal)
+        if kind == CUDNN:
+            k, v = (key, value) if _CUDNN_GQA else (_widen(key, rep), _widen(value, rep))
+            if bias is not None:
+                bias = _cudnn_bias(bias, query, k)
+            r = aten._scaled_dot_product_cudnn_attention(query, k, v, bias, True, 0.0, is_causal, False, scale=scale)
+            # out: laid out as the query is (for [B, T, H, E] storage, [B, T, H, E]); lse [B, H, T(, 1)]
+            b, h, t, _ = query.shape
+            return _as_bthd(r[0]), r[1].view(b, h, t).contiguous()
+        k, v = _widen(key, rep), _widen(value, rep)
+        if kind == FLASH:
             r = aten._scaled_dot_product_flash_attention(query, k, v, 0.0, is_causal, False, scale=scale)
             return _as_bthd(r[0]), r[1]
         if bias is not None:
@@ -145,6 +252,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         out, lse = aten._scaled_dot_product_efficient_attention(query, k, v, bias, True, 0.0, is_causal,
                                                                 scale=scale)[:2]
         return _as_bthd(out), lse[:, :, :query.shape[2]].contiguous()
+    k, v = _widen(key, rep), _widen(value, rep)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, is_causal, attn_mask=bias,
                                                                 scale=scale)
     # the CPU kernel's lse is laid out [B, T, H], and float64 for float64 inputs: the contract's is float32
@@ -153,13 +261,25 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa):
     rep = query.shape[1] // key.shape[1]
-    k, v = _widen(key, rep), _widen(value, rep)
     bias = _bias(attn_mask, query.dtype)
     grad_out = grad_out.to(query.dtype)
     if query.device.type == "cuda":
         dev = query.device
-        if _use_flash(query, bias):
-            t, s = query.shape[2], k.shape[2]
+        kind = _cuda_kernel(query, key, bias is not None, is_causal)
+        t, s = query.shape[2], key.shape[2]
+        if kind == CUDNN:
+            k, v = (key, value) if _CUDNN_GQA else (_widen(key, rep), _widen(value, rep))
+            if bias is not None:
+                bias = _cudnn_bias(bias, query, k)
+            # dq, dk, dv: laid out as q, k, v are (empty_like); cum_seq_q/k undefined: a dense batch
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                grad_out, query, k, v, out, lse.unsqueeze(-1) if _CUDNN_LSE_4D else lse, _placeholder(dev),
+                _placeholder(dev), bias, None, None, t, s, 0.0, is_causal, scale=scale)
+            if not _CUDNN_GQA:
+                dk, dv = _narrow(dk, rep), _narrow(dv, rep)
+            return _as_bthd(dq), _as_bthd(dk), _as_bthd(dv)
+        k, v = _widen(key, rep), _widen(value, rep)
+        if kind == FLASH:
             # no dropout: the Philox state is never read (placeholders of the forward's shapes)
             seed = torch.zeros(2, dtype=torch.uint64, device=dev)
             offset = torch.zeros((), dtype=torch.uint64, device=dev)
@@ -169,7 +289,6 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
         else:
             if bias is not None:
                 bias = _expand_bias(bias, query, k)
-            t = query.shape[2]
             pad = -(-t // 32) * 32
             if pad != t:
                 lse = torch.nn.functional.pad(lse, (0, pad - t))
@@ -179,6 +298,7 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
                 grad_out, query, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False],
                 is_causal, scale=scale)
     else:
+        k, v = _widen(key, rep), _widen(value, rep)
         if query.dtype == torch.float64:
             lse = lse.to(torch.float64)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
