@@ -151,3 +151,24 @@ def test_gpt_training_step_matches_eager_through_the_archive():
     assert not bad, bad[:3]
     kinds = set(A.chosen_kernels().values())
     assert kinds == {A.CUDNN if _cudnn_expected() else A.FLASH}, A.chosen_kernels()
+
+
+@pytest.mark.parametrize("kw", [{"masked": True}, {"kv_heads": 2}, {"masked": True, "rope": True}],
+                         ids=["causal_padding_mask", "gqa", "rope_masked"])
+def test_masked_and_gqa_training_through_the_archive_in_bf16(kw):
+    import aotfuse
+    from aotfuse.bench import verify_train
+    from tests.test_train_attention import _attn_case
+
+    A.forget_choices()
+    model, (x, keep, target) = _attn_case(**kw)
+    model = model.to(torch.bfloat16)
+    inputs = (x.to(torch.bfloat16), keep, target.to(torch.bfloat16))
+    major, minor = torch.cuda.get_device_capability()
+    res = aotfuse.build(model, inputs, train=True, targets=(f"sm_{major}{minor}",))
+    art = aotfuse.load(res.data, device="cuda")
+    checks = verify_train(copy.deepcopy(model).cuda(), art, [t.cuda() for t in inputs])
+    bad = [c for c in checks if not c.passed]
+    assert not bad, bad[:3]
+    assert set(A.chosen_kernels().values()) == {A.CUDNN if _cudnn_expected() else
+                                                A.EFFICIENT if kw.get("masked") else A.FLASH}
