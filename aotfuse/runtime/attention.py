@@ -14,14 +14,32 @@ Both are externs (runtime/externs.py); the implementation picks a kernel per dev
 so one archive runs on either:
 - CPU: `_scaled_dot_product_flash_attention_for_cpu` (+ `_backward`): any float dtype, a mask
   (boolean masks become additive -inf/0 biases), lse [B,H,T].
-- CUDA: `_scaled_dot_product_flash_attention` (+ `_backward`) for fp16/bf16 without a mask and a
-  head dim of at most 256 (a multiple of 8); else `_scaled_dot_product_efficient_attention`
-  (+ `_backward`), which takes fp32 and the mask as attn_bias. Its logsumexp is padded along T to a
-  multiple of 32: the op returns the [B,H,T] slice (the contract's shape) and the backward re-pads it
-  (the padded rows are never read for the T real queries). Dropout is not supported (the caller
-  refuses dropout_p > 0), so the kernels' Philox state is a placeholder.
-- GQA (Hk < H, H % Hk == 0, enable_gqa): k and v are repeated to H heads for the kernel
-  (head h reads kv head h // (H / Hk), as sdpa does), and dk, dv are summed over each group.
+- CUDA, first choice: cuDNN attention, `_scaled_dot_product_cudnn_attention` (+ `_backward`), where torch
+  itself prefers it (sm_90 / sm_100 families, cuDNN newer than 9.15.0; refused under
+  `torch.backends.cuda.enable_cudnn_sdp(False)` and under strict deterministic algorithms) for fp16/bf16,
+  a head dim of at most 128 (a multiple of 8), B and H up to 65535 and a key length above 1. It takes GQA
+  as it is (k and v not repeated; dk, dv come back with Hk heads) and a mask as an additive bias [B, 1|H, T, S]
+  (boolean masks as -inf/0; the key dim padded to a multiple of 8, as for the efficient kernel). It writes
+  out in the query's memory order and dq, dk, dv in q's, k's and v's (`empty_like`): for the [B, T, H, E]
+  storage programs pass (views of the packed qkv projection) that is the contract's layout, with no copy;
+  a query stored [B, H, T, E] costs one copy of out and of dq (`_as_bthd`). Its logsumexp is
+  [B, H, T, 1] fp32, contiguous: the op returns it as [B, H, T] (a view) and the backward passes it back as
+  [B, H, T, 1]; it is the same logsumexp as flash's (natural log, scaled scores), so the contract holds.
+  A fully masked row gives a zero output and finite gradients (as sdpa's math form). Anchor GPT step on an
+  H100 (scripts/attention_ab.py): attention 302 -> 187 us forward, 797 -> 606 us backward per step.
+- CUDA, else: `_scaled_dot_product_flash_attention` (+ `_backward`) for fp16/bf16 without a mask, a head dim
+  of at most 256 (a multiple of 8), and T == S when causal (flash aligns the causal mask to the bottom right,
+  sdpa to the top left); else `_scaled_dot_product_efficient_attention` (+ `_backward`), which takes fp32 and
+  the mask as attn_bias. Its logsumexp is padded along T to a multiple of 32: the op returns the [B,H,T]
+  slice (the contract's shape) and the backward re-pads it (the padded rows are never read for the T real
+  queries). Dropout is not supported (the caller refuses dropout_p > 0), so the kernels' Philox state is a
+  placeholder.
+- The CUDA choice is made once per (query shape, key shape, dtype, device, masked, causal) and cached: one
+  dict lookup per call (about 0.2 us more host time than the old inline check, measured on the H100 host).
+  The forward and its backward look up the same key, so they run on one kernel. `chosen_kernels()` says what
+  each shape ran on; `forget_choices()` drops the cache (to read torch's switches again).
+- GQA (Hk < H, H % Hk == 0, enable_gqa) on flash, efficient and the CPU: k and v are repeated to H heads
+  for the kernel (head h reads kv head h // (H / Hk), as sdpa does), and dk, dv are summed over each group.
 
 The meta kernels (shapes only) are plain Python here: the runtime's load-time validation
 (validate_extern.py) and the joint trace's fake tensors both use them, and neither imports
@@ -115,9 +133,88 @@ def _bias(mask, dtype):
     return mask.to(dtype)
 
 
-def _use_flash(q, mask) -> bool:
+# ---------------------------------------------------------------- the CUDA kernel of a call
+
+CUDNN, FLASH, EFFICIENT = "cudnn", "flash", "efficient"
+_CUDNN_MIN_VERSION = 91500  # torch prefers cuDNN attention above 9.15.0 (the fix for T % 128 != 0)
+_CUDNN_MAX_HEAD_DIM = 128  # forward and backward on every cuDNN 9 (256 needs a newer frontend)
+_CUDNN_MAX_BH = 65535
+
+# (query shape, key shape, dtype, device index, masked, causal) -> kernel: one dict lookup per call, the checks
+# once per key (forward and backward look up the same key). torch's switches (enable_cudnn_sdp, deterministic
+# algorithms) are read when a key is first seen; forget_choices() makes the next call read them again.
+_CHOICES: dict = {}
+_DEVICES: dict = {}  # device index -> why cuDNN attention does not apply on it, or None
+
+
+def chosen_kernels() -> dict:
+    """The kernel each CUDA attention shape seen in this process runs on (a copy, for logs and tests):
+    {(query shape, key shape, dtype, device index, masked, causal): "cudnn" | "flash" | "efficient"}."""
+    return dict(_CHOICES)
+
+
+def forget_choices() -> None:
+    """Drop the cached choices (after torch.backends.cuda.enable_cudnn_sdp, say). A captured CUDA graph keeps
+    the kernels it captured."""
+    _CHOICES.clear()
+    _DEVICES.clear()
+
+
+def _cudnn_device(index) -> str | None:
+    """Why this CUDA device cannot take cuDNN attention (None when it can): torch's own preference."""
+    if index not in _DEVICES:
+        why = None
+        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        major, minor = torch.cuda.get_device_capability(index)
+        if version is None:
+            why = "no cuDNN"
+        elif version <= _CUDNN_MIN_VERSION:
+            why = f"cuDNN {version} (attention wants > {_CUDNN_MIN_VERSION})"
+        elif major not in (9, 10):
+            why = f"sm_{major}{minor} (cuDNN attention: sm_90 and sm_100 families)"
+        _DEVICES[index] = why
+    return _DEVICES[index]
+
+
+def cudnn_refusal(q_shape, k_shape, dtype, device_index=None) -> str | None:
+    """Why cuDNN attention does not take these shapes (None when it does); device_index=None: shapes only."""
+    b, h, _, e = q_shape
+    s = k_shape[2]
+    if dtype not in _FLASH_DTYPES:
+        return f"dtype {dtype}"
+    if e % 8 or e > _CUDNN_MAX_HEAD_DIM:
+        return f"head dim {e} (cuDNN: a multiple of 8, at most {_CUDNN_MAX_HEAD_DIM})"
+    if b > _CUDNN_MAX_BH or h > _CUDNN_MAX_BH:
+        return f"batch {b} or heads {h} above {_CUDNN_MAX_BH}"
+    if s == 1:
+        return "key length 1"
+    return None if device_index is None else _cudnn_device(device_index)
+
+
+def _choose(q, k, masked: bool, is_causal: bool) -> str:
+    det = torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    if torch.backends.cuda.cudnn_sdp_enabled() and not det and \
+            cudnn_refusal(q.shape, k.shape, q.dtype, q.get_device()) is None:
+        return CUDNN
     e = q.shape[-1]
-    return q.dtype in _FLASH_DTYPES and mask is None and e <= 256 and e % 8 == 0
+    # flash aligns a causal mask to the bottom right: sdpa's (top left) only when T == S
+    if q.dtype in _FLASH_DTYPES and not masked and e <= 256 and e % 8 == 0 and \
+            not (is_causal and q.shape[2] != k.shape[2]):
+        return FLASH
+    return EFFICIENT
+
+
+def _cuda_kernel(q, k, masked: bool, is_causal: bool) -> str:
+    key = (q.shape, k.shape, q.dtype, q.get_device(), masked, is_causal)
+    kind = _CHOICES.get(key)
+    if kind is None:
+        kind = _CHOICES[key] = _choose(q, k, masked, is_causal)
+    return kind
+
+
+def _placeholder(dev):
+    # Philox seed / offset of a kernel run without dropout: never read, so not even initialized
+    return torch.empty((), dtype=torch.int64, device=dev)
 
 
 def _expand_bias(bias, q, k):
@@ -132,12 +229,31 @@ def _expand_bias(bias, q, k):
     return bias.expand(b, h, t, s)
 
 
+def _cudnn_bias(bias, q, k):
+    # cuDNN takes a 4-d [B, 1 | H, T, S] bias (torch expands B and keeps its head dim), rows 16-byte aligned
+    b, _, t, _ = q.shape
+    s = k.shape[2]
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    bias = bias.expand(b, bias.shape[1], t, s)
+    if s % 8:
+        bias = torch.nn.functional.pad(bias, (0, 8 - s % 8))[..., :s]
+    return bias
+
+
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
-    rep = query.shape[1] // key.shape[1]
-    k, v = _widen(key, rep), _widen(value, rep)
     bias = _bias(attn_mask, query.dtype)
+    rep = query.shape[1] // key.shape[1]
     if query.device.type == "cuda":
-        if _use_flash(query, bias):
+        kind = _cuda_kernel(query, key, bias is not None, is_causal)
+        if kind == CUDNN:  # GQA as it is (no repeated k, v); out laid out as the query is; lse [B, H, T, 1]
+            if bias is not None:
+                bias = _cudnn_bias(bias, query, key)
+            r = aten._scaled_dot_product_cudnn_attention(query, key, value, bias, True, 0.0, is_causal, False,
+                                                         scale=scale)
+            return _as_bthd(r[0]), r[1].reshape(query.shape[:3]).contiguous()
+        k, v = _widen(key, rep), _widen(value, rep)
+        if kind == FLASH:
             r = aten._scaled_dot_product_flash_attention(query, k, v, 0.0, is_causal, False, scale=scale)
             return _as_bthd(r[0]), r[1]
         if bias is not None:
@@ -145,6 +261,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
         out, lse = aten._scaled_dot_product_efficient_attention(query, k, v, bias, True, 0.0, is_causal,
                                                                 scale=scale)[:2]
         return _as_bthd(out), lse[:, :, :query.shape[2]].contiguous()
+    k, v = _widen(key, rep), _widen(value, rep)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, is_causal, attn_mask=bias,
                                                                 scale=scale)
     # the CPU kernel's lse is laid out [B, T, H], and float64 for float64 inputs: the contract's is float32
@@ -153,13 +270,23 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 
 def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa):
     rep = query.shape[1] // key.shape[1]
-    k, v = _widen(key, rep), _widen(value, rep)
     bias = _bias(attn_mask, query.dtype)
     grad_out = grad_out.to(query.dtype)
     if query.device.type == "cuda":
         dev = query.device
-        if _use_flash(query, bias):
-            t, s = query.shape[2], k.shape[2]
+        kind = _cuda_kernel(query, key, bias is not None, is_causal)
+        t, s = query.shape[2], key.shape[2]
+        if kind == CUDNN:
+            if bias is not None:
+                bias = _cudnn_bias(bias, query, key)
+            # dq, dk, dv: laid out as q, k, v are (empty_like); lse back as [B, H, T, 1] (a view), as the forward
+            # returned it; cum_seq_q/k undefined: a dense batch
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                grad_out, query, key, value, out, lse.unsqueeze(-1), _placeholder(dev), _placeholder(dev), bias,
+                None, None, t, s, 0.0, is_causal, scale=scale)
+            return _as_bthd(dq), _as_bthd(dk), _as_bthd(dv)
+        k, v = _widen(key, rep), _widen(value, rep)
+        if kind == FLASH:
             # no dropout: the Philox state is never read (placeholders of the forward's shapes)
             seed = torch.zeros(2, dtype=torch.uint64, device=dev)
             offset = torch.zeros((), dtype=torch.uint64, device=dev)
@@ -169,7 +296,6 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
         else:
             if bias is not None:
                 bias = _expand_bias(bias, query, k)
-            t = query.shape[2]
             pad = -(-t // 32) * 32
             if pad != t:
                 lse = torch.nn.functional.pad(lse, (0, pad - t))
@@ -179,6 +305,7 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
                 grad_out, query, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False],
                 is_causal, scale=scale)
     else:
+        k, v = _widen(key, rep), _widen(value, rep)
         if query.dtype == torch.float64:
             lse = lse.to(torch.float64)
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
