@@ -181,10 +181,13 @@ def test_inputs_are_keyed_when_large_next_to_the_outputs():
     assert graphs.keyed_inputs(_program(), bound, 4096) == (0,)  # x: 8 KiB in, 8 KiB out (a softmax, a backward)
     assert graphs.keyed_inputs(_program(), bound, 4096, volatile=frozenset({0})) == ()  # a batch passed through
     assert graphs.keyed_inputs(_program(), bound, 1 << 20) == ()  # under the copy threshold: copied
-    # a training forward: ids small next to the saved activations: copied, or each new address
-    # would cost a whole output set
+    # inputs small next to the outputs: copied, or each new address would cost a whole output set
     big = _program(out_rows=N * 16)
     assert graphs.keyed_inputs(big, bound, 4096) == ()
+    # training says which: a forward never keys its batch, a backward keys its saved tensors
+    assert graphs.keyed_inputs(_program(), bound, 4096, key=False) == ()
+    assert graphs.keyed_inputs(big, bound, 4096, key=True) == (0,)
+    assert graphs.keyed_inputs(big, bound, 4096, frozenset({0}), key=True) == ()
 
 
 # ---------------------------------------------------------------- the call path on the CPU

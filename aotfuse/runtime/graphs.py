@@ -7,12 +7,13 @@ scratch. A call copies nothing in and clones nothing out (beyond the small tenso
   update is seen by the next replay; a different tensor (load_state_dict, a `.data` swap) drops the
   stream's graphs and the next call captures again. Large inputs are read in place too: each graph
   is keyed by their addresses (a call whose tensors sit elsewhere replays another graph, or captures
-  one), so a training backward reads the saved tensors where the forward's graph wrote them. A
-  program is keyed this way when its large inputs are at least 1/KEY_RATIO of its outputs' bytes
-  (a backward, a softmax); when they are much smaller (a training forward's token ids, a batch of
-  images against gigabytes of saved activations), a new address would cost a whole output set, so
-  they are copied into the stream's static buffers instead. Inputs of at most
-  `knobs.graph_copy_bytes` (token ids, the loss tangent, the seed) are always copied: a launch's cost.
+  one), so a training backward reads the saved tensors where the forward's graph wrote them. Whether
+  a program's large inputs are keyed: a training backward's are (saved tensors live at the forward
+  graphs' few addresses); a training forward's are not (a batch is a new tensor every step, and a
+  new address would cost a whole set of saved activations): they are copied into the stream's static
+  buffers; for an inference program, they are keyed when at least 1/KEY_RATIO of its outputs' bytes
+  (a softmax, a vision model's images), else copied. Inputs of at most `knobs.graph_copy_bytes`
+  (token ids, the loss tangent, the seed) are always copied: the cost of a launch.
 - **Outputs.** Each graph writes one set of output buffers (its private pool). A call hands them
   out as new tensors on those buffers (graph_cache.OutputSet), and the graph is replayed again only
   once the caller holds none of them (no tensor, view, `.grad` or autograd-saved tensor shares
@@ -101,21 +102,25 @@ def _output_bytes(program: Program) -> int:
 
 
 def keyed_inputs(program: Program, bound: frozenset[int], copy_bytes: int,
-                 volatile: frozenset[int] = frozenset()) -> tuple[int, ...]:
-    """The inputs graphs read in place, keyed by their addresses (see the module's docstring)."""
+                 volatile: frozenset[int] = frozenset(), key: bool | None = None) -> tuple[int, ...]:
+    """The inputs graphs read in place, keyed by their addresses: the large ones that are not bound or
+    volatile, when `key` (None: when they are at least 1/KEY_RATIO of the outputs' bytes)."""
     large = [i for i, x in enumerate(program.inputs)
              if i not in bound and i not in volatile and _nbytes(x.shape, x.dtype) > copy_bytes]
-    in_bytes = sum(_nbytes(program.inputs[i].shape, program.inputs[i].dtype) for i in large)
-    return tuple(large) if large and KEY_RATIO * in_bytes >= _output_bytes(program) else ()
+    if key is None:
+        in_bytes = sum(_nbytes(program.inputs[i].shape, program.inputs[i].dtype) for i in large)
+        key = KEY_RATIO * in_bytes >= _output_bytes(program)
+    return tuple(large) if key else ()
 
 
 class GraphedProgram:
     """One program replayed as CUDA graphs: per caller stream, graphs keyed by input addresses."""
 
     def __init__(self, executor: Executor, device: torch.device, bound: frozenset[int] = frozenset(),
-                 volatile: frozenset[int] = frozenset()):
+                 volatile: frozenset[int] = frozenset(), key: bool | None = None):
         """bound: parameters, read at their addresses; volatile: inputs that are new tensors on every
-        call (a batch the forward passed through to the backward), always copied, never keyed."""
+        call (a batch the forward passed through to the backward), copied; key: whether the other
+        large inputs are keyed by address (None: decided by size, see keyed_inputs)."""
         self.ex = executor
         self.device = device
         self.bound = bound
@@ -126,7 +131,7 @@ class GraphedProgram:
         self._through = [(k, j, prog.returned[k]) for k, j in self.passthrough.items()]
         self.copy_bytes = knobs.graph_copy_bytes
         self.instances = knobs.graph_instances
-        self.keyed = keyed_inputs(prog, bound, self.copy_bytes, volatile)
+        self.keyed = keyed_inputs(prog, bound, self.copy_bytes, volatile, key)
         self.copied = [i for i in range(len(names)) if i not in bound and i not in self.keyed]
         self.bound_order = sorted(bound)
         self._families: collections.OrderedDict[int, _Family] = collections.OrderedDict()
