@@ -17,7 +17,7 @@
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
 | graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
 | graph_instances | AOTFUSE_GRAPH_INSTANCES | 4 | runtime: CUDA graphs per program and caller stream (input addresses x output sets, runtime/graphs.py); beyond, a call runs without a graph |
-| graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (losses, seeds); larger ones are zero-copy |
+| graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (a loss kept by the caller pins no output set); larger ones are read and returned in place (runtime/graphs.py says which) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
 | mm | AOTFUSE_MM | extern | matmuls: `template` (Triton template, epilogues fused), `extern` (cuBLAS), `auto` (cost model, schedule/templates.py). Default extern: on an H100 (2026-11-23, scripts/bench_mm.py, anchor GPT bf16) the template lost to cuBLAS + a separate epilogue kernel at both sizes measured (1x128: 218 vs 187 us; 8x1024: 1762 vs 1481 us; auto 1625 us), so it stays opt-in until its tiles are tuned for Hopper |
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
