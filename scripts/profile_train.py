@@ -29,6 +29,9 @@ def _table(prof, steps: int, top: int) -> tuple[str, float]:
     for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"{us / steps:9.1f} {n // steps:5d} {100 * us / steps / max(total, 1e-9):5.1f}  {name[:110]}")
     lines.append(f"{total:9.1f}        total GPU time per step (us)")
+    for what in ("Memcpy DtoD", "multi_tensor_apply"):  # the copies zero-copy calls remove (issue 10.3)
+        us, n = (sum(v[i] for name, v in per.items() if what in name) for i in (0, 1))
+        lines.append(f"{us / steps:9.1f} {n // steps:5d}        {what} per step (us, calls)")
     return "\n".join(lines), total
 
 

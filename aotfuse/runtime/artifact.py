@@ -130,11 +130,12 @@ class Artifact:
 
         return describe(self.archive)
 
-    def graphed(self, program: str, bound: frozenset[int] = frozenset()):
+    def graphed(self, program: str, bound: frozenset[int] = frozenset(), volatile: frozenset[int] = frozenset(),
+                key: bool | None = None):
         """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact."""
         from .graphs import GraphedProgram
 
-        g = GraphedProgram(self.executors[program], self.device, bound)
+        g = GraphedProgram(self.executors[program], self.device, bound, volatile, key)
         self._graphs.append(g)
         return g
 

@@ -1,11 +1,48 @@
-"""CUDA graphs of programs, for inference and training alike, owning everything they replay.
+"""CUDA graphs of programs, for inference and training alike: zero-copy calls, graphs owning what they replay.
 
-A graph replays raw device addresses, so it is safe only while everything at those addresses lives
-as long as the graph and nothing else writes there. Who owns what:
+A graph replays raw device addresses: the inputs it was captured on, the outputs it wrote, its
+scratch. A call copies nothing in and clones nothing out (beyond the small tensors below):
 
-- **Memory.** Each instance owns its executor state (the arena, bound once); each capture allocates
-  into its own private pool (extern results, outputs). Only that capture allocates from the pool,
-  and the pool lives as long as the graph.
+- **Inputs.** Parameters (`bound`) are read in place at their addresses: an optimizer's in-place
+  update is seen by the next replay; a different tensor (load_state_dict, a `.data` swap) drops the
+  stream's graphs and the next call captures again. Large inputs are read in place too: each graph
+  is keyed by their addresses (a call whose tensors sit elsewhere replays another graph, or captures
+  one), so a training backward reads the saved tensors where the forward's graph wrote them. Whether
+  a program's large inputs are keyed: a training backward's are (saved tensors live at the forward
+  graphs' few addresses); a training forward's are not (a batch is a new tensor every step, and a
+  new address would cost a whole set of saved activations): they are copied into the stream's static
+  buffers; for an inference program, they are keyed when at least 1/KEY_RATIO of its outputs' bytes
+  (a softmax, a vision model's images), else copied. Inputs of at most `knobs.graph_copy_bytes`
+  (token ids, the loss tangent, the seed) are always copied: the cost of a launch.
+- **Outputs.** Each graph writes one set of output buffers (its private pool). A call hands them
+  out as new tensors on those buffers (graph_cache.OutputSet), and the graph is replayed again only
+  once the caller holds none of them (no tensor, view, `.grad` or autograd-saved tensor shares
+  their storage). While a set is held, a call takes another graph of the same key, or captures one
+  (up to `knobs.graph_instances` graphs per program and caller stream); beyond that, the call runs
+  the program without a graph (the executor on the same arena: fresh outputs, still no copy),
+  counted in `stats["eager_calls"]`. Outputs of at most `graph_copy_bytes` are cloned (a loss kept
+  by the caller must not pin a set of activations). An output that is an input passed through is
+  returned as a view of that input, as the executor does.
+
+Aliasing rules (what the caller sees): a returned tensor aliases its graph's output buffer; it
+stays valid, unchanged by later calls, for as long as the caller (or autograd, or `.grad`) keeps
+any tensor on that buffer, so keeping it is always safe, and costs an output set per call kept
+alive. Other streams: a result read on another stream must stay referenced until that work is
+done; `record_stream` does not protect it. A raw pointer (`data_ptr()`) kept without the tensor is
+not a reference. In training the saved tensors are the forward graph's outputs (held by autograd
+until the backward ran), the backward graph reads them in place, and a gradient autograd stores
+into `.grad` keeps its set until `zero_grad()` (set_to_none) or until `.grad` is replaced.
+
+Memory cost, per program and caller stream: one arena (shared by its graphs: replays on one
+stream run in order), static buffers for the copied inputs, and per graph (at most
+`graph_instances`) one output set plus what the capture allocated in its pool (extern results,
+the cuBLAS workspace). Graphs are captured on demand: a training step that frees its saved
+tensors and sets grads to None needs one forward and one backward graph; two forwards alive at
+once need two, and so on. Each capture costs one warm-up run and one capture, no compile.
+
+What a graph owns:
+- **Memory.** Its capture allocates into its own private pool (extern results, outputs); only that
+  capture allocates from the pool, and the pool lives as long as the graph and the outputs handed out.
 - **Library workspaces.** cuBLAS keeps one workspace per (handle, stream) in a process-wide map.
   A capture that finds an entry reuses it without owning it: if it was allocated during an earlier
   capture, it lives in *that* graph's pool, and once that graph is gone and anyone clears the map
@@ -15,19 +52,14 @@ as long as the graph and nothing else writes there. Who owns what:
   graph's pool, and right after, so that the map keeps no pointer into this pool and nobody else
   uses it: the protocol of torch's own cudagraph trees.
 - **Streams.** A graph is captured on a stream of its own and replays on the caller's current
-  stream. Each caller stream gets its own instance (its own static buffers), up to
-  `knobs.graph_streams` streams (least recently used evicted after its stream drained), so two
-  streams never share static memory; a lock per instance orders calls from several threads.
-  Captures run in thread-local capture mode: other threads keep working while one captures.
-- **Kernels.** An instance holds the executor, hence the launchers and the CUDA modules it
-  captured. Modules are unloaded only after the device drained and never during a capture
-  (cuda_driver's deferred unload). `release()` (Artifact.close) drops every instance at once.
-
-Inputs listed in `bound` (parameters) are captured at their addresses and must keep them: an
-optimizer's in-place update is seen by the next replay; a different tensor (load_state_dict, a
-`.data` swap) triggers a new capture. Other inputs are copied into static buffers. Outputs are
-copied out of the graph's memory after each replay (so results of earlier calls stay valid), except
-outputs that are bound inputs passed through, returned as views of the inputs themselves.
+  stream. Each caller stream gets graphs of its own, up to `knobs.graph_streams` streams (least
+  recently used dropped after its stream drained), so two streams never share static memory; a
+  lock per stream orders calls from several threads. Captures run in thread-local capture mode:
+  other threads keep working while one captures.
+- **Kernels.** A graph holds the executor, hence the launchers and the CUDA modules it captured.
+  Modules are unloaded only after the device drained and never during a capture (cuda_driver's
+  deferred unload). `release()` (Artifact.close) drops every graph at once; outputs already handed
+  out stay valid (they own their buffers).
 """
 from __future__ import annotations
 
@@ -36,142 +68,233 @@ import threading
 
 import torch
 
+from ..contract.program import Alloc, Extern, Program
 from ..errors import AotfuseError
 from ..knobs import knobs
-from .executor import Executor, current_stream, new_seed
+from .executor import Executor, current_stream, new_seed, torch_dtype
+from .graph_cache import InstanceCache, OutputSet, copy_all
 
-
-def _copy(dst: list, src: list) -> None:
-    """One multi-tensor copy; a plain copy_ when there is one tensor (less host time)."""
-    if len(dst) == 1:
-        dst[0].copy_(src[0])
-    elif dst:
-        torch._foreach_copy_(dst, src)
+KEY_RATIO = 8  # large inputs are read in place (keyed) when at least 1/8 of the outputs' bytes
+STATS = ("captures", "replays", "eager_calls", "evictions", "resets")
 
 
 def _clear_library_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
-class GraphedProgram:
-    """One program replayed as CUDA graphs, one instance per caller stream."""
+def _nbytes(shape, dtype: str) -> int:
+    n = torch_dtype(dtype).itemsize
+    for d in shape:
+        n *= d
+    return n
 
-    def __init__(self, executor: Executor, device: torch.device, bound: frozenset[int] = frozenset()):
+
+def _output_bytes(program: Program) -> int:
+    """Bytes of the buffers the program returns (inputs passed through excluded)."""
+    size = {}
+    for ins in program.instructions:
+        if isinstance(ins, Alloc):
+            size[ins.buf] = _nbytes(ins.shape, ins.dtype)
+        elif isinstance(ins, Extern):
+            size[ins.out] = _nbytes(ins.shape, ins.dtype)
+            size.update((o.out, _nbytes(o.shape, o.dtype)) for o in ins.outs)
+    return sum(size.get(b, 0) for b in {o.t for o in program.returned})
+
+
+def keyed_inputs(program: Program, bound: frozenset[int], copy_bytes: int,
+                 volatile: frozenset[int] = frozenset(), key: bool | None = None) -> tuple[int, ...]:
+    """The inputs graphs read in place, keyed by their addresses: the large ones that are not bound or
+    volatile, when `key` (None: when they are at least 1/KEY_RATIO of the outputs' bytes)."""
+    large = [i for i, x in enumerate(program.inputs)
+             if i not in bound and i not in volatile and _nbytes(x.shape, x.dtype) > copy_bytes]
+    if key is None:
+        in_bytes = sum(_nbytes(program.inputs[i].shape, program.inputs[i].dtype) for i in large)
+        key = KEY_RATIO * in_bytes >= _output_bytes(program)
+    return tuple(large) if key else ()
+
+
+class GraphedProgram:
+    """One program replayed as CUDA graphs: per caller stream, graphs keyed by input addresses."""
+
+    def __init__(self, executor: Executor, device: torch.device, bound: frozenset[int] = frozenset(),
+                 volatile: frozenset[int] = frozenset(), key: bool | None = None):
+        """bound: parameters, read at their addresses; volatile: inputs that are new tensors on every
+        call (a batch the forward passed through to the backward), copied; key: whether the other
+        large inputs are keyed by address (None: decided by size, see keyed_inputs)."""
         self.ex = executor
         self.device = device
         self.bound = bound
-        inputs = [i.buf for i in executor.program.inputs]
-        # output k is input j passed through (same buffer, whole and unstrided): no copy needed
-        self.passthrough = {k: inputs.index(o.t) for k, o in enumerate(executor.program.returned)
-                            if o.t in inputs and inputs.index(o.t) in bound}
-        self._instances: collections.OrderedDict[int, _Instance] = collections.OrderedDict()
+        prog = executor.program
+        names = [i.buf for i in prog.inputs]
+        # output k is input j passed through: handed out as a view of the caller's input
+        self.passthrough = {k: names.index(o.t) for k, o in enumerate(prog.returned) if o.t in names}
+        self._through = [(k, j, prog.returned[k]) for k, j in self.passthrough.items()]
+        self.copy_bytes = knobs.graph_copy_bytes
+        self.instances = knobs.graph_instances
+        self.keyed = keyed_inputs(prog, bound, self.copy_bytes, volatile, key)
+        self.copied = [i for i in range(len(names)) if i not in bound and i not in self.keyed]
+        self.bound_order = sorted(bound)
+        self._families: collections.OrderedDict[int, _Family] = collections.OrderedDict()
+        self._retired: collections.Counter = collections.Counter()  # stats of dropped families
         self._lock = threading.Lock()
         self._released = False
 
     @property
+    def stats(self) -> dict:
+        """captures, replays, eager_calls (no graph could serve), evictions, resets (bound changed)."""
+        with self._lock:
+            total = collections.Counter(self._retired)
+            for fam in self._families.values():
+                total.update(fam.stats)
+        return {k: total[k] for k in STATS}
+
+    @property
     def captures(self) -> int:
-        return sum(i.captures for i in list(self._instances.values()))
+        return self.stats["captures"]
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        inst = self._instance(current_stream(self.device.index))
-        with inst.lock:
-            if inst.released:  # evicted between lookup and lock: take a fresh one
+        fam = self._family(current_stream(self.device.index))
+        with fam.lock:
+            if fam.released:  # dropped between lookup and lock: take a fresh one
                 return self(inputs)
-            return inst.run(inputs)
+            outs = fam.run(inputs)
+        for k, j, o in self._through:  # a view of the caller's input, as the executor returns
+            if outs[k] is None:
+                x = inputs[j]
+                outs[k] = x.as_strided(o.shape, o.stride, x.storage_offset() + o.offset)
+        return outs
 
-    def _instance(self, stream: int) -> "_Instance":
+    def _family(self, stream: int) -> "_Family":
         with self._lock:
             if self._released:
                 raise AotfuseError("this artifact was closed; its CUDA graphs are gone",
                                    remedy="load the archive again")
-            inst = self._instances.get(stream)
-            if inst is not None:
-                self._instances.move_to_end(stream)
-                return inst
-            # made on the caller's thread with its stream current: the instance keeps that Stream
-            inst = self._instances[stream] = _Instance(self, torch.cuda.current_stream(self.device))
+            fam = self._families.get(stream)
+            if fam is not None:
+                self._families.move_to_end(stream)
+                return fam
+            # made on the caller's thread with its stream current: the family keeps that Stream
+            fam = self._families[stream] = _Family(self, _caller_stream(self.device))
             evicted = []
-            while len(self._instances) > max(1, knobs.graph_streams):
-                evicted.append(self._instances.popitem(last=False)[1])
+            while len(self._families) > max(1, knobs.graph_streams):
+                evicted.append(self._families.popitem(last=False)[1])
         for old in evicted:
-            old.release()
-        return inst
+            self._retire(old)
+        return fam
+
+    def _retire(self, fam: "_Family") -> None:
+        fam.release()
+        with self._lock:
+            self._retired.update(fam.stats)
 
     def release(self) -> None:
-        """Drop every instance after its stream drained; later calls raise."""
+        """Drop every graph after its stream drained; later calls raise."""
         with self._lock:
             self._released = True
-            olds = list(self._instances.values())
-            self._instances.clear()
-        for inst in olds:
-            inst.release()
+            olds = list(self._families.values())
+            self._families.clear()
+        for fam in olds:
+            self._retire(fam)
 
 
-class _Instance:
-    """The graph of one program for one caller stream, with the static buffers it replays on."""
+def _caller_stream(device: torch.device):
+    return torch.cuda.current_stream(device)
+
+
+def _record(ex: Executor, args: list, seed, state, stream) -> tuple:
+    """Capture one run of the program on `args` into a CUDA graph: (graph, its outputs)."""
+    side = torch.cuda.Stream(ex.device)
+    side.wait_stream(stream)
+    with torch.cuda.stream(side), torch.no_grad():
+        ex.run(args, seed, state)  # warm-up: lazy library set-up stays out of the graph
+    graph = torch.cuda.CUDAGraph()
+    _clear_library_workspaces()
+    try:
+        with torch.cuda.stream(side), torch.no_grad():
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outs = ex.run(args, seed, state)
+            finally:
+                graph.capture_end()
+    finally:
+        _clear_library_workspaces()
+    stream.wait_stream(side)
+    return graph, outs
+
+
+class _Graph:
+    """One capture: the graph, the input addresses it reads (its key) and the outputs it writes."""
+    __slots__ = ("graph", "key", "outputs", "last")
+
+    def __init__(self, graph, key: tuple, outputs: OutputSet):
+        self.graph, self.key, self.outputs, self.last = graph, key, outputs, 0
+
+
+class _Family:
+    """The graphs of one program for one caller stream. They share the stream's arena, the static
+    buffers of copied inputs and the seed: replays on one stream run in order."""
 
     def __init__(self, prog: GraphedProgram, stream: torch.cuda.Stream):
         self.prog = prog
         self.stream = stream
         self.lock = threading.Lock()
-        self.graph = None
+        self.state = prog.ex.state()
+        ins = prog.ex.program.inputs
+        self.static = {i: torch.empty(ins[i].shape, dtype=torch_dtype(ins[i].dtype), device=prog.device)
+                       for i in prog.copied}
+        self.seed = torch.empty(1, dtype=torch.int64, device=prog.device) if prog.ex.program.rng else None
+        self.cache = InstanceCache(prog.instances)
+        self.bound_ptrs: list | None = None
+        self.stats = collections.Counter(dict.fromkeys(STATS, 0))  # keys fixed: read while other threads count
         self.released = False
-        self.captures = 0
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, inputs: list[torch.Tensor]) -> list:
         p = self.prog
-        if self.graph is None or any(inputs[i].data_ptr() != self.bound_ptrs[i] for i in p.bound):
-            self._capture(inputs)
-        _copy(self.copy_to, [inputs[i] for i in self.copy_idx])
+        ptrs = [inputs[i].data_ptr() for i in p.bound_order]
+        if ptrs != self.bound_ptrs:  # a parameter's tensor changed: graphs of the old ones go
+            if self.cache.entries:
+                self.stats["resets"] += 1
+                self._drop(list(self.cache.entries))
+            self.bound_ptrs = ptrs
+        key = tuple(inputs[i].data_ptr() for i in p.keyed)
+        action, g = self.cache.choose(key)
+        if action == "eager":
+            self.stats["eager_calls"] += 1
+            return p.ex.run(list(inputs), None, self.state)
+        dst = [self.static[i] for i in p.copied]
+        src = [inputs[i] for i in p.copied]
         if self.seed is not None:
-            self.seed.copy_(new_seed(p.device))
-        self.graph.replay()
-        outs = [None] * len(self.static_out)
-        fresh = [torch.empty_like(t) for t in self.fresh_src]
-        _copy(fresh, self.fresh_src)
-        for k, t in zip(self.fresh_idx, fresh):
-            outs[k] = t
-        for k, j in p.passthrough.items():  # a fresh view per call, like the eager executor makes
-            o = self.static_out[k]
-            outs[k] = inputs[j].as_strided(o.shape, o.stride(), o.storage_offset())
-        return outs
+            dst.append(self.seed)
+            src.append(new_seed(p.device))
+        copy_all(dst, src)
+        if action == "capture":
+            if g is not None:
+                self.stats["evictions"] += 1
+                self._drop([g])
+            g = self._capture(inputs, key)
+            self.cache.add(g)
+        g.graph.replay()
+        self.stats["replays"] += 1
+        return g.outputs.hand_out()
 
-    def _capture(self, inputs: list[torch.Tensor]) -> None:
-        p, stream = self.prog, self.stream
-        self.graph = None  # a recapture (bound address changed): the old graph and pool go first
-        self.static = [x if i in p.bound else x.detach().clone() for i, x in enumerate(inputs)]
-        # addresses at capture: a Parameter whose .data is swapped keeps its identity, not its address
-        self.bound_ptrs = {i: inputs[i].data_ptr() for i in p.bound}
-        self.seed = new_seed(p.device) if p.ex.program.rng else None
-        self.state = p.ex.state()  # this instance's own arena: the graph replays its addresses
-        capture_stream = torch.cuda.Stream(p.device)
-        capture_stream.wait_stream(stream)
-        with torch.cuda.stream(capture_stream), torch.no_grad():
-            p.ex.run(self.static, self.seed, self.state)  # warm-up: lazy library set-up stays out of the graph
-        graph = torch.cuda.CUDAGraph()
-        _clear_library_workspaces()
-        try:
-            with torch.cuda.stream(capture_stream), torch.no_grad():
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.static_out = p.ex.run(self.static, self.seed, self.state)
-                finally:
-                    graph.capture_end()
-        finally:
-            _clear_library_workspaces()
-        stream.wait_stream(capture_stream)
-        self.graph = graph
-        self.copy_idx = [i for i in range(len(inputs)) if i not in p.bound]
-        self.copy_to = [self.static[i] for i in self.copy_idx]
-        self.fresh_idx = [k for k in range(len(self.static_out)) if k not in p.passthrough]
-        self.fresh_src = [self.static_out[k] for k in self.fresh_idx]
-        self.captures += 1
+    def _capture(self, inputs: list[torch.Tensor], key: tuple) -> _Graph:
+        p = self.prog
+        args = [self.static.get(i, x) for i, x in enumerate(inputs)]
+        graph, outs = _record(p.ex, args, self.seed, self.state, self.stream)
+        for k in p.passthrough:  # views of this call's inputs: never kept (they would pin the inputs)
+            outs[k] = None
+        self.stats["captures"] += 1
+        return _Graph(graph, key, OutputSet(outs, p.copy_bytes))
+
+    def _drop(self, graphs: list[_Graph]) -> None:
+        self.stream.synchronize()  # the last replay may still run; its pool must outlive it
+        for g in graphs:
+            self.cache.remove(g)
 
     def release(self) -> None:
         with self.lock:
-            if self.graph is not None:
-                self.stream.synchronize()  # the last replay may still run; its pool must outlive it
+            if self.cache.entries:
+                self._drop(list(self.cache.entries))
             self.released = True
-            self.graph = None
-            self.static = self.static_out = self.copy_to = self.fresh_src = []
             self.state = None
+            self.static = {}

@@ -73,11 +73,14 @@ class PackagedModule(nn.Module):
         self._graphs = None
         if art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs):
             n_p = len(self._names)
-            fwd = art.graphed("forward", frozenset(range(n_p)))
-            # backward inputs that are parameters passed through the forward keep their addresses
-            bwd_bound = frozenset(k - 1 for k, j in fwd.passthrough.items() if k >= 1)
-            self._graphs = {"forward": fwd,
-                            "backward": art.graphed("backward", bwd_bound)}
+            # the forward copies the batch (a new tensor every step) and reads parameters in place; the
+            # backward reads the saved tensors where the forward's graph wrote them (keyed by address),
+            # parameters passed through in place, and copies the batch tensors passed through
+            fwd = art.graphed("forward", frozenset(range(n_p)), key=False)
+            through = {k - 1: j for k, j in fwd.passthrough.items() if k >= 1}
+            params = frozenset(k for k, j in through.items() if j in fwd.bound)
+            bwd = art.graphed("backward", params, frozenset(through) - params, key=True)
+            self._graphs = {"forward": fwd, "backward": bwd}
         loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
