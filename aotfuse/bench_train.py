@@ -6,8 +6,9 @@ gradients set to None before each step. Reported per backend:
 
 - step time: median (p10, p90) of CUDA-event-timed steps after warm-up, the stream drained before
   each step;
-- peak memory above the model: the allocator's peak during the timed steps minus what was
-  allocated before them (parameters, inputs, optimizer state: the model, not the step);
+- peak memory above the model: the allocator's peak from the first step on (warm-up, CUDA-graph
+  captures and the timed steps) minus what was allocated before it (parameters, inputs: the model);
+  an optimizer's state, created in the first step, counts as step memory for every backend alike;
 - the first step's loss relative to eager's;
 - setup: torch.compile's compile time (first step), aotfuse's build time (CPU, as CI builds it);
 - time to first step: a fresh Python process that imports, loads (aotfuse) or compiles
@@ -57,15 +58,18 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 
 def _time_steps(step: Callable[[], torch.Tensor], iters: int, warmup: int) -> tuple[list[float], float, float]:
-    """Step times (ms), the first loss, and the peak MB above what was allocated before the timed steps."""
+    """Step times (ms), the first loss, and the peak MB above what was allocated before the FIRST step:
+    what a backend holds for its steps (CUDA-graph pools and arenas captured in the first steps, kept
+    saved-tensor sets) counts, not only what the timed steps add on top of the warm-up's."""
     from .bench import time_calls
 
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     first = float(step())
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     times = time_calls(step, iters=iters, warmup=0, device="cuda")  # events, the stream drained before each
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     return times, first, peak
@@ -86,6 +90,8 @@ def _stepper(module: torch.nn.Module, params: list, inputs: tuple, optimizer: bo
 
 
 def _row(name, module, params, inputs, *, iters, warmup, optimizer, eager_loss=None, setup_s=None, note=""):
+    for p in params:  # a compile run's gradients would otherwise sit in the baseline
+        p.grad = None
     try:
         times, first, peak = _time_steps(_stepper(module, params, inputs, optimizer), iters, warmup)
     except Exception as e:  # a contender that fails is reported, not fatal
