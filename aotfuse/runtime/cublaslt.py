@@ -559,6 +559,6 @@ class LtMatmul:
         return True
 
     def record(self) -> dict:
-        return {"path": "cublaslt", "matmul": self.spec.describe(), "workspace": self.workspace_needed,
+        return {"target": self.spec.target, "path": "cublaslt", "matmul": self.spec.describe(), "workspace": self.workspace_needed,
                 "alignment": list(self.alignments), "algo": list(self._result.algo[:2]),
                 "torch_calls_misaligned": self.fallbacks}

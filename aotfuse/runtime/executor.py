@@ -79,11 +79,16 @@ def _flat(xs):
             yield x
 
 
-def _prepared(step: tuple) -> tuple:
-    """A GPU launch step with a parameter buffer of its own; other steps (and CPU launches) as they are."""
+def _prepared(step: tuple, addr: list, per_call: set) -> tuple:
+    """A GPU launch step with a parameter buffer of its own, filled once when none of its arguments
+    changes per call (weights and arena views only); other steps (and CPU launches) as they are."""
     if step[0] == "launch" and hasattr(step[1], "prepare"):
         _, launch, grid, slots = step
-        return ("prepared", launch.prepare(grid).launch, slots)
+        prepared = launch.prepare(grid)
+        if any(s in per_call for s in slots):
+            return ("prepared", prepared.launch, slots)
+        prepared.fill([addr[s] for s in slots])
+        return ("fixed", prepared.launch_filled)
     return step
 
 
@@ -104,7 +109,7 @@ class State:
         # once here. Only views of per-call buffers (inputs, extern results, outputs) stay _View.
         # GPU launches get a parameter buffer of their own (this state's calls are serialized).
         self.externs: list = [None] * ex.n_externs
-        self._base_steps = [_prepared(step) for step in ex.steps]
+        self._base_steps = [_prepared(step, self.addr, ex.per_call) for step in ex.steps]
         self.steps = self._base_steps
         for step in ex.steps:
             if step[0] == "extern":
@@ -217,6 +222,15 @@ class Executor:
             raise ArchiveError("program does not end with a return instruction")
         self.n_slots = len(self._slots)
         self._per_call_list = sorted(self.per_call)
+        # a free releases only per-call tensors (arena views and weights stay bound): drop the others
+        steps = []
+        for st in self.steps:
+            if st[0] == "free":
+                st = ("free", tuple(s for s in st[1] if s in self.per_call))
+                if not st[1]:
+                    continue
+            steps.append(st)
+        self.steps = steps
         self._states: collections.OrderedDict = collections.OrderedDict()
         self._states_lock = threading.Lock()
 
@@ -343,11 +357,13 @@ class Executor:
             addr[self.rng_slot] = t.data_ptr()
         for step in st.steps:
             kind = step[0]
-            if kind == "prepared":
-                step[1](stream, [addr[s] for s in step[2]])
+            if kind == "fixed":
+                step[1](stream)
             elif kind == "lt":
                 if not step[1](stream, addr):  # a per-call operand misaligned for the algorithm: torch's binding
                     self._extern(st, step[2], env, addr)
+            elif kind == "prepared":
+                step[1](stream, [addr[s] for s in step[2]])
             elif kind == "launch":
                 _, launch, grid, slots = step
                 launch(grid, stream, [addr[s] for s in slots] if by_addr else [env[s] for s in slots])
@@ -360,8 +376,7 @@ class Executor:
                 self._extern(st, step, env, addr)
             elif kind == "free":
                 for s in step[1]:
-                    if s in self.per_call:
-                        env[s] = None
+                    env[s] = None
             else:
                 return [v.of(env) for v in step[1]]
         raise ArchiveError("program has no return instruction")

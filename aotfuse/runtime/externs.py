@@ -68,10 +68,13 @@ def keep_whole(train: bool) -> tuple:
 # arguments as the overload (positional, then beta/alpha and out= by keyword) and dispatches to it:
 # about 3 us less host time per call than the OpOverload object. Validation still reads the
 # overload's schema (ALLOWED); tests/test_runtime_unit.py checks each binding against its overload.
+# (On CUDA the matmuls usually skip torch altogether: runtime/cublaslt.py.)
 BINDINGS = {
     "aten.mm.out": torch.mm,
     "aten.addmm.out": torch.addmm,
     "aten.bmm.out": torch.bmm,
+    # F.scaled_dot_product_attention's C binding: (q, k, v, attn_mask, dropout_p, is_causal, *, scale, enable_gqa)
+    "aten.scaled_dot_product_attention.default": torch._C._nn.scaled_dot_product_attention,
 }
 
 
