@@ -117,7 +117,10 @@ class State:
                 args = [self._fix(a, ex.per_call) for a in args]
                 kwargs = {k: self._fix(v, ex.per_call) for k, v in kwargs.items()}
                 out = self._fix(ov, ex.per_call)
-                dynamic = any(isinstance(a, _View) for a in _flat([args, list(kwargs.values()), [out]]))
+                # per call, only views of per-call buffers are made (an op that allocates its result
+                # has no out argument: its view is applied to the result when it is bound)
+                dynamic = any(isinstance(a, _View) for a in _flat([args, list(kwargs.values()),
+                                                                    [out] if step[5] else []]))
                 self.externs[i] = (args, kwargs, out, dynamic)
         # Matmul externs as prepared cuBLASLt calls (runtime/cublaslt.py), for torch's current settings.
         self.matmul_policy: tuple | None = None
