@@ -25,6 +25,8 @@
 | mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.8 | cost model: template throughput as a fraction of cuBLAS's |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
+| cublaslt | AOTFUSE_CUBLASLT | 1 | runtime (CUDA): matmul externs as one prepared cublasLtMatmul call each (runtime/cublaslt.py); 0: through torch's bindings |
+| cublaslt_workspace | AOTFUSE_CUBLASLT_WORKSPACE | 33554432 | runtime: most workspace bytes a cuBLASLt algorithm may use (one buffer per executor state, of the size its algorithms need) |
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ class Knobs:
     mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.8)
     mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
+    cublaslt: bool = bool(_env_int("AOTFUSE_CUBLASLT", 1))
+    cublaslt_workspace: int = _env_int("AOTFUSE_CUBLASLT_WORKSPACE", 32 * 1024 * 1024)
 
 
 knobs = Knobs()

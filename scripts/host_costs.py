@@ -4,7 +4,8 @@
 
 Each line: median host microseconds of one operation (1000 repetitions, 5 rounds, the GPU drained
 before each round so no full launch queue blocks a call): an extern called through its OpOverload
-and through torch's Python binding, a strided view, an empty allocation, a data_ptr read.
+and through torch's Python binding, a prepared cublasLtMatmul (this tree), a strided view, an empty
+allocation, a data_ptr read.
 """
 from __future__ import annotations
 
@@ -54,6 +55,29 @@ rows = [
     ("data_ptr", lambda: o.data_ptr()),
     ("current_stream().cuda_stream", lambda: torch.cuda.current_stream(a.device).cuda_stream),
 ]
+try:  # this tree's prepared cuBLASLt call (runtime/cublaslt.py) of the same mm / addmm
+    from aotfuse.contract.program import TensorRef
+    from aotfuse.runtime import cublaslt
+    from aotfuse.runtime.executor import _View
+
+    def _lt(target, tensors):
+        views = [_View(i, TensorRef(f"b{i}", tuple(t.shape), tuple(t.stride()), 0)) for i, t in enumerate(tensors)]
+        addr = [t.data_ptr() for t in tensors]
+        spec = cublaslt.derive(target, views[:-1], {}, views[-1], {i: t.dtype for i, t in enumerate(tensors)})
+        lib = cublaslt.library()
+        plan = cublaslt.LtMatmul(lib, lib.take_handle(0), spec, cublaslt.Policy(*cublaslt.policy_key()),
+                                 dict(enumerate(addr)), 32 << 20)
+        ws = torch.empty(max(plan.workspace_needed, 1), dtype=torch.uint8, device=dev)
+        plan.use_workspace(ws.data_ptr(), plan.workspace_needed)
+        stream = torch.cuda.current_stream().cuda_stream
+        return lambda: plan.run(stream, addr), ws
+
+    lt_mm, _ws1 = _lt("aten.mm.out", [a, b, o])
+    lt_addmm, _ws2 = _lt("aten.addmm.out", [bias, a, b, o])
+    rows[2:2] = [("cublasLtMatmul mm (prepared)", lt_mm), ("cublasLtMatmul addmm+bias (prepared)", lt_addmm),
+                 ("policy_key (per call check)", cublaslt.policy_key)]
+except ImportError:  # an older tree
+    pass
 print(torch.cuda.get_device_name(), torch.__version__)
 for name, fn in rows:
     for _ in range(50):

@@ -47,8 +47,14 @@ for graphs in (False, True):
                 art(*x)
             torch.cuda.synchronize()
             b2b.append((time.perf_counter() - t0) / 100)
+    instrs = prog.instructions if hasattr(prog, "instructions") else prog["instructions"]
+    n_ext = sum(1 for i in instrs if (getattr(i, "op", None) or (i.get("op") if isinstance(i, dict) else "")) == "extern")
     row.append(f"graphs={'on' if graphs else 'off'}: host {statistics.median(host) * 1e6:.1f} us/call, "
-               f"back-to-back {statistics.median(b2b) * 1e6:.1f} us/call ({n_steps} instructions)")
+               f"back-to-back {statistics.median(b2b) * 1e6:.1f} us/call ({n_steps} instructions, {n_ext} externs)")
+    ex = art.executors["forward"]
+    if not graphs and hasattr(ex, "matmul_report"):  # this tree: which matmul externs took cuBLASLt
+        paths = [r["path"] for r in ex.matmul_report()]
+        row.append(f"matmuls: {paths.count('cublaslt')} cublaslt, {paths.count('torch')} torch")
 print(" | ".join(row))
 if "--profile" in sys.argv:  # where the host time of the graphs-off path goes
     import cProfile

@@ -277,6 +277,11 @@ def test_prepared_launch_has_its_own_params_and_checks(fake_driver):
     assert struct.unpack_from("<QQQQ", bytes(lib.fake_params()[:32])) == (0x10, 0x20, 0, 0)
     b.launch(0, [0x30, 0x40])
     assert [last[i] for i in (1, 2)] == [2, 3]
+    a.fill([0x50, 0x60])  # a launch site whose addresses never change: filled once, launched many times
+    for stream in (0xCAFE0, 0xCAFF0):
+        a.launch_filled(stream)
+        assert [last[i] for i in (1, 8)] == [7, stream]
+        assert struct.unpack_from("<QQQQ", bytes(lib.fake_params()[:32])) == (0x50, 0x60, 0, 0)
     n = lib.fake_launches()
     bound.prepare((0, 1, 1)).launch(0, [1, 2])  # empty grid: nothing launched
     assert lib.fake_launches() == n
@@ -288,6 +293,8 @@ def test_prepared_launch_has_its_own_params_and_checks(fake_driver):
     mod.close()
     with pytest.raises(AotfuseError, match="module was closed"):
         a.launch(0, [1, 2])
+    with pytest.raises(AotfuseError, match="module was closed"):
+        a.launch_filled(0)
 
 
 def test_launch_error_names_call_and_cuerror(fake_driver):

@@ -36,7 +36,19 @@ def test_externs_only_from_allow_list():
             resolve(bad)
 
 
-@pytest.mark.parametrize("target", sorted(BINDINGS))
+def test_attention_binding_matches_its_overload():
+    # called as the executor calls it: (q, k, v, mask) positional, the rest by keyword
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))
+    mask = torch.randn(5, 5, generator=g)
+    target = "aten.scaled_dot_product_attention.default"
+    for m, kw in ((None, {"is_causal": True, "scale": None, "enable_gqa": False, "dropout_p": 0.0}),
+                  (mask, {"is_causal": False, "scale": 0.3, "enable_gqa": False, "dropout_p": 0.0})):
+        ref = ALLOWED[target](q, k, v, m, **kw)
+        torch.testing.assert_close(BINDINGS[target](q, k, v, m, **kw), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target", sorted(t for t in BINDINGS if t.endswith(".out")))
 def test_extern_bindings_match_their_overloads(target):
     # The binding is called exactly as the overload would be: positional args, beta/alpha, out=.
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,5 @@
-"""Extern lowerings: matmuls, convolution, attention and embedding, kept whole and called on strided views."""
+"""Extern lowerings: matmuls, convolution and attention, kept whole and called on strided views.
+(Embedding is kept whole by export too, but lowers to a gather kernel: lower/gather.py.)"""
 from __future__ import annotations
 
 import torch
@@ -74,14 +75,6 @@ def _feeds_fusible(node) -> bool:
         if info.category == "view" and _feeds_fusible(user):
             return True
     return False
-
-
-@rule(aten.embedding.default, category="extern")
-def _embedding(ctx, node, args, kwargs):
-    w, idx = args[0], args[1]
-    tw, ti = _targ(ctx, w, node, "weight"), _targ(ctx, idx, node, "indices")
-    pad = args[2] if len(args) > 2 else -1
-    return ctx.extern("aten.embedding.out", (tw, ti, pad), {}, out_shape(node), out_dtype(node), True)
 
 
 @rule(aten.convolution.default, category="extern")

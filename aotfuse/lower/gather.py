@@ -1,4 +1,4 @@
-"""Gather lowerings: index_select, gather, index.Tensor (advanced indexing) as loads at data-dependent
+"""Gather lowerings: index_select, gather, index.Tensor (advanced indexing) and embedding as loads at data-dependent
 offsets (ir.loop.Gather): out[p] = x[base(p) + sum_k idx_k(p) * stride_k].
 
 Bounds: torch raises on an index outside [-n, n); a kernel cannot raise, so an index is wrapped
@@ -127,6 +127,22 @@ def _index(ctx, node, args, kwargs):
         else:
             coords.append(next(rest))
     return _gather(ctx, node, x, coords, indexed, ranges)
+
+
+@rule(aten.embedding.default, category="extern",
+      note="kept whole by export (its index range guards the input; the partition never recomputes it) and lowered "
+           "as a gather of weight rows, which fuses with its consumers; indices wrapped and clamped")
+def _embedding(ctx, node, args, kwargs):
+    # The forward of every embedding variant is weight[indices]: padding_idx, scale_grad_by_freq and
+    # sparse change only the gradient (aten.embedding_dense_backward stays an extern).
+    w, idx = args[0], args[1]
+    if not isinstance(w, View) or not isinstance(idx, View) or len(w.shape) != 2:
+        raise UnsupportedOpError(str(node.target), node.name, "embedding of a weight that is not a 2-d tensor")
+    shape = out_shape(node)
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    v = _bounded(ctx, idx, list(pv[:-1]), ranges, w.shape[0])
+    return _gather(ctx, node, w, [sympy.Integer(0), pv[-1]], {0: v}, ranges)
 
 
 def register_all(register) -> None:

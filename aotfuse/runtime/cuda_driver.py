@@ -631,12 +631,20 @@ class PreparedLaunch:
 
     def launch(self, stream: int, args: Sequence[int]) -> None:
         """Launch with `args` (device addresses in argument order) on `stream`."""
+        self.pack.fill(args)
+        self.launch_filled(stream)
+
+    def fill(self, args: Sequence[int]) -> None:
+        """Set the arguments of every later `launch_filled` (a launch site whose addresses never change)."""
+        self.pack.fill(args)
+
+    def launch_filled(self, stream: int) -> None:
+        """Launch on `stream` with the arguments last filled (by `fill` or `launch`)."""
         if self._empty:
             return
         if self.bound.function._handle is None:
             raise AotfuseError(f"cannot launch {self.bound.function.name!r}: its module was closed")
         pack = self.pack
-        pack.fill(args)
         self._stream.value = stream
         gx, gy, gz, bx, by, bz, sh = self._dims
         rc = self._fn(self._handle, gx, gy, gz, bx, by, bz, sh, self._stream, pack.params, None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ from ..contract.program import Alloc, Extern, Free, Launch, Program, Return, Ten
 from ..dtypes import TORCH
 from ..errors import ArchiveError
 from ..knobs import knobs
+from . import cublaslt
 from .externs import resolve
 
 DTYPES = TORCH  # program dtype names (aotfuse/dtypes.py); validate.py reads it from here too
@@ -77,11 +79,16 @@ def _flat(xs):
             yield x
 
 
-def _prepared(step: tuple) -> tuple:
-    """A GPU launch step with a parameter buffer of its own; other steps (and CPU launches) as they are."""
+def _prepared(step: tuple, addr: list, per_call: set) -> tuple:
+    """A GPU launch step with a parameter buffer of its own, filled once when none of its arguments
+    changes per call (weights and arena views only); other steps (and CPU launches) as they are."""
     if step[0] == "launch" and hasattr(step[1], "prepare"):
         _, launch, grid, slots = step
-        return ("prepared", launch.prepare(grid).launch, slots)
+        prepared = launch.prepare(grid)
+        if any(s in per_call for s in slots):
+            return ("prepared", prepared.launch, slots)
+        prepared.fill([addr[s] for s in slots])
+        return ("fixed", prepared.launch_filled)
     return step
 
 
@@ -102,15 +109,80 @@ class State:
         # once here. Only views of per-call buffers (inputs, extern results, outputs) stay _View.
         # GPU launches get a parameter buffer of their own (this state's calls are serialized).
         self.externs: list = [None] * ex.n_externs
-        self.steps = [_prepared(step) for step in ex.steps]
+        self._base_steps = [_prepared(step, self.addr, ex.per_call) for step in ex.steps]
+        self.steps = self._base_steps
         for step in ex.steps:
             if step[0] == "extern":
                 _, i, _fn, args, kwargs, _ov_flag, ov, *_ = step
                 args = [self._fix(a, ex.per_call) for a in args]
                 kwargs = {k: self._fix(v, ex.per_call) for k, v in kwargs.items()}
                 out = self._fix(ov, ex.per_call)
-                dynamic = any(isinstance(a, _View) for a in _flat([args, list(kwargs.values()), [out]]))
+                # per call, only views of per-call buffers are made (an op that allocates its result
+                # has no out argument: its view is applied to the result when it is bound)
+                dynamic = any(isinstance(a, _View) for a in _flat([args, list(kwargs.values()),
+                                                                    [out] if step[5] else []]))
                 self.externs[i] = (args, kwargs, out, dynamic)
+        # Matmul externs as prepared cuBLASLt calls (runtime/cublaslt.py), for torch's current settings.
+        self.matmul_policy: tuple | None = None
+        self.matmul_records: dict[int, dict] = {}
+        self._matmuls: dict[int, cublaslt.LtMatmul] = {}
+        self._lt_handle = None
+        self.lt_workspace: torch.Tensor | None = None
+        if ex.matmuls:
+            self.bind_matmuls(ex, cublaslt.policy_key())
+        ex._last_state = weakref.ref(self)
+
+    def bind_matmuls(self, ex: "Executor", key: tuple) -> None:
+        """(Re)make the cuBLASLt matmuls of this state for torch's matmul settings `key`; externs that
+        cannot take that path keep torch's binding, with the reason in matmul_records."""
+        self.matmul_policy = key
+        plans: dict[int, cublaslt.LtMatmul] = {}
+        records: dict[int, dict] = {}
+        lib = None
+        why_not = None
+        if ex.device.type != "cuda":
+            why_not = "CPU: torch's binding"
+        elif not knobs.cublaslt:
+            why_not = "AOTFUSE_CUBLASLT=0"
+        else:
+            try:
+                lib = cublaslt.library()
+            except cublaslt.Unsupported as e:
+                why_not = str(e)
+        if lib is not None and self._lt_handle is None and any(not isinstance(v, str) for v in ex.matmuls.values()):
+            index = ex.device.index or 0
+            self._lt_handle = lib.take_handle(index)
+            weakref.finalize(self, lib.give_handle, index, self._lt_handle)
+        static = {slot: a for slot, a in enumerate(self.addr) if slot not in ex.per_call}
+        policy = cublaslt.Policy(*key)
+        for i, spec in ex.matmuls.items():
+            target = ex.extern_targets[i]
+            if isinstance(spec, str) or why_not is not None:
+                records[i] = {"target": target, "path": "torch", "why": why_not or spec}
+                continue
+            try:
+                plans[i] = cublaslt.LtMatmul(lib, self._lt_handle, spec, policy, static, knobs.cublaslt_workspace)
+            except cublaslt.Unsupported as e:
+                records[i] = {"target": target, "path": "torch", "why": str(e), "matmul": spec.describe()}
+        need = max((p.workspace_needed for p in plans.values()), default=0)
+        # one workspace for the state's matmuls (they run in order on the state's stream), owned by the state
+        self.lt_workspace = torch.empty(need, dtype=torch.uint8, device=ex.device) if need else None
+        for p in plans.values():
+            p.use_workspace(self.lt_workspace.data_ptr() if need else 0, need)
+        self._matmuls = plans
+        self.matmul_records = records
+        if why_not is not None:
+            self.matmul_policy = None  # nothing to re-bind when torch's settings change: no per-call check
+        self.steps = [("lt", plans[st[1]].run, st) if st[0] == "extern" and st[1] in plans else st
+                      for st in self._base_steps]
+
+    def matmul_report(self) -> list[dict]:
+        """Per matmul extern, in program order: the path it takes (cublaslt or torch) and why."""
+        out = []
+        for i in sorted(set(self.matmul_records) | set(self._matmuls)):
+            rec = self._matmuls[i].record() if i in self._matmuls else dict(self.matmul_records[i])
+            out.append({"extern": i, **rec})
+        return out
 
     def _fix(self, a, per_call: set):
         if isinstance(a, _View):
@@ -135,6 +207,13 @@ class Executor:
         self.input_slots = [self._slot(i.buf) for i in program.inputs]
         self.rng_slot = self._slot(program.rng) if program.rng else None
         self.weight_slots = [(self._slot(buf), weights[fqn]) for buf, fqn in program.weights.items()]
+        # the dtype of each slot's buffer, where the program says it (matmul externs read their operands')
+        self.slot_dtypes: dict[int, torch.dtype] = {s: torch_dtype(i.dtype) for s, i in
+                                                    zip(self.input_slots, program.inputs) if i.dtype in DTYPES}
+        self.slot_dtypes.update((s, t.dtype) for s, t in self.weight_slots)
+        self.matmuls: dict[int, cublaslt.MatmulSpec | str] = {}  # extern index -> spec, or why torch's binding
+        self.extern_targets: list[str] = []
+        self._last_state = None
         instructions = program.instructions
         # outputs (and the buffers they view) are allocated per call, never in the shared arena
         self._per_call_bufs = {o.t for o in program.returned}
@@ -146,6 +225,15 @@ class Executor:
             raise ArchiveError("program does not end with a return instruction")
         self.n_slots = len(self._slots)
         self._per_call_list = sorted(self.per_call)
+        # a free releases only per-call tensors (arena views and weights stay bound): drop the others
+        steps = []
+        for st in self.steps:
+            if st[0] == "free":
+                st = ("free", tuple(s for s in st[1] if s in self.per_call))
+                if not st[1]:
+                    continue
+            steps.append(st)
+        self.steps = steps
         self._states: collections.OrderedDict = collections.OrderedDict()
         self._states_lock = threading.Lock()
 
@@ -157,6 +245,7 @@ class Executor:
         if isinstance(ins, Alloc):
             dt = torch_dtype(ins.dtype)
             slot = self._slot(ins.buf)
+            self.slot_dtypes[slot] = dt
             if ins.offset < 0 or ins.buf in self._per_call_bufs:
                 self.per_call.add(slot)
                 return ("new", slot, ins.shape, dt)
@@ -178,11 +267,24 @@ class Executor:
             more = tuple((self._slot(o.out), _View(self._slot(o.out), o.out_view), o.shape, torch_dtype(o.dtype),
                           _contig_strides(o.shape)) for o in ins.outs)
             self.per_call.update(m[0] for m in more)
+            self.slot_dtypes.setdefault(out, torch_dtype(ins.dtype))
+            for m in more:
+                self.slot_dtypes.setdefault(m[0], m[3])
             self.n_externs += 1
-            return ("extern", self.n_externs - 1, resolve(ins.target), self._arg(ins.args),
+            index = self.n_externs - 1
+            self.extern_targets.append(ins.target)
+            step = ("extern", index, resolve(ins.target), self._arg(ins.args),
                     {k: self._arg(v) for k, v in ins.kwargs.items()}, ins.out_variant,
                     _View(out, ins.out_view), out, ins.shape, torch_dtype(ins.dtype), _contig_strides(ins.shape),
                     more)
+            if ins.target in cublaslt.TARGETS:
+                try:
+                    if not ins.out_variant:
+                        raise cublaslt.Unsupported("not an .out call")
+                    self.matmuls[index] = cublaslt.derive(ins.target, step[3], step[4], step[6], self.slot_dtypes)
+                except cublaslt.Unsupported as e:
+                    self.matmuls[index] = str(e)
+            return step
         if isinstance(ins, Free):
             return ("free", tuple(s for s in (self._slots.get(b) for b in ins.bufs) if s is not None))
         if isinstance(ins, Return):
@@ -202,6 +304,22 @@ class Executor:
         """A fresh state of its own (a CUDA-graph instance owns one)."""
         return State(self)
 
+    def matmul_report(self, state: State | None = None) -> list[dict]:
+        """Per matmul extern: the path its calls take (cublaslt, with the algorithm's workspace and
+        alignments, or torch's binding and why), as bound in `state` (default: the last state made)."""
+        st = state or (self._last_state() if self._last_state is not None else None)
+        if st is not None:
+            return st.matmul_report()
+        out = []
+        for i, v in sorted(self.matmuls.items()):
+            rec = {"extern": i, "target": self.extern_targets[i]}
+            if isinstance(v, str) or self.device.type != "cuda":
+                rec.update(path="torch", why=v if isinstance(v, str) else "CPU: torch's binding")
+            else:
+                rec.update(path="cublaslt", matmul=v.describe(), bound=False)
+            out.append(rec)
+        return out
+
     def _state_for_caller(self, key) -> State:
         with self._states_lock:
             st = self._states.get(key)
@@ -219,6 +337,10 @@ class Executor:
         stream = current_stream(self.device.index) if self.device.type == "cuda" else 0
         st = state or self._state_for_caller(stream)
         with st.lock:
+            if st.matmul_policy is not None:
+                key = cublaslt.policy_key()
+                if key != st.matmul_policy:  # torch's matmul settings changed since the state was bound
+                    st.bind_matmuls(self, key)
             try:
                 return self._run(st, inputs, seed, stream)
             finally:
@@ -238,7 +360,12 @@ class Executor:
             addr[self.rng_slot] = t.data_ptr()
         for step in st.steps:
             kind = step[0]
-            if kind == "prepared":
+            if kind == "fixed":
+                step[1](stream)
+            elif kind == "lt":
+                if not step[1](stream, addr):  # a per-call operand misaligned for the algorithm: torch's binding
+                    self._extern(st, step[2], env, addr)
+            elif kind == "prepared":
                 step[1](stream, [addr[s] for s in step[2]])
             elif kind == "launch":
                 _, launch, grid, slots = step
@@ -252,8 +379,7 @@ class Executor:
                 self._extern(st, step, env, addr)
             elif kind == "free":
                 for s in step[1]:
-                    if s in self.per_call:
-                        env[s] = None
+                    env[s] = None
             else:
                 return [v.of(env) for v in step[1]]
         raise ArchiveError("program has no return instruction")

@@ -22,13 +22,16 @@ aten = torch.ops.aten
 @dataclasses.dataclass(frozen=True)
 class ExternOp:
     graph_op: object  # the overload the exported / joint graph keeps whole and lowering sees
-    calls: tuple  # the overloads the program may call for it (first: the usual one)
+    calls: tuple  # the overloads today's lowering may emit for it (first: the usual one)
     inference: bool = True  # kept whole by export's table
     train: bool = True  # kept whole by the joint trace's table (training decomposes attention)
+    # Overloads that archives built by earlier versions call for it and today's lowering no longer
+    # emits (it lowers the op to a kernel): still allowed, so those archives keep loading.
+    legacy: tuple = ()
 
     @property
     def targets(self) -> tuple[str, ...]:
-        return tuple(_name(c) for c in self.calls)
+        return tuple(_name(c) for c in self.calls + self.legacy)
 
 
 def _name(overload) -> str:
@@ -38,7 +41,9 @@ def _name(overload) -> str:
 
 EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(aten.scaled_dot_product_attention.default, (aten.scaled_dot_product_attention.default,), train=False),
-    ExternOp(aten.embedding.default, (aten.embedding.out,)),
+    # kept whole (the index range of its input, never recomputed) but lowered as a gather kernel
+    # (lower/gather.py); archives before that call aten.embedding.out
+    ExternOp(aten.embedding.default, (), legacy=(aten.embedding.out,)),
     ExternOp(aten.convolution.default, (aten.convolution.out,)),
     ExternOp(aten.mm.default, (aten.mm.out,)),
     # addmm with a bias that is not a broadcast row lowers to mm + a pointwise add
@@ -50,7 +55,8 @@ EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(_attention.attention_backward, (_attention.attention_backward,), inference=False),
 )
 
-ALLOWED = {_name(c): c for e in EXTERNS for c in e.calls}
+ALLOWED = {_name(c): c for e in EXTERNS for c in e.calls + e.legacy}
+LEGACY = {_name(c) for e in EXTERNS for c in e.legacy}  # allowed for older archives, emitted by no lowering
 
 
 def keep_whole(train: bool) -> tuple:
@@ -62,10 +68,13 @@ def keep_whole(train: bool) -> tuple:
 # arguments as the overload (positional, then beta/alpha and out= by keyword) and dispatches to it:
 # about 3 us less host time per call than the OpOverload object. Validation still reads the
 # overload's schema (ALLOWED); tests/test_runtime_unit.py checks each binding against its overload.
+# (On CUDA the matmuls usually skip torch altogether: runtime/cublaslt.py.)
 BINDINGS = {
     "aten.mm.out": torch.mm,
     "aten.addmm.out": torch.addmm,
     "aten.bmm.out": torch.bmm,
+    # F.scaled_dot_product_attention's C binding: (q, k, v, attn_mask, dropout_p, is_causal, *, scale, enable_gqa)
+    "aten.scaled_dot_product_attention.default": torch._C._nn.scaled_dot_product_attention,
 }
 
 

@@ -1,0 +1,200 @@
+"""The cuBLASLt form of matmul externs (runtime/cublaslt.py), checked without a GPU.
+
+`emulate` computes what cublasLtMatmul would do with a derived MatmulSpec, from its documented
+semantics (column-major layouts with leading dimensions, op N/T, strided batches, a bias along the
+rows of D) on flat CPU memory; the result must be torch's, written through the program's out view.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from aotfuse.contract.program import TensorRef
+from aotfuse.runtime import cublaslt
+from aotfuse.runtime.cublaslt import CUBLAS_OP_N, CUBLAS_OP_T, Unsupported, column_major, derive
+from aotfuse.runtime.executor import _View
+
+
+def _stored(mem: torch.Tensor, lay: cublaslt.Layout, byte_offset: int, itemsize: int, b: int) -> torch.Tensor:
+    """The column-major rows x cols matrix `b` of a layout, as a tensor view of flat memory."""
+    off = byte_offset // itemsize + b * lay.batch_stride
+    return mem.as_strided((lay.rows, lay.cols), (1, lay.ld), off)
+
+
+def emulate(spec: cublaslt.MatmulSpec, mems: dict[int, torch.Tensor]) -> None:
+    """D' = op(A') @ op(B') (+ bias along D's rows), per batch, in float64, written into D's memory."""
+    size = mems[spec.d_ref.slot].element_size()
+    for b in range(spec.batch):
+        a = _stored(mems[spec.a_ref.slot], spec.a, spec.a_ref.byte_offset, size, b).double()
+        bm = _stored(mems[spec.b_ref.slot], spec.b, spec.b_ref.byte_offset, size, b).double()
+        a = a if spec.transa == CUBLAS_OP_N else a.t()
+        bm = bm if spec.transb == CUBLAS_OP_N else bm.t()
+        assert a.shape == (spec.m, spec.k) and bm.shape == (spec.k, spec.n)
+        d = a @ bm
+        if spec.bias_ref is not None:
+            bias = mems[spec.bias_ref.slot][spec.bias_ref.byte_offset // size:][:spec.m].double()
+            d = d + bias[:, None]
+        _stored(mems[spec.d_ref.slot], spec.d, spec.d_ref.byte_offset, size, b).copy_(d)
+
+
+def _view(slot: int, shape, stride, offset=0) -> _View:
+    return _View(slot, TensorRef(f"b{slot}", tuple(shape), tuple(stride), offset))
+
+
+def _layout_of(shape, order: str, pad: int):
+    """Strides of a matrix (or batch of them) that is row-major ("r") or column-major ("c") in its last
+    two dims, with `pad` extra elements per leading dimension."""
+    *batch, r, c = shape
+    if order == "r":
+        s = [c + pad, 1]
+        span = r * (c + pad)
+    else:
+        s = [1, r + pad]
+        span = c * (r + pad)
+    return tuple([span + pad] * len(batch) + s)
+
+
+def _run_case(target, M, K, N, B, orders, pads, offsets, bias=False):
+    g = torch.Generator().manual_seed(M * 1000 + K * 10 + N)
+    batched = target == "aten.bmm.out"
+    shapes = [(B, M, K), (B, K, N), (B, M, N)] if batched else [(M, K), (K, N), (M, N)]
+    views, mems, tensors = [], {}, []
+    for slot, (shape, order, pad, off) in enumerate(zip(shapes, orders, pads, offsets)):
+        stride = _layout_of(shape, order, pad)
+        numel = off + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+        mem = torch.randn(numel, generator=g, dtype=torch.float64)
+        mems[slot] = mem
+        views.append(_view(slot, shape, stride, off))
+        tensors.append(mem.as_strided(shape, stride, off))
+    args = [views[0], views[1]]
+    if bias:
+        mems[3] = torch.randn(N + 3, generator=g, dtype=torch.float64)
+        args = [_view(3, (N,), (1,), 3)] + args
+    # float32 as far as derive is concerned; the emulation runs on float64 memory (itemsize 8)
+    spec = derive(target, args, {}, views[2], {s: torch.float32 for s in range(4)}, itemsize=8)
+    ref = torch.bmm(tensors[0], tensors[1]) if batched else tensors[0] @ tensors[1]
+    if bias:
+        ref = ref + mems[3][3:]
+    emulate(spec, mems)
+    out = mems[2].as_strided(shapes[2], views[2].stride, offsets[2])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    return spec
+
+
+@pytest.mark.parametrize("orders", list(itertools.product("rc", repeat=3)))
+def test_mm_every_orientation_matches_torch(orders):
+    for M, K, N in ((5, 7, 3), (1, 4, 6), (6, 1, 5), (4, 6, 1), (1, 1, 1)):
+        for pads, offsets in (((0, 0, 0), (0, 0, 0)), ((2, 3, 1), (5, 1, 7))):
+            _run_case("aten.mm.out", M, K, N, 1, orders, pads, offsets)
+
+
+@pytest.mark.parametrize("orders", list(itertools.product("rc", repeat=2)))
+def test_addmm_bias_epilogue_matches_torch(orders):
+    for M, K, N in ((5, 7, 3), (1, 4, 6), (6, 3, 1)):
+        spec = _run_case("aten.addmm.out", M, K, N, 1, orders + ("r",), (0, 2, 1), (0, 3, 2), bias=True)
+        assert spec.swapped and spec.bias_ref is not None and spec.m == N
+
+
+@pytest.mark.parametrize("orders", [("r", "r", "r"), ("r", "c", "r"), ("c", "r", "c"), ("c", "c", "r")])
+def test_bmm_strided_batches_match_torch(orders):
+    for M, K, N, B in ((5, 7, 3, 4), (1, 3, 2, 3), (4, 2, 5, 1)):
+        spec = _run_case("aten.bmm.out", M, K, N, B, orders, (1, 0, 2), (3, 0, 1))
+        assert spec.batch == B
+
+
+def test_the_demo_linear_is_the_transpose_trick():
+    # nn.Linear: x [16, 32] @ w.t() [32, 96] (w row-major [96, 32]) + bias [96] -> out [16, 96]
+    x, wt, out, bias = _view(0, (16, 32), (32, 1)), _view(1, (32, 96), (1, 32)), _view(2, (16, 96), (96, 1)), \
+        _view(3, (96,), (1,))
+    spec = derive("aten.addmm.out", [bias, x, wt], {}, out, {s: torch.float32 for s in range(4)})
+    assert (spec.m, spec.n, spec.k, spec.swapped) == (96, 16, 32, True)
+    assert (spec.transa, spec.transb) == (CUBLAS_OP_T, CUBLAS_OP_N)  # A' = w (row-major): op T
+    assert spec.a == cublaslt.Layout(32, 96, 32) and spec.b == cublaslt.Layout(32, 16, 32)
+    assert spec.d == cublaslt.Layout(96, 16, 96)
+    assert spec.bias_ref == cublaslt.Operand(3, 0) and spec.a_ref == cublaslt.Operand(1, 0)
+
+
+def test_column_major_of_degenerate_and_overlapping_matrices():
+    assert column_major(3, 4, 4, 1) == (CUBLAS_OP_T, (4, 3, 4))
+    assert column_major(3, 4, 1, 3) == (CUBLAS_OP_N, (3, 4, 3))
+    assert column_major(1, 4, 99, 1) == (CUBLAS_OP_N, (1, 4, 1))  # a row: any row stride
+    assert column_major(4, 1, 1, 99) == (CUBLAS_OP_N, (4, 1, 4))
+    assert column_major(3, 4, 2, 1) is None  # rows overlap (ld 2 < 4 columns)
+    assert column_major(3, 4, 0, 1) is None  # a broadcast row
+    assert column_major(3, 4, 8, 2) is None  # neither dim is unit-stride
+    assert column_major(0, 4, 4, 1) is None
+
+
+@pytest.mark.parametrize("case,why", [
+    ("mixed", "mixed dtypes"),
+    ("int", "dtype torch.int64"),
+    ("broadcast_batch", "batch stride 0"),
+    ("bias_col_out", "output must be row-major"),
+    ("bias_2d", "not a packed row vector"),
+    ("alpha", "alpha or beta"),
+    ("not_strided", "not strided matrices"),
+    ("empty", "empty dimension"),
+])
+def test_unsupported_forms_say_why(case, why):
+    f32 = {s: torch.float32 for s in range(5)}
+    a, b, out = _view(0, (4, 5), (5, 1)), _view(1, (5, 6), (6, 1)), _view(2, (4, 6), (6, 1))
+    bias = _view(3, (6,), (1,))
+    target, args, kwargs, dts = "aten.mm.out", [a, b], {}, f32
+    if case == "mixed":
+        dts = {**f32, 1: torch.bfloat16}
+    elif case == "int":
+        dts = {s: torch.int64 for s in range(4)}
+    elif case == "broadcast_batch":
+        target = "aten.bmm.out"
+        args = [_view(0, (3, 4, 5), (0, 5, 1)), _view(1, (3, 5, 6), (30, 6, 1))]
+        out = _view(2, (3, 4, 6), (24, 6, 1))
+    elif case == "bias_col_out":
+        target, args, out = "aten.addmm.out", [bias, a, b], _view(2, (4, 6), (1, 4))
+    elif case == "bias_2d":
+        target, args = "aten.addmm.out", [_view(3, (4, 6), (6, 1)), a, b]
+    elif case == "alpha":
+        target, args, kwargs = "aten.addmm.out", [bias, a, b], {"alpha": 2.0}
+    elif case == "not_strided":
+        args = [_view(0, (4, 5), (10, 2)), b]
+    elif case == "empty":
+        args, out = [_view(0, (0, 5), (5, 1)), b], _view(2, (0, 6), (6, 1))
+    with pytest.raises(Unsupported, match=why):
+        derive(target, args, kwargs, out, dts)
+
+
+def test_a_broadcast_bias_row_is_accepted():
+    a, b, out = _view(0, (4, 5), (5, 1)), _view(1, (5, 6), (1, 5)), _view(2, (4, 6), (6, 1))
+    spec = derive("aten.addmm.out", [_view(3, (4, 6), (0, 1), 2), a, b], {"beta": 1, "alpha": 1}, out,
+                  {s: torch.bfloat16 for s in range(4)})
+    assert spec.bias_ref == cublaslt.Operand(3, 4) and spec.dtype == torch.bfloat16
+
+
+def test_alignment_and_policy():
+    assert cublaslt.alignment(0) == 256 and cublaslt.alignment(4096) == 256
+    assert cublaslt.alignment(256 | 48) == 16 and cublaslt.alignment(6) == 2
+    p = cublaslt.Policy(tf32=False, fp16_reduced=True, bf16_reduced=False, fp16_accumulation=False,
+                        deterministic=True)
+    assert p.compute_type(torch.float32) == cublaslt.CUBLAS_COMPUTE_32F
+    assert cublaslt.Policy(True, True, True, False, False).compute_type(torch.float32) == \
+        cublaslt.CUBLAS_COMPUTE_32F_FAST_TF32
+    assert p.compute_type(torch.bfloat16) == cublaslt.CUBLAS_COMPUTE_32F  # fp32 accumulation for halves
+    assert p.reduction_mask(torch.bfloat16) == cublaslt.REDUCTION_COMPUTE_TYPE  # no reduced-precision split-K
+    assert p.reduction_mask(torch.float16) == cublaslt.REDUCTION_ALL & ~cublaslt.REDUCTION_INPLACE
+    key = cublaslt.policy_key()
+    assert cublaslt.Policy(*key).tf32 == torch.backends.cuda.matmul.allow_tf32
+
+
+def test_cpu_executor_reports_torch_bindings_for_its_matmuls():
+    import aotfuse
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).eval()
+    x = torch.randn(3, 8)
+    art = aotfuse.load(aotfuse.build(model, (x,), targets=("sm_90",)).data, device="cpu")
+    ex = art.executors["forward"]
+    assert all(isinstance(v, cublaslt.MatmulSpec) for v in ex.matmuls.values())  # both have a cuBLASLt form ...
+    assert [r["path"] for r in ex.matmul_report()] == ["torch", "torch"]  # ... which the CPU path does not take
+    torch.testing.assert_close(art(x), model(x))
+    rep = ex.matmul_report()
+    assert [r["path"] for r in rep] == ["torch", "torch"] and all("CPU" in r["why"] for r in rep)
