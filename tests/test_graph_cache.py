@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aotfuse.contract import Program
-from aotfuse.errors import AotfuseError
+from aotfuse.errors import AotfuseError, ArchiveError
 from aotfuse.knobs import override
 from aotfuse.runtime import graphs
 from aotfuse.runtime.executor import Executor
@@ -308,3 +308,26 @@ def test_streams_get_graphs_of_their_own_and_release_keeps_handed_out_outputs(cp
     assert gp.stats["captures"] == 2  # counts of dropped streams are kept
     with pytest.raises(AotfuseError, match="closed"):
         gp([x, w, b])
+
+
+def test_programs_sharing_an_arena_pool_run_in_one_arena_per_stream(cpu_graphs):
+    """A training step's forward and backward share one arena per stream (graphs.ArenaPool): sized for
+    the larger program, one per stream, and results stay right when both programs run in it in turn."""
+    prog = _program()
+    pool = graphs.ArenaPool(prog.arena_bytes * 2, torch.device("cpu"))
+    a = graphs.GraphedProgram(Executor(prog, {}, {}, torch.device("cpu")), torch.device("cpu"), frozenset({1}),
+                              arenas=pool)
+    b = graphs.GraphedProgram(Executor(prog, {}, {}, torch.device("cpu")), torch.device("cpu"), frozenset({1}),
+                              arenas=pool)
+    x, w, bias = _data(7)
+    for _ in range(2):  # in turn, as a step's forward and backward
+        ya, _, _ = a([x, w, bias])
+        yb, _, _ = b([x, w, bias + 1])
+        assert torch.allclose(ya, _want(x, w, bias)[0]) and torch.allclose(yb, _want(x, w, bias + 1)[0])
+    fa, fb = next(iter(a._families.values())), next(iter(b._families.values()))
+    assert fa.state.arena is fb.state.arena and fa.state.arena.numel() == prog.arena_bytes * 2
+    cpu_graphs["id"] = 2
+    a([x, w, bias])
+    assert pool.get(2) is not pool.get(1)
+    with pytest.raises(ArchiveError, match="cannot hold"):
+        Executor(prog, {}, {}, torch.device("cpu")).state(torch.empty(8, dtype=torch.uint8))

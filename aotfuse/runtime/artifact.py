@@ -131,11 +131,12 @@ class Artifact:
         return describe(self.archive)
 
     def graphed(self, program: str, bound: frozenset[int] = frozenset(), volatile: frozenset[int] = frozenset(),
-                key: bool | None = None):
-        """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact."""
+                key: bool | None = None, arenas=None):
+        """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact; `arenas`: an
+        ArenaPool shared with other programs whose calls on a stream are ordered."""
         from .graphs import GraphedProgram
 
-        g = GraphedProgram(self.executors[program], self.device, bound, volatile, key)
+        g = GraphedProgram(self.executors[program], self.device, bound, volatile, key, arenas)
         self._graphs.append(g)
         return g
 

@@ -96,9 +96,16 @@ class State:
     """What one caller (a stream, or a CUDA-graph instance) runs on: the arena and the slots.
     Calls on one state are serialized by its lock."""
 
-    def __init__(self, ex: "Executor"):
+    def __init__(self, ex: "Executor", arena: torch.Tensor | None = None):
+        """arena: a uint8 buffer of at least the program's arena bytes to run in (shared by programs
+        whose calls are ordered, e.g. a training step's forward and backward on one stream); else its own."""
         self.lock = threading.Lock()
-        self.arena = torch.empty(ex.program.arena_bytes, dtype=torch.uint8, device=ex.device)
+        if arena is None:
+            arena = torch.empty(ex.program.arena_bytes, dtype=torch.uint8, device=ex.device)
+        elif arena.dtype != torch.uint8 or arena.numel() < ex.program.arena_bytes or arena.device != ex.device:
+            raise ArchiveError(f"a shared arena of {arena.numel()} B ({arena.dtype}, {arena.device}) cannot hold "
+                               f"this program's {ex.program.arena_bytes} B on {ex.device}")
+        self.arena = arena
         self.env: list = [None] * ex.n_slots
         self.addr: list[int] = [0] * ex.n_slots
         for slot, t in ex.weight_slots:
@@ -300,9 +307,9 @@ class Executor:
         return a
 
     # ---------------------------------------------------------------- bind
-    def state(self) -> State:
-        """A fresh state of its own (a CUDA-graph instance owns one)."""
-        return State(self)
+    def state(self, arena: torch.Tensor | None = None) -> State:
+        """A fresh state (a CUDA-graph family owns one), on its own arena or on `arena` (shared)."""
+        return State(self, arena)
 
     def matmul_report(self, state: State | None = None) -> list[dict]:
         """Per matmul extern: the path its calls take (cublaslt, with the algorithm's workspace and

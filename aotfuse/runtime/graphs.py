@@ -34,7 +34,7 @@ until the backward ran), the backward graph reads them in place, and a gradient 
 into `.grad` keeps its set until `zero_grad()` (set_to_none) or until `.grad` is replaced.
 
 Memory cost, per program and caller stream: one arena (shared by its graphs: replays on one
-stream run in order), static buffers for the copied inputs, and per graph (at most
+stream run in order; a training step's forward and backward share one too, `ArenaPool`), static buffers for the copied inputs, and per graph (at most
 `graph_instances`) one output set plus what the capture allocated in its pool (extern results,
 the cuBLAS workspace). Graphs are captured on demand: a training step that frees its saved
 tensors and sets grads to None needs one forward and one backward graph; two forwards alive at
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 import torch
 
@@ -117,11 +118,13 @@ class GraphedProgram:
     """One program replayed as CUDA graphs: per caller stream, graphs keyed by input addresses."""
 
     def __init__(self, executor: Executor, device: torch.device, bound: frozenset[int] = frozenset(),
-                 volatile: frozenset[int] = frozenset(), key: bool | None = None):
+                 volatile: frozenset[int] = frozenset(), key: bool | None = None, arenas: "ArenaPool | None" = None):
         """bound: parameters, read at their addresses; volatile: inputs that are new tensors on every
         call (a batch the forward passed through to the backward), copied; key: whether the other
-        large inputs are keyed by address (None: decided by size, see keyed_inputs)."""
+        large inputs are keyed by address (None: decided by size, see keyed_inputs); arenas: one arena
+        per caller stream shared with other programs (a training step's forward and backward)."""
         self.ex = executor
+        self.arenas = arenas
         self.device = device
         self.bound = bound
         prog = executor.program
@@ -174,7 +177,7 @@ class GraphedProgram:
                 self._families.move_to_end(stream)
                 return fam
             # made on the caller's thread with its stream current: the family keeps that Stream
-            fam = self._families[stream] = _Family(self, _caller_stream(self.device))
+            fam = self._families[stream] = _Family(self, _caller_stream(self.device), stream)
             evicted = []
             while len(self._families) > max(1, knobs.graph_streams):
                 evicted.append(self._families.popitem(last=False)[1])
@@ -222,6 +225,29 @@ def _record(ex: Executor, args: list, seed, state, stream) -> tuple:
     return graph, outs
 
 
+class ArenaPool:
+    """One arena per caller stream, shared by the programs given it (sized for the largest): a training
+    step's forward and backward never run at once on one stream (its work runs in order), and each
+    reads the other's results from output sets, never from the arena, so one arena serves both: the
+    step holds max(forward, backward) arena bytes instead of their sum. An arena lives while a family
+    (a program's graphs on that stream) uses it."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes = int(nbytes)
+        self.device = device
+        self._arenas: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, stream: int) -> torch.Tensor:
+        """The arena of the caller stream `stream` (its raw handle, as families are keyed)."""
+        with self._lock:
+            t = self._arenas.get(stream)
+            if t is None:
+                t = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                self._arenas[stream] = t
+            return t
+
+
 class _Graph:
     """One capture: the graph, the input addresses it reads (its key) and the outputs it writes."""
     __slots__ = ("graph", "key", "outputs", "last")
@@ -234,11 +260,11 @@ class _Family:
     """The graphs of one program for one caller stream. They share the stream's arena, the static
     buffers of copied inputs and the seed: replays on one stream run in order."""
 
-    def __init__(self, prog: GraphedProgram, stream: torch.cuda.Stream):
+    def __init__(self, prog: GraphedProgram, stream: torch.cuda.Stream, stream_id: int):
         self.prog = prog
         self.stream = stream
         self.lock = threading.Lock()
-        self.state = prog.ex.state()
+        self.state = prog.ex.state(prog.arenas.get(stream_id) if prog.arenas is not None else None)
         ins = prog.ex.program.inputs
         self.static = {i: torch.empty(ins[i].shape, dtype=torch_dtype(ins[i].dtype), device=prog.device)
                        for i in prog.copied}

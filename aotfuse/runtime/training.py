@@ -76,10 +76,15 @@ class PackagedModule(nn.Module):
             # the forward copies the batch (a new tensor every step) and reads parameters in place; the
             # backward reads the saved tensors where the forward's graph wrote them (keyed by address),
             # parameters passed through in place, and copies the batch tensors passed through
-            fwd = art.graphed("forward", frozenset(range(n_p)), key=False)
+            # one arena per stream for both programs (graphs.ArenaPool): max(forward, backward), not the sum
+            from .graphs import ArenaPool
+
+            arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in ("forward", "backward")),
+                               art.device)
+            fwd = art.graphed("forward", frozenset(range(n_p)), key=False, arenas=arenas)
             through = {k - 1: j for k, j in fwd.passthrough.items() if k >= 1}
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
-            bwd = art.graphed("backward", params, frozenset(through) - params, key=True)
+            bwd = art.graphed("backward", params, frozenset(through) - params, key=True, arenas=arenas)
             self._graphs = {"forward": fwd, "backward": bwd}
         loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
