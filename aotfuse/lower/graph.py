@@ -63,10 +63,13 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             info = rules.get(node.target)
             if info is None:
                 raise UnsupportedOpError(str(node.target), node.name, _where(node))
-            if info.category == "constant" or (
-                    info.category in ("pointwise", "view") and node.all_input_nodes
-                    and all(_is_const(a, consts) for a in node.args)):
-                # Depends on no input or weight: fold at build time into a stored constant.
+            if info.category in ("pointwise", "view") and node.all_input_nodes \
+                    and all(_is_const(a, consts) for a in node.args):
+                # Depends only on folded values: fold at build time into a stored constant. Filled
+                # tensors and ranges (category "constant") are NOT folded: they lower to index
+                # expressions (Const, IndexValue) that cost no memory traffic and inline into their
+                # readers; a folded arange(32000) was loaded from memory by every row of a
+                # cross-entropy, 8 bytes per logit.
                 val = node.target(*_map_args(node.args, consts), **_map_args(node.kwargs, consts))
                 consts[node] = val
                 if isinstance(val, torch.Tensor):
