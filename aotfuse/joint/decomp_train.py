@@ -105,6 +105,36 @@ def _native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, 
     return gi, gw, gb
 
 
+def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Train-mode BatchNorm with running statistics, as functionalization hands it over:
+    (out, save_mean, save_rstd, new_running_mean, new_running_var). The batch statistics are a
+    two-pass mean and biased variance (fp32 for half inputs); the new running statistics follow
+    ATen's rule, `momentum * batch + (1 - momentum) * running` with the unbiased variance
+    (n / (n - 1)), in the buffers' dtype: the runtime writes them into the module's buffers
+    (joint/trace.py, runtime/training.py). save_mean/save_rstd are in the computation dtype, as
+    the op's meta kernel says; the backward (`_native_batch_norm_backward`) reads them."""
+    if not training:
+        return NotImplemented  # eval mode arrives as _native_batch_norm_legit_no_training
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    axes = [0] + list(range(2, x.dim()))
+    n = x.numel() // x.shape[1]
+    xf = _up(x)
+    mean = torch.mean(xf, axes, keepdim=True)
+    xc = xf - mean
+    var = torch.mean(xc * xc, axes, keepdim=True)  # biased: what normalizes the batch
+    rstd = torch.rsqrt(var + eps)
+    out = xc * rstd
+    if weight is not None:
+        out = out * _up(weight).reshape(shape)
+    if bias is not None:
+        out = out + _up(bias).reshape(shape)
+    save_mean, save_rstd = mean.reshape(-1), rstd.reshape(-1)
+    unbiased = var.reshape(-1) * (n / max(n - 1, 1))
+    new_mean = momentum * save_mean + (1.0 - momentum) * _up(running_mean)
+    new_var = momentum * unbiased + (1.0 - momentum) * _up(running_var)
+    return (out.to(x.dtype), save_mean, save_rstd, new_mean.to(running_mean.dtype), new_var.to(running_var.dtype))
+
+
 # ---------------------------------------------------------------- activations
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
@@ -425,6 +455,7 @@ def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
 TRAIN: dict = {
     aten.native_layer_norm_backward.default: _native_layer_norm_backward,
     aten.native_batch_norm_backward.default: _native_batch_norm_backward,
+    aten._native_batch_norm_legit_functional.default: _batch_norm_train_functional,
     aten.gelu_backward.default: _gelu_backward,
     aten.threshold_backward.default: _threshold_backward,
     aten.sigmoid_backward.default: _sigmoid_backward,
