@@ -381,7 +381,7 @@ def test_inspect_json(tiny):
                                "low": None, "high": None}]
     assert info["outputs"] == [{"shape": [4, 4], "dtype": "torch.float32"}]
     fwd = info["programs"]["forward"]
-    assert list(info["programs"]) == ["forward"] and fwd["version"] == PROGRAM_VERSION == 3
+    assert list(info["programs"]) == ["forward"] and fwd["version"] == PROGRAM_VERSION == 4
     assert fwd["by_op"]["return"] == 1 and sum(fwd["by_op"].values()) == fwd["instructions"]
     assert fwd["by_op"]["launch"] == sum(k["launches"] for k in info["kernels"]) == info["fusion"]["kernel_launches"]
     assert info["kernels"] and all(k["targets"] == sorted(knobs.targets) and k["nodes"] for k in info["kernels"])

@@ -112,6 +112,14 @@ def test_zoo_matches_eager(entry, mode, dtype):
         assert ours[n].grad is not None, n
         err = _rel(ours[n].grad, g, floor)
         assert err < GRAD_TOL[dtype], f"{entry.name}: grad of {n}: {err:.2e}"
+    # buffers the forward updates (train-mode BatchNorm's running statistics) are written back as eager does
+    ref_bufs, our_bufs = dict(ref_model.named_buffers()), dict(mod.named_buffers())
+    assert set(our_bufs) == set(res.manifest.train.mutated_buffers)
+    for n, b in our_bufs.items():
+        if b.is_floating_point():
+            assert _rel(b, ref_bufs[n]) < TOL[dtype], f"{entry.name}: buffer {n}"
+        else:
+            assert torch.equal(b, ref_bufs[n]), f"{entry.name}: buffer {n}"
 
 
 def _float(inputs):

@@ -6,8 +6,9 @@ data-dependent error). While the joint graph is traced, `cumulative_average_batc
 each such module a forward that computes the factor as a tensor instead, with the same result:
 
     num_batches_tracked += 1;  f = 1 / num_batches_tracked
-    out = batch_norm(x, ..., training=True, momentum=1.0)   # running stats := batch mean, unbiased var
-    running_stat = f * batch_stat + (1 - f) * old_running_stat
+    out = batch_norm(x, ..., copies of the running stats, training=True, momentum=1.0)
+                                    # the copies := the batch mean and unbiased variance
+    running_stat = f * batch_stat + (1 - f) * running_stat
 
 (ATen's update with momentum f, computed in fp32 and stored in the buffer's dtype). The in-place
 updates are buffer mutations like any other: the forward program returns the new values and the
@@ -36,12 +37,13 @@ def _cumulative_forward(self: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     self._check_input_dim(x)
     self.num_batches_tracked.add_(1)
     f = 1.0 / self.num_batches_tracked.to(torch.float32)
-    old_mean = self.running_mean.clone()
-    old_var = self.running_var.clone()
-    out = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, 1.0, self.eps)
+    # momentum 1 on copies: they become the batch mean and unbiased variance (autograd keeps them for
+    # the backward, so they are never written again)
+    batch_mean, batch_var = self.running_mean.clone(), self.running_var.clone()
+    out = F.batch_norm(x, batch_mean, batch_var, self.weight, self.bias, True, 1.0, self.eps)
     with torch.no_grad():  # statistics carry no gradient (as in ATen's in-place update)
-        for buf, old in ((self.running_mean, old_mean), (self.running_var, old_var)):
-            buf.copy_((f * buf.float() + (1.0 - f) * old.float()).to(buf.dtype))
+        for buf, batch in ((self.running_mean, batch_mean), (self.running_var, batch_var)):
+            buf.copy_((f * batch.float() + (1.0 - f) * buf.float()).to(buf.dtype))
     return out
 
 

@@ -29,6 +29,11 @@ Notes
   (stride == kernel, no padding, dilation 1, floor mode, sizes divisible by the kernel): the
   gradient goes to the first maximum of each window, as ATen does (NaN windows excepted); other
   configurations keep the op.
+- _native_batch_norm_legit_functional (train-mode BatchNorm with running statistics, as
+  functionalization hands it over) -> two-pass batch mean and biased variance, the normalized
+  output, and the new running statistics by ATen's rule (unbiased variance), in the buffers'
+  dtype; the trace returns those as buffer updates (joint/trace.py). Its backward is
+  native_batch_norm_backward above.
 - convolution_backward becomes convolutions: grad_input is a transposed convolution of the
   gradient, grad_weight a convolution of the input with the gradient (stride and dilation swap),
   grad_bias a sum. grad_weight needs groups == 1 (else the op is kept).
