@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 import aotfuse
 from aotfuse.cli import app
 from aotfuse.contract import TrainInfo
-from aotfuse.errors import ArchiveError, BuildError
+from aotfuse.errors import AotfuseError, ArchiveError, BuildError
 
 STEPS = 3
 
@@ -142,7 +142,9 @@ def _step_both(mod, ref, opt, ref_opt, inputs, where: str):
     assert _rel(loss, ref_loss) < 1e-5, (where, float(loss), float(ref_loss))
     ours = dict(mod.named_parameters())
     grads = {n: p.grad for n, p in ref.named_parameters()}
-    floor = 1e-3 * max(float(g.double().norm()) for g in grads.values())  # conv bias before BN: ~0 exactly
+    # a gradient that is zero in exact arithmetic (the bias of a conv/linear right before BatchNorm: the
+    # batch mean removes it) is rounding noise, judged against the other gradients' scale
+    floor = 1e-2 * max(float(g.double().norm()) for g in grads.values())
     for n, g in grads.items():
         assert ours[n].grad is not None, (where, n)
         assert _rel(ours[n].grad, g, floor) < 1e-4, f"{where}: grad of {n}: {_rel(ours[n].grad, g, floor):.2e}"
@@ -240,7 +242,7 @@ def test_several_forwards_before_their_backwards():
     (ref_losses[0] + 2 * ref_losses[1]).backward()
     ours = dict(mod.named_parameters())
     for n, p in ref.named_parameters():
-        assert _rel(ours[n].grad, p.grad, 1e-3 * float(ref.head.weight.grad.norm())) < 1e-4, n
+        assert _rel(ours[n].grad, p.grad, 1e-2 * float(ref.head.weight.grad.norm())) < 1e-4, n
 
 
 # ---------------------------------------------------------------- state
@@ -254,8 +256,9 @@ def test_state_dict_round_trip():
         mod(*_inputs("bn2d", 60 + step)).backward()
         opt.step()
     state = mod.state_dict()
-    # the original model's names, parameters and buffers alike: it loads into the eager model
-    assert list(state) == list(model.state_dict())
+    # the original model's names, parameters and buffers alike (parameters first): it loads into the eager model
+    assert set(state) == set(model.state_dict()) and list(state)[:len(list(mod.parameters()))] == \
+        [n for n, _ in model.named_parameters()]
     eager = copy.deepcopy(model)
     eager.load_state_dict(state)
     for n, t in eager.state_dict().items():
@@ -375,23 +378,24 @@ def test_eval_mode_batchnorm_keeps_constant_statistics():
     assert _rel(loss, ref_loss) < 1e-5
     ours = dict(mod.named_parameters())
     for n, p in ref.named_parameters():
-        assert _rel(ours[n].grad, p.grad, 1e-3 * float(ref.head.weight.grad.norm())) < 1e-4, n
+        assert _rel(ours[n].grad, p.grad, 1e-2 * float(ref.head.weight.grad.norm())) < 1e-4, n
     for n, b in ref.named_buffers():  # eval mode: nothing moved
         assert torch.equal(b, dict(model.named_buffers())[n])
 
 
+class _InputScaler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5))
+
+    def forward(self, offsets, x):
+        offsets.add_(1.0)  # writes into the caller's tensor
+        return ((x + offsets) * self.w).sum()
+
+
 def test_in_place_update_of_an_input_is_refused_by_name():
-    class Scales(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(5))
-
-        def forward(self, x, offsets):
-            offsets.add_(1.0)  # writes into the caller's tensor
-            return ((x + offsets) * self.w).sum()
-
     with pytest.raises(BuildError, match=r"writes into its input\(s\) 'offsets' in place") as ei:
-        aotfuse.build(Scales().train(), (torch.randn(5), torch.randn(5)), train=True, targets=("sm_90",))
+        aotfuse.build(_InputScaler().train(), (torch.randn(5), torch.randn(5)), train=True, targets=("sm_90",))
     assert "clone" in str(ei.value)
 
 
@@ -406,5 +410,20 @@ def test_in_place_update_of_a_parameter_is_refused_by_name():
                 self.w.clamp_(-1.0, 1.0)  # a projection step inside the forward
             return (x * self.w).sum()
 
-    with pytest.raises(BuildError, match=r"writes into parameter\(s\) 'w' in place"):
+    with pytest.raises(BuildError, match=r"writes in place into a tensor that requires grad \(a parameter"):
         aotfuse.build(Clamp().train(), (torch.randn(5),), train=True, targets=("sm_90",))
+    x = torch.randn(5, requires_grad=True)  # an input that requires grad, written in place: the same refusal
+    with pytest.raises(BuildError, match=r"writes in place into a tensor that requires grad"):
+        aotfuse.build(_InputScaler().train(), (x.detach().clone().requires_grad_(), x.detach()), train=True,
+                      targets=("sm_90",))
+
+
+def test_eval_call_of_a_train_mode_package_is_refused():
+    """The packaged program normalizes with batch statistics: `.eval()` cannot switch it to the running
+    ones, so an eval-mode call (which eager would answer differently) is refused, not answered wrongly."""
+    _, res = _built("bn2d")
+    mod = aotfuse.load(res.data, device="cpu").as_module().eval()
+    with pytest.raises(AotfuseError, match=r"packaged in train mode .*\.eval\(\) cannot change it"):
+        mod(*_inputs("bn2d", 3))
+    mod.train()
+    assert torch.isfinite(mod(*_inputs("bn2d", 3)))

@@ -480,6 +480,11 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
         dd = data_dependent_error(exc, "joint (forward+backward) trace")
         if dd is not None:
             raise dd from exc
+        if "requires gradients, and received a mutation" in msg:  # aot_autograd's words, before any signature
+            raise BuildError("the training forward writes in place into a tensor that requires grad (a parameter, "
+                             "or an input that requires grad)",
+                             remedy="update parameters outside the forward (an optimizer step) and compute on a "
+                                    "copy of inputs (x = x.clone())") from exc
         raise BuildError(f"joint (forward+backward) trace failed: {type(exc).__name__}: {msg}",
                          remedy="the model's forward must return the scalar loss (first output); "
                                 "check that loss.backward() works eagerly") from exc

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from ..errors import ArchiveError
+from ..errors import AotfuseError, ArchiveError
 
 
 def mangle(fqn: str) -> str:
@@ -50,6 +50,15 @@ class UpdatedBuffers(nn.Module):
     def named(self, prefix: str = ""):
         for name, key in zip(self.names, self._keys):
             yield prefix + name, self._buffers[key]
+
+    def check_mode(self, training: bool) -> None:
+        """The packaged forward uses batch statistics and updates the buffers, whatever `.eval()` says:
+        an eval-mode call would silently differ from the eager model's, so it is refused."""
+        if self.names and not training:
+            raise AotfuseError("this module's forward was packaged in train mode (BatchNorm normalizes with "
+                               "batch statistics and updates its running statistics); .eval() cannot change it",
+                               remedy="evaluate with an archive built from model.eval() (load this module's "
+                                      "state_dict() into the model first), or call .train()")
 
     def write_back(self, updates) -> None:
         """Copy the forward program's new values into the buffers, in place (no autograd history)."""

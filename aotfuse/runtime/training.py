@@ -112,6 +112,7 @@ class PackagedModule(nn.Module):
 
     def _forward(self, inputs: tuple):
         self._art.check_inputs(inputs)
+        self._bufs.check_mode(self.training)
         with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
         for i, x in enumerate(inputs):
             if x.requires_grad and i not in with_grad:
