@@ -1,7 +1,8 @@
 """Train-mode BatchNorm (issue 8): buffer updates returned by the forward program and written back by the
 runtime, as torch.export represents buffer mutations.
 
-Small conv + BatchNorm models (2d, 1d on [N, C, L] and on [N, C], momentum 0.1 and momentum=None) are
+Small conv + BatchNorm models (2d, 1d on [N, C, L] and on [N, C], momentum 0.1 and momentum=None,
+affine=False, track_running_stats=False: batch statistics with no buffer to update) are
 built once each and trained for several SGD steps on fresh random inputs next to an eager copy: the
 loss, every gradient, and running_mean / running_var / num_batches_tracked after every step. Then:
 a buffer the forward both reads (for the backward) and updates, the state_dict round trip, the train
@@ -48,12 +49,12 @@ def _no_cubins():
 # ---------------------------------------------------------------- models
 
 class ConvBN2d(nn.Module):
-    def __init__(self, momentum=0.1):
+    def __init__(self, momentum=0.1, **bn):
         super().__init__()
         self.conv = nn.Conv2d(3, 6, 3, padding=1)
-        self.bn = nn.BatchNorm2d(6, momentum=momentum)
+        self.bn = nn.BatchNorm2d(6, momentum=momentum, **bn)
         self.conv2 = nn.Conv2d(6, 4, 3, bias=False)
-        self.bn2 = nn.BatchNorm2d(4, momentum=momentum)
+        self.bn2 = nn.BatchNorm2d(4, momentum=momentum, **bn)
         self.head = nn.Linear(4 * 4 * 4, 5)
 
     def forward(self, x, y):
@@ -78,11 +79,16 @@ class ConvBN1d(nn.Module):
         return F.cross_entropy(self.head(torch.relu(self.bn_fc(self.fc(h)))), y)
 
 
+def _images(g):
+    return torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
 CASES = {  # name -> (model factory, input factory: generator -> (x, y))
-    "bn2d": (lambda: ConvBN2d(), lambda g: (torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g))),
+    "bn2d": (lambda: ConvBN2d(), _images),
     "bn1d": (lambda: ConvBN1d(), lambda g: (torch.randn(4, 3, 10, generator=g), torch.randint(0, 5, (4,), generator=g))),
-    "bn2d_cma": (lambda: ConvBN2d(momentum=None),  # cumulative moving average: factor 1/num_batches_tracked
-                 lambda g: (torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 5, (4,), generator=g))),
+    "bn2d_cma": (lambda: ConvBN2d(momentum=None), _images),  # cumulative moving average: factor 1/num_batches_tracked
+    "bn2d_no_affine": (lambda: ConvBN2d(affine=False), _images),
+    "bn2d_no_stats": (lambda: ConvBN2d(track_running_stats=False), _images),  # batch statistics, no buffers
 }
 
 
@@ -91,7 +97,7 @@ def _model(name: str, seed: int = 0) -> nn.Module:
     m = CASES[name][0]()
     with torch.no_grad():  # start from non-trivial statistics (not zeros and ones)
         for mod in m.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
                 mod.running_mean.uniform_(-0.5, 0.5)
                 mod.running_var.uniform_(0.5, 2.0)
                 mod.num_batches_tracked.fill_(3)
@@ -171,7 +177,7 @@ def test_training_steps_match_eager(name):
             for n, b in mod.named_buffers():  # the statistics moved (and the counter counted)
                 assert not torch.equal(b, before[n]), n
     counts = {n: int(b) for n, b in mod.named_buffers() if n.endswith("num_batches_tracked")}
-    assert counts and set(counts.values()) == {3 + STEPS}
+    assert set(counts.values()) == (set() if name == "bn2d_no_stats" else {3 + STEPS})
 
 
 def test_momentum_none_is_a_cumulative_average():

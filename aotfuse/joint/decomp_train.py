@@ -32,7 +32,8 @@ Notes
 - _native_batch_norm_legit_functional (train-mode BatchNorm with running statistics, as
   functionalization hands it over) -> two-pass batch mean and biased variance, the normalized
   output, and the new running statistics by ATen's rule (unbiased variance), in the buffers'
-  dtype; the trace returns those as buffer updates (joint/trace.py). Its backward is
+  dtype; the trace returns those as buffer updates (joint/trace.py). `_native_batch_norm_legit.no_stats`
+  (track_running_stats=False) is the same without the update. Their backward is
   native_batch_norm_backward above.
 - convolution_backward becomes convolutions: grad_input is a transposed convolution of the
   gradient, grad_weight a convolution of the input with the gradient (stride and dilation swap),
@@ -110,19 +111,11 @@ def _native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, 
     return gi, gw, gb
 
 
-def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
-    """Train-mode BatchNorm with running statistics, as functionalization hands it over:
-    (out, save_mean, save_rstd, new_running_mean, new_running_var). The batch statistics are a
-    two-pass mean and biased variance (fp32 for half inputs); the new running statistics follow
-    ATen's rule, `momentum * batch + (1 - momentum) * running` with the unbiased variance
-    (n / (n - 1)), in the buffers' dtype: the runtime writes them into the module's buffers
-    (joint/trace.py, runtime/training.py). save_mean/save_rstd are in the computation dtype, as
-    the op's meta kernel says; the backward (`_native_batch_norm_backward`) reads them."""
-    if not training:
-        return NotImplemented  # eval mode arrives as _native_batch_norm_legit_no_training
+def _batch_norm_batch_stats(x, weight, bias, eps):
+    """Normalize over the batch: (out in x's dtype, mean, rstd, biased var), the statistics [C] in the
+    computation dtype (fp32 for half inputs; two-pass mean and variance)."""
     shape = [1, -1] + [1] * (x.dim() - 2)
     axes = [0] + list(range(2, x.dim()))
-    n = x.numel() // x.shape[1]
     xf = _up(x)
     mean = torch.mean(xf, axes, keepdim=True)
     xc = xf - mean
@@ -133,12 +126,31 @@ def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, tra
         out = out * _up(weight).reshape(shape)
     if bias is not None:
         out = out + _up(bias).reshape(shape)
-    save_mean, save_rstd = mean.reshape(-1), rstd.reshape(-1)
-    unbiased = var.reshape(-1) * (n / max(n - 1, 1))
+    return out.to(x.dtype), mean.reshape(-1), rstd.reshape(-1), var.reshape(-1)
+
+
+def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Train-mode BatchNorm with running statistics, as functionalization hands it over:
+    (out, save_mean, save_rstd, new_running_mean, new_running_var). The new running statistics follow
+    ATen's rule, `momentum * batch + (1 - momentum) * running` with the unbiased variance
+    (n / (n - 1)), in the buffers' dtype: the runtime writes them into the module's buffers
+    (joint/trace.py, runtime/training.py). save_mean/save_rstd are in the computation dtype, as
+    the op's meta kernel says; the backward (`_native_batch_norm_backward`) reads them."""
+    if not training:
+        return NotImplemented  # eval mode arrives as _native_batch_norm_legit_no_training
+    n = x.numel() // x.shape[1]
+    out, save_mean, save_rstd, var = _batch_norm_batch_stats(x, weight, bias, eps)
+    unbiased = var * (n / max(n - 1, 1))
     new_mean = momentum * save_mean + (1.0 - momentum) * _up(running_mean)
     new_var = momentum * unbiased + (1.0 - momentum) * _up(running_var)
-    return (out.to(x.dtype), save_mean, save_rstd, new_mean.to(running_mean.dtype), new_var.to(running_var.dtype))
+    return out, save_mean, save_rstd, new_mean.to(running_mean.dtype), new_var.to(running_var.dtype)
 
+
+def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    """BatchNorm without running statistics (track_running_stats=False): batch statistics in train
+    and eval mode alike; nothing to update."""
+    out, save_mean, save_rstd, _ = _batch_norm_batch_stats(x, weight, bias, eps)
+    return out, save_mean, save_rstd
 
 # ---------------------------------------------------------------- activations
 
@@ -461,6 +473,7 @@ TRAIN: dict = {
     aten.native_layer_norm_backward.default: _native_layer_norm_backward,
     aten.native_batch_norm_backward.default: _native_batch_norm_backward,
     aten._native_batch_norm_legit_functional.default: _batch_norm_train_functional,
+    aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
     aten.gelu_backward.default: _gelu_backward,
     aten.threshold_backward.default: _threshold_backward,
     aten.sigmoid_backward.default: _sigmoid_backward,
