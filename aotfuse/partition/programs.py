@@ -133,7 +133,7 @@ def train_graphs(joint, part):
     fwd_specs = tuple(_spec(by_input[i], f"param:{joint.param_names[i]}") for i in range(n_p))
     fwd_specs += tuple(_spec(by_input[n_p + j], f"buffer:{fqn}") for j, fqn in enumerate(mutated))
     fwd_specs += tuple(joint.inputs)
-    buffers = {b: joint.weights[b] for b in joint.buffer_names if b not in set(mutated)}
+    buffers = {b: joint.weights[b] for b in joint.buffer_names if b not in mutated}
     fwd = CapturedGraph(part.fwd_gm, tuple(placeholders), buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
     bph = _placeholders(part.bwd_gm)
     bwd_specs = tuple(_spec(n, n.name) for n in bph)
