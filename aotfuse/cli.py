@@ -297,6 +297,12 @@ def render_inspect(info: dict, path: Path) -> str:
                                                 for k, v in info[key].items()})]
     if "partition" in info:
         out += ["", "partition:", *_kv_lines(info["partition"])]
+    if "train" in info:
+        t = info["train"]
+        out += ["", "train:", f"  parameters: {len(t['params'])}",
+                f"  saved for the backward: {t['n_saved']} tensors, {_bytes(t['saved_bytes'], exact=False)}",
+                "  buffers updated by the forward (written back by the runtime): "
+                + (", ".join(t.get("mutated_buffers", [])) or "none")]
     return "\n".join(out)
 
 

@@ -138,7 +138,8 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
         # the joint trace's attention choices (fused or math, and why) go with the partition's record
         part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions]}
         report = dataclasses.replace(report, backward=_report(progs[1]), partition=part_rec)
-        params = {name: joint.weights[name] for name in joint.param_names}
+        # parameters and the buffers the forward updates are program inputs: the archive holds their initial values
+        params = {name: joint.weights[name] for name in joint.param_names + joint.mutated_buffers}
     manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info,
                                       params, call)
     data = write_archive(manifest.to_dict(), parts, weights)

@@ -381,7 +381,7 @@ def test_inspect_json(tiny):
                                "low": None, "high": None}]
     assert info["outputs"] == [{"shape": [4, 4], "dtype": "torch.float32"}]
     fwd = info["programs"]["forward"]
-    assert list(info["programs"]) == ["forward"] and fwd["version"] == PROGRAM_VERSION == 3
+    assert list(info["programs"]) == ["forward"] and fwd["version"] == PROGRAM_VERSION == 4
     assert fwd["by_op"]["return"] == 1 and sum(fwd["by_op"].values()) == fwd["instructions"]
     assert fwd["by_op"]["launch"] == sum(k["launches"] for k in info["kernels"]) == info["fusion"]["kernel_launches"]
     assert info["kernels"] and all(k["targets"] == sorted(knobs.targets) and k["nodes"] for k in info["kernels"])
@@ -404,7 +404,7 @@ def test_inspect_text(tiny):
     assert row.split()[:5] == ["x", "[4,", "8]", "torch.float32", "float"]
     assert "outputs:" in text and re.search(r"out0\s+\[4, 4\]\s+torch.float32", text)
     fwd = info["programs"]["forward"]
-    assert re.search(rf"forward\s+3\s+{fwd['instructions']}\s+", text)
+    assert re.search(rf"forward\s+{PROGRAM_VERSION}\s+{fwd['instructions']}\s+", text)
     assert f"launch {fwd['by_op']['launch']}" in text
     assert f"kernels ({len(info['kernels'])}):" in text
     for k in info["kernels"]:
@@ -416,11 +416,14 @@ def test_inspect_text(tiny):
 def test_inspect_train(tiny):
     r = invoke("inspect", str(tiny["train"]))
     assert r.exit_code == 0, r.output
-    assert "targets: sm_90" in r.stdout and re.search(r"backward\s+3\s+\d+", r.stdout)
+    assert "targets: sm_90" in r.stdout and re.search(rf"backward\s+{PROGRAM_VERSION}\s+\d+", r.stdout)
+    assert "train:\n  parameters: 4\n" in r.stdout
+    assert "buffers updated by the forward (written back by the runtime): none" in r.stdout
     assert "fusion (backward):" in r.stdout and "memory (backward):" in r.stdout
     assert "partition:" in r.stdout and "saved_bytes:" in r.stdout and re.search(r"saved: \d+ entries", r.stdout)
     info = json.loads(invoke("inspect", str(tiny["train"]), "--json").stdout)
     assert info["train"]["params"] == ["mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"]
+    assert info["train"]["mutated_buffers"] == []
     assert [s["name"] for s in info["inputs"]] == ["x", "t"] and info["outputs"] == [{"shape": [], "dtype": "torch.float32"}]
 
 

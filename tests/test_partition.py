@@ -45,7 +45,7 @@ def _run_split(joint, part, inputs, tangent=1.0, seed=None):
         torch.manual_seed(seed)
     with torch.no_grad():
         fo = part.fwd_gm(*args[:-1])
-        n = part.num_user_outputs
+        n = part.num_forward_outputs  # the user outputs, then buffer updates (none in these models)
         loss, saved = fo[part.loss_index], fo[n:]
         grads = part.bwd_gm(*saved, args[-1])
     return loss, list(grads), list(saved)

@@ -130,7 +130,7 @@ def test_no_b_h_t_t_tensor_and_the_partition_saves_q_k_v_out_lse(built, name):
     b, h, t = _ATT_SHAPES[name]
     progs = _all_shapes(res.data)
     for pname, (shapes, prog) in progs.items():
-        assert prog.version == PROGRAM_VERSION == 3
+        assert prog.version == PROGRAM_VERSION == 4
         assert not [s for s in shapes if len(s) == 4 and s[0] == b and s[-2:] == (t, t) and s[1] in (h, 1) and
                     s[1] == h], (pname, sorted(set(shapes)))
         assert not [s for s in shapes if s[-2:] == (t, t) and len(s) >= 3 and s[-3] == h], (pname, sorted(set(shapes)))

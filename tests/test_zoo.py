@@ -108,10 +108,36 @@ def test_zoo_matches_eager(entry, mode, dtype):
     assert set(ours) == {n for n, _ in ref_model.named_parameters()}
     # a gradient that is zero in exact arithmetic (attention's key bias) is judged against the others' scale
     floor = 1e-3 * max(float(g.double().norm()) for g in grads.values())
+    exact = None
     for n, g in grads.items():
         assert ours[n].grad is not None, n
         err = _rel(ours[n].grad, g, floor)
-        assert err < GRAD_TOL[dtype], f"{entry.name}: grad of {n}: {err:.2e}"
+        if err < GRAD_TOL[dtype]:
+            continue
+        # An ill-conditioned gradient (hf_resnet's last train-mode BatchNorm normalizes 2 values per channel:
+        # its backward cancels almost exactly, and eager fp32 itself is ~5e-4 off): judge both against a
+        # float64 run, as `aotfuse verify` judges half precision: no further than twice eager's own error.
+        exact = exact or _float64_grads(ex, inputs)
+        ours_err, eager_err = _rel(ours[n].grad, exact[n], floor), _rel(g, exact[n], floor)
+        assert ours_err <= 2 * eager_err, (f"{entry.name}: grad of {n}: {err:.2e} from eager, {ours_err:.2e} from "
+                                           f"float64 (eager {eager_err:.2e})")
+    # buffers the forward updates (train-mode BatchNorm's running statistics) are written back as eager does
+    ref_bufs, our_bufs = dict(ref_model.named_buffers()), dict(mod.named_buffers())
+    assert set(our_bufs) == set(res.manifest.train.mutated_buffers)
+    for n, b in our_bufs.items():
+        if b.is_floating_point():
+            assert _rel(b, ref_bufs[n]) < TOL[dtype], f"{entry.name}: buffer {n}"
+        else:
+            assert torch.equal(b, ref_bufs[n]), f"{entry.name}: buffer {n}"
+
+
+def _float64_grads(ex, inputs) -> dict:
+    """Every parameter's gradient from a float64 copy of the model (the reference for ill-conditioned ones)."""
+    model = copy.deepcopy(ex.model).double()
+    args, kw = inputs
+    d = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    loss_of(ex.call(model, (tuple(d(a) for a in args), {k: d(v) for k, v in kw.items()}))).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def _float(inputs):

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import ArchiveError
-from ._codec import DAMAGED, decoding, fields, ints, strs
+from ._codec import DAMAGED, decoding, fields, ints, put_optional, strs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,28 +64,41 @@ class OutputSpec:
 class TrainInfo:
     """What a train archive's two programs mean (aotfuse/partition/programs.py).
 
-    The forward program takes `params` (archive weights, in order) then the user inputs, and returns
-    the loss then `n_saved` tensors for the backward; the backward takes those and the loss's
-    gradient and returns one gradient per `grads` entry: ("param", name) or ("input", index)."""
+    The forward program takes `params` (archive weights, in order), then `mutated_buffers` (archive
+    weights holding their initial values), then the user inputs, and returns the loss, then the new
+    value of each mutated buffer (same order, same shape and dtype; the runtime copies it into the
+    module's buffer), then `n_saved` tensors for the backward; the backward takes those and the
+    loss's gradient and returns one gradient per `grads` entry: ("param", name) or ("input", index)."""
 
     params: tuple[str, ...]
-    buffers: tuple[str, ...]  # non-trainable buffers, baked in as weights
+    buffers: tuple[str, ...]  # buffers the forward only reads, baked in as weights
     user_inputs: tuple[InputSpec, ...]
     grads: tuple[tuple[str, Any], ...]
     n_saved: int
     saved_bytes: int
+    # buffers the forward updates (train-mode BatchNorm's running statistics and num_batches_tracked);
+    # program version 4, written only when there are some
+    mutated_buffers: tuple[str, ...] = ()
+
+    @property
+    def state_inputs(self) -> tuple[str, ...]:
+        """The archive weights the forward program takes before the user inputs, in order."""
+        return self.params + self.mutated_buffers
 
     def to_dict(self) -> dict:
-        return {"params": list(self.params), "buffers": list(self.buffers),
-                "user_inputs": [s.to_dict() for s in self.user_inputs], "grads": [list(g) for g in self.grads],
-                "n_saved": self.n_saved, "saved_bytes": self.saved_bytes}
+        out = {"params": list(self.params), "buffers": list(self.buffers),
+               "user_inputs": [s.to_dict() for s in self.user_inputs], "grads": [list(g) for g in self.grads],
+               "n_saved": self.n_saved, "saved_bytes": self.saved_bytes}
+        return put_optional(out, "mutated_buffers", list(self.mutated_buffers), [])
 
     @classmethod
     def from_dict(cls, d: Any) -> "TrainInfo":
-        d = fields(d, "manifest.train", ("params", "grads", "n_saved"), ("buffers", "user_inputs", "saved_bytes"))
+        d = fields(d, "manifest.train", ("params", "grads", "n_saved"),
+                   ("buffers", "user_inputs", "saved_bytes", "mutated_buffers"))
         return cls(strs(d["params"]), strs(d.get("buffers", ())),
                    tuple(InputSpec.from_dict(s) for s in d.get("user_inputs", ())),
-                   tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0))
+                   tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0),
+                   strs(d.get("mutated_buffers", ())))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,9 @@ PROGRAM_VERSION is the payload's version: written in every program, checked at l
   3  (2026-12)        multi-output externs: an extern's optional `outs` [{out, out_view, shape, dtype}]
                       binds the op's results after the first (training's fused attention,
                       `aotfuse.attention.default` / `aotfuse.attention_backward.default`)
+  4  (2026-11-23)     train info's optional `mutated_buffers`: buffers the forward updates (train-mode
+                      BatchNorm), forward program inputs after the parameters whose new values the
+                      forward returns after the loss
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import Any, ClassVar, Union
 from ..errors import ArchiveError
 from ._codec import UPGRADE, decoding, fields, ints, put_optional, strs
 
-PROGRAM_VERSION = 3  # what this aotfuse writes
+PROGRAM_VERSION = 4  # what this aotfuse writes
 MIN_SUPPORTED_VERSION = 1  # the oldest it reads
 MAX_SUPPORTED_VERSION = PROGRAM_VERSION  # the newest it reads
 

@@ -29,6 +29,12 @@ Notes
   (stride == kernel, no padding, dilation 1, floor mode, sizes divisible by the kernel): the
   gradient goes to the first maximum of each window, as ATen does (NaN windows excepted); other
   configurations keep the op.
+- _native_batch_norm_legit_functional (train-mode BatchNorm with running statistics, as
+  functionalization hands it over) -> two-pass batch mean and biased variance, the normalized
+  output, and the new running statistics by ATen's rule (unbiased variance), in the buffers'
+  dtype; the trace returns those as buffer updates (joint/trace.py). `_native_batch_norm_legit.no_stats`
+  (track_running_stats=False) is the same without the update. Their backward is
+  native_batch_norm_backward above.
 - convolution_backward becomes convolutions: grad_input is a transposed convolution of the
   gradient, grad_weight a convolution of the input with the gradient (stride and dilation swap),
   grad_bias a sum. grad_weight needs groups == 1 (else the op is kept).
@@ -104,6 +110,47 @@ def _native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, 
         gb = _sum(g, axes).to(weight.dtype if weight is not None else x.dtype)
     return gi, gw, gb
 
+
+def _batch_norm_batch_stats(x, weight, bias, eps):
+    """Normalize over the batch: (out in x's dtype, mean, rstd, biased var), the statistics [C] in the
+    computation dtype (fp32 for half inputs; two-pass mean and variance)."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    axes = [0] + list(range(2, x.dim()))
+    xf = _up(x)
+    mean = torch.mean(xf, axes, keepdim=True)
+    xc = xf - mean
+    var = torch.mean(xc * xc, axes, keepdim=True)  # biased: what normalizes the batch
+    rstd = torch.rsqrt(var + eps)
+    out = xc * rstd
+    if weight is not None:
+        out = out * _up(weight).reshape(shape)
+    if bias is not None:
+        out = out + _up(bias).reshape(shape)
+    return out.to(x.dtype), mean.reshape(-1), rstd.reshape(-1), var.reshape(-1)
+
+
+def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Train-mode BatchNorm with running statistics, as functionalization hands it over:
+    (out, save_mean, save_rstd, new_running_mean, new_running_var). The new running statistics follow
+    ATen's rule, `momentum * batch + (1 - momentum) * running` with the unbiased variance
+    (n / (n - 1)), in the buffers' dtype: the runtime writes them into the module's buffers
+    (joint/trace.py, runtime/training.py). save_mean/save_rstd are in the computation dtype, as
+    the op's meta kernel says; the backward (`_native_batch_norm_backward`) reads them."""
+    if not training:
+        return NotImplemented  # eval mode arrives as _native_batch_norm_legit_no_training
+    n = x.numel() // x.shape[1]
+    out, save_mean, save_rstd, var = _batch_norm_batch_stats(x, weight, bias, eps)
+    unbiased = var * (n / max(n - 1, 1))
+    new_mean = momentum * save_mean + (1.0 - momentum) * _up(running_mean)
+    new_var = momentum * unbiased + (1.0 - momentum) * _up(running_var)
+    return out, save_mean, save_rstd, new_mean.to(running_mean.dtype), new_var.to(running_var.dtype)
+
+
+def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    """BatchNorm without running statistics (track_running_stats=False): batch statistics in train
+    and eval mode alike; nothing to update."""
+    out, save_mean, save_rstd, _ = _batch_norm_batch_stats(x, weight, bias, eps)
+    return out, save_mean, save_rstd
 
 # ---------------------------------------------------------------- activations
 
@@ -425,6 +472,8 @@ def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
 TRAIN: dict = {
     aten.native_layer_norm_backward.default: _native_layer_norm_backward,
     aten.native_batch_norm_backward.default: _native_batch_norm_backward,
+    aten._native_batch_norm_legit_functional.default: _batch_norm_train_functional,
+    aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
     aten.gelu_backward.default: _gelu_backward,
     aten.threshold_backward.default: _threshold_backward,
     aten.sigmoid_backward.default: _sigmoid_backward,

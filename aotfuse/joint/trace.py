@@ -1,7 +1,7 @@
 """The joint forward+backward graph: aot_autograd's joint trace with our training decompositions.
 
 `trace_joint(model, example_inputs)` returns a `JointGraph` whose FX graph takes
-`(*params, *buffers, *user_inputs, tangent)` and returns `(*user_outputs, *grads)`:
+`(*params, *buffers, *user_inputs, tangent)` and returns `(*user_outputs, *buffer_updates, *grads)`:
 - the model's forward returns the scalar loss, alone or first of several outputs
   (`loss_index` says which; other outputs must not require grad);
 - `tangent` is a 0-d placeholder (the loss's dtype and shape) standing for d(out)/d(loss): it
@@ -9,6 +9,12 @@
   scaling cost no extra kernel. If no seed can be identified (a future torch), every gradient
   output is multiplied by the tangent instead (correct by linearity) and `tangent_mode` says
   "multiply";
+- `buffer_updates[i]` is the new value of buffer `mutated_buffers[i]` (train-mode BatchNorm's
+  running statistics and `num_batches_tracked`): aot_autograd functionalizes an in-place update of a
+  buffer into an extra graph output plus a map output -> buffer fqn (`buffers_to_mutate`, as
+  torch.export represents buffer mutations). The forward program returns these values and the
+  runtime writes them into the module's buffers (runtime/training.py). An in-place update of a user
+  input or of a parameter is refused, naming it;
 - `grads[i]` says what gradient output i is: ("param", fqn) or ("input", user input index).
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.fx
 from ..errors import AotfuseError, BuildError
 from ..export.capture import InputSpec, output_structure
 from ..fxgraph import ancestors
+from .batchnorm import cumulative_average_batchnorm
 from .decomp_train import sdpa_math_mode, training_decompositions
 from .losses import cross_entropy_mode
 
@@ -42,7 +49,7 @@ class JointGraph:
     grads: tuple[tuple[str, Any], ...]  # per gradient output: ("param", fqn) | ("input", index)
     # placeholder name -> ("param", fqn) | ("buffer", fqn) | ("input", index) | ("tangent", None), in order
     placeholders: tuple[tuple[str, str, Any], ...]
-    num_user_outputs: int  # gm outputs are (*user_outputs, *grads)
+    num_user_outputs: int  # gm outputs are (*user_outputs, *buffer_updates, *grads)
     loss_index: int
     tangent: str  # the tangent placeholder's name
     tangent_mode: str  # "seed" (replaced aot_autograd's ones_like seed) | "multiply" (fallback)
@@ -53,14 +60,26 @@ class JointGraph:
     outputs_tree: dict | None = None
     loss_leaf: int = 0
     decisions: tuple = ()  # per attention call: fused or math, and why (decomp_train.sdpa_math_mode)
+    # fqn of the buffer each buffer-update output writes (gm outputs after the user outputs), in order;
+    # a subset of buffer_names
+    mutated_buffers: tuple[str, ...] = ()
+
+    @property
+    def num_forward_outputs(self) -> int:
+        """The outputs the forward computes: the user outputs, then the buffer updates."""
+        return self.num_user_outputs + len(self.mutated_buffers)
 
     @property
     def user_output_nodes(self) -> list:
         return list(_output_args(self.gm)[: self.num_user_outputs])
 
     @property
+    def buffer_update_nodes(self) -> list:
+        return list(_output_args(self.gm)[self.num_user_outputs:self.num_forward_outputs])
+
+    @property
     def grad_output_nodes(self) -> list:
-        return list(_output_args(self.gm)[self.num_user_outputs:])
+        return list(_output_args(self.gm)[self.num_forward_outputs:])
 
     def placeholder_kinds(self) -> dict[str, tuple[str, Any]]:
         return {name: (kind, ref) for name, kind, ref in self.placeholders}
@@ -344,15 +363,18 @@ def data_dependent_error(exc: BaseException, stage: str) -> BuildError | None:
 
 # ---------------------------------------------------------------- constants
 
-def _fold(gm, placeholders, param_names, buffer_names, weights):
+def _fold(gm, placeholders, param_names, buffer_names, weights, mutated=()):
     """export/fold.py on the joint graph: constant subgraphs lowering has no rule for (the causal
-    mask's cumsum) become buffers, placed after the other buffers (buffers are fixed archive weights
-    of a train archive). Returns the placeholders in graph order; updates buffer_names and weights."""
+    mask's cumsum) become buffers, placed after the other buffers (buffers the forward does not
+    update are fixed archive weights of a train archive; `mutated` ones are not constants).
+    Returns the placeholders in graph order; updates buffer_names and weights."""
     from ..export.fold import fold_unlowerable_constants, lowerable_ops
 
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kinds = {name: (kind, ref) for name, kind, ref in placeholders}
-    seeds = {n.name: weights[kinds[n.name][1]] for n in phs if kinds[n.name][0] == "buffer"}
+    # a buffer the forward updates changes from call to call: never a constant
+    seeds = {n.name: weights[kinds[n.name][1]] for n in phs
+             if kinds[n.name][0] == "buffer" and kinds[n.name][1] not in mutated}
     fixed = [n for n in phs if kinds[n.name][0] in ("param", "buffer")]
     after = fixed[-1] if fixed else None
     if after is None:  # nothing but inputs: the folded buffers go first
@@ -366,6 +388,48 @@ def _fold(gm, placeholders, param_names, buffer_names, weights):
         weights[fqn] = val
         kinds[name] = ("buffer", fqn)
     return [(n.name, *kinds[n.name]) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+# ---------------------------------------------------------------- mutations
+
+def _refuse_mutated_inputs(sig, input_names: list[str]) -> None:
+    """An in-place update of a user input or a parameter inside the forward has no packaged form (the
+    runtime writes back buffers only): refused, naming what is written."""
+    if sig.user_inputs_to_mutate:
+        names = [input_names[sig.user_inputs.index(ph)] if ph in sig.user_inputs else ph
+                 for ph in sig.user_inputs_to_mutate.values()]
+        raise BuildError(f"the training forward writes into its input(s) {', '.join(map(repr, names))} in place",
+                         remedy="compute on a copy (x = x.clone(), or an out-of-place op) instead of "
+                                "updating the caller's tensor")
+    to_params = getattr(sig, "parameters_to_mutate", None) or {}
+    if to_params:
+        names = [_strip(f) for f in to_params.values()]
+        raise BuildError(f"the training forward writes into parameter(s) {', '.join(map(repr, names))} in place",
+                         remedy="update parameters outside the forward (an optimizer step), or register "
+                                "the tensor as a buffer if it is not trained")
+
+
+def _buffer_updates(outs: list, sig, weights: dict) -> tuple[list, list[str]]:
+    """The buffer-update outputs aot_autograd puts first, and the fqn each one writes. Each new value
+    has its buffer's shape and dtype (the runtime copies it into the buffer)."""
+    to_buffers = dict(sig.buffers_to_mutate)  # output name -> fqn
+    n_mut, n_user = len(to_buffers), len(sig.user_outputs)
+    names = [getattr(n, "name", None) for n in outs]
+    if len(outs) < n_mut + n_user or sorted(names[:n_mut]) != sorted(to_buffers) or \
+            names[n_mut:n_mut + n_user] != list(sig.user_outputs):
+        # e.g. two buffers updated to the same tensor: one output name for two mutations
+        raise BuildError(f"joint graph: cannot tell its buffer updates ({sorted(to_buffers.values())}) from its "
+                         f"{n_user} output(s)", remedy="give each updated buffer a value of its own")
+    updates, mutated = list(outs[:n_mut]), []
+    for n in updates:
+        fqn = _strip(to_buffers[n.name])
+        val, buf = n.meta.get("val"), weights[fqn]
+        if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(buf.shape) or val.dtype != buf.dtype:
+            got = f"{getattr(val, 'dtype', type(val).__name__)}{list(getattr(val, 'shape', []))}"
+            raise BuildError(f"the update of buffer {fqn!r} is {got}, the buffer is {buf.dtype}{list(buf.shape)}",
+                             remedy="update buffers in place with values of their own shape and dtype")
+        mutated.append(fqn)
+    return updates, mutated
 
 
 # ---------------------------------------------------------------- trace
@@ -422,7 +486,8 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     try:
         mode, fake_model, fake_inputs = _faked(model, example_inputs)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
-        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode():
+        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), \
+                cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,
                                         decompositions=training_decompositions())
@@ -433,13 +498,16 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
         dd = data_dependent_error(exc, "joint (forward+backward) trace")
         if dd is not None:
             raise dd from exc
+        if "requires gradients, and received a mutation" in msg:  # aot_autograd's words, before any signature
+            raise BuildError("the training forward writes in place into a tensor that requires grad (a parameter, "
+                             "or an input that requires grad)",
+                             remedy="update parameters outside the forward (an optimizer step) and compute on a "
+                                    "copy of inputs (x = x.clone())") from exc
         raise BuildError(f"joint (forward+backward) trace failed: {type(exc).__name__}: {msg}",
                          remedy="the model's forward must return the scalar loss (first output); "
                                 "check that loss.backward() works eagerly") from exc
-    if sig.buffers_to_mutate or sig.user_inputs_to_mutate or getattr(sig, "parameters_to_mutate", None):
-        raise BuildError("the training graph mutates buffers or inputs "
-                         f"({sorted(sig.buffers_to_mutate) + sorted(sig.user_inputs_to_mutate)})",
-                         remedy="keep BatchNorm in eval mode (frozen statistics) for --train builds")
+    input_names = _input_names(model, len(args)) + list(kw_tensors)
+    _refuse_mutated_inputs(sig, input_names)
     graph = gm.graph
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     placeholders = []
@@ -463,6 +531,8 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
 
     outs = list(_output_args(gm))
     n_user = len(sig.user_outputs)
+    updates, mutated = _buffer_updates(outs, sig, weights)
+    outs = outs[len(updates):]  # aot_autograd puts the mutations first: (*updates, *user_outputs, *grads)
     user_outputs, grad_nodes = outs[:n_user], outs[n_user:]
     bw = sig.backward_signature
     grads = []
@@ -479,14 +549,15 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
             if got != exp[1]:
                 raise BuildError(f"gradient output {name} is for {got}, expected {exp[1]}")
         grads.append(exp)
-    input_names = _input_names(model, len(args)) + list(kw_tensors)
     placeholders = _rename_placeholders(phs, placeholders, input_names)
     loss_index = 0  # _TupleOut put it first
     loss = user_outputs[loss_index]
+    out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out_node.args = (tuple(user_outputs + updates + grad_nodes),)  # ours: (*user_outputs, *updates, *grads)
     tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
     placeholders.append((tangent.name, "tangent", None))
     graph.eliminate_dead_code()
-    placeholders = _fold(gm, placeholders, param_names, buffer_names, weights)
+    placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)
     graph.eliminate_dead_code()
     graph.lint()
@@ -501,4 +572,4 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
                       seconds=time.perf_counter() - t0,
                       call={"positional": len(args), "keywords": list(kw_tensors)},
                       outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf,
-                      decisions=tuple(attention.decisions))
+                      decisions=tuple(attention.decisions), mutated_buffers=tuple(mutated))

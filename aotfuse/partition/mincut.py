@@ -3,7 +3,9 @@
 The flow network (networkx max-flow / min-cut). Every joint node v the forward or the backward
 needs is split into v_in -> v_out:
 - v_in -> v_out has the cost of SAVING v: its bytes (bit-packed size for bool tensors of two or
-  more elements), 0 for parameters, buffers and user inputs (the backward gets them anyway),
+  more elements), 0 for parameters, buffers and user inputs (the backward gets them anyway), but
+  the bytes of a buffer the forward updates (the runtime overwrites it after the forward, so the
+  backward gets a copy of the value the forward read: `_build_forward`),
   infinite for views (view/permute/expand/slice/clone/...; a view costs nothing to recompute but
   saving it would keep its base alive, so the base is saved instead) and for tuple-valued nodes
   (their getitems are the tensors);
@@ -17,6 +19,8 @@ needs is split into v_in -> v_out:
   recomputing v in the backward (B is `memory_budget`), paid when v lands on the backward side;
 - v_in -> sink is infinite for backward nodes (those that depend on the tangent, or that only the
   gradients need), and v_out -> sink for every gradient output.
+Buffer updates (train-mode BatchNorm's running statistics, `JointGraph.mutated_buffers`) are forward
+outputs like the loss: computed once, in the forward, and never in the backward.
 The source side of the min cut is what the forward computes and the backward does not touch; a
 node with v_in on the source side and v_out on the sink side is SAVED (a forward output); forward
 nodes with v_in on the sink side are RECOMPUTED in the backward.
@@ -124,7 +128,9 @@ class SavedTensor:
     producer_op: str  # the op that produces it ("placeholder" for params/buffers/inputs)
     why: str
     packed: bool = False  # stored as aotfuse::pack_bits (1 bit per element)
-    kind: str = "activation"  # activation | param | buffer | input
+    # activation | param | buffer | input (passed through) | buffer_copy (a buffer the forward updates,
+    # saved as a copy of the value it read)
+    kind: str = "activation"
     shape: tuple[int, ...] = ()
     dtype: str = ""  # dtype of the tensor before packing
 
@@ -136,8 +142,9 @@ class SavedTensor:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """fwd_gm(*params, *buffers, *user_inputs) -> (*user_outputs, *saved);
-    bwd_gm(*saved, tangent) -> grads (in `grads` order). The loss is user output `loss_index` (0)."""
+    """fwd_gm(*params, *buffers, *user_inputs) -> (*user_outputs, *buffer_updates, *saved);
+    bwd_gm(*saved, tangent) -> grads (in `grads` order). The loss is user output `loss_index` (0);
+    buffer update i is the new value of buffer `mutated_buffers[i]`."""
 
     fwd_gm: torch.fx.GraphModule
     bwd_gm: torch.fx.GraphModule
@@ -150,10 +157,16 @@ class Partition:
     grads: tuple[tuple[str, Any], ...]  # as JointGraph.grads
     recompute_ops: tuple[str, ...] = ()  # op of each recomputed node (parallel to `recomputed`)
     cut_cost: int = 0  # the min cut's value (internal units)
+    mutated_buffers: tuple[str, ...] = ()  # as JointGraph.mutated_buffers
+    buffer_updates: tuple[tuple[str, str], ...] = ()  # (buffer fqn, joint node of its new value)
+
+    @property
+    def num_forward_outputs(self) -> int:
+        return self.num_user_outputs + len(self.mutated_buffers)
 
     def report(self) -> dict:
-        acts = [s for s in self.saved if s.kind == "activation"]
-        others = [s for s in self.saved if s.kind != "activation"]
+        acts = [s for s in self.saved if s.kind in ("activation", "buffer_copy")]  # counted in saved_bytes
+        others = [s for s in self.saved if s.kind not in ("activation", "buffer_copy")]
         unpacked = sum(s.nbytes if not s.packed else s.nbytes * 8 for s in acts)
         return {
             "memory_budget": self.memory_budget,
@@ -166,6 +179,9 @@ class Partition:
             "recomputed_nodes": len(self.recomputed),
             "saved": [s.to_dict() for s in self.saved],
             "recomputed": [{"name": n, "op": op} for n, op in zip(self.recomputed, self.recompute_ops)],
+            **({"buffer_updates": [{"buffer": b, "node": n, "note": "computed in the forward, returned after "
+                                    "the loss and written into the buffer by the runtime"}
+                                   for b, n in self.buffer_updates]} if self.buffer_updates else {}),
             "forward_nodes": sum(1 for n in self.fwd_gm.graph.nodes if n.op == "call_function"),
             "backward_nodes": sum(1 for n in self.bwd_gm.graph.nodes if n.op == "call_function"),
         }
@@ -203,9 +219,13 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
     order = {n: i for i, n in enumerate(nodes)}
     out_node = next(n for n in reversed(nodes) if n.op == "output")
     outs = list(out_node.args[0])
-    user_outputs = outs[: joint.num_user_outputs]
-    grad_outputs = outs[joint.num_user_outputs:]
+    n_fwd = joint.num_forward_outputs
+    user_outputs = outs[:n_fwd]  # the user outputs, then the buffer updates
+    grad_outputs = outs[n_fwd:]
     ph_kind = {name: kind for name, kind, _ in joint.placeholders}
+    mutated = set(joint.mutated_buffers)
+    # buffers the runtime overwrites after the forward: the backward must get the value the forward read
+    overwritten = {name for name, kind, ref in joint.placeholders if kind == "buffer" and ref in mutated}
     tangent = next(n for n in nodes if n.op == "placeholder" and n.name == joint.tangent)
 
     fwd = ancestors(user_outputs)
@@ -232,7 +252,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         is_tuple = isinstance(val, (tuple, list))
         if n.op == "placeholder":
             G.add_edge("source", vin)
-            G.add_edge(vin, vout, capacity=0)
+            G.add_edge(vin, vout, capacity=q * M * save_nbytes(val) if n.name in overwritten else 0)
         elif n in floating:
             # Only the backward needs it, but it does not depend on the tangent: computing it once in
             # either pass costs the same, so it floats (in the forward it must be saved).
@@ -299,7 +319,12 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         val = _val(n)
         users = sorted((u for u in n.users if u in bwd_compute), key=order.__getitem__)
         uses = ", ".join(u.name for u in users[:4]) + (", ..." if len(users) > 4 else "")
-        if n.op == "placeholder":
+        if n.name in overwritten:
+            kind, packed, nbytes = "buffer_copy", False, tensor_nbytes(val)
+            why = (f"buffer read by the backward ({uses}) and updated by the forward: saved as a copy of the "
+                   f"value the forward read (the runtime overwrites the buffer after the forward)")
+            saved_bytes += nbytes
+        elif n.op == "placeholder":
             kind = ph_kind.get(n.name, "input")
             why = {"param": "parameter", "buffer": "buffer", "input": "user input"}.get(kind, kind) + \
                 f" read by the backward ({uses}); passed through, not counted"
@@ -338,7 +363,10 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
                      recomputed=tuple(n.name for n in recomputed), saved_bytes=saved_bytes,
                      memory_budget=float(memory_budget), num_user_outputs=joint.num_user_outputs,
                      loss_index=joint.loss_index, grads=tuple(joint.grads),
-                     recompute_ops=tuple(_opname(n) for n in recomputed), cut_cost=int(cut_value))
+                     recompute_ops=tuple(_opname(n) for n in recomputed), cut_cost=int(cut_value),
+                     mutated_buffers=tuple(joint.mutated_buffers),
+                     buffer_updates=tuple((b, getattr(u, "name", str(u)))
+                                          for b, u in zip(joint.mutated_buffers, outs[joint.num_user_outputs:n_fwd])))
 
 
 def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_infos):
@@ -353,6 +381,10 @@ def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_info
     outs = [env[u] for u in user_outputs]
     for n, info in zip(saved_list, saved_infos):
         v = env[n]
+        if info.kind == "buffer_copy":  # a real copy (lowering treats clone as a view of its input)
+            cp = g.create_node("call_function", torch.ops.aten.copy.default, (v, v), {}, name=n.name + "_read")
+            cp.meta["val"] = n.meta["val"]
+            v = cp
         if info.packed:
             pk = g.create_node("call_function", PACK, (v,), {}, name=n.name + "_packed")
             pk.meta["val"] = _fake_call(PACK, n.meta["val"])
@@ -415,10 +447,10 @@ def torch_min_cut_saved(joint) -> list[dict]:
         n._rename(want)
         n.target = n.name
     gm.recompile()
-    fw, _ = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=joint.num_user_outputs)
+    fw, _ = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=joint.num_forward_outputs)
     fout = next(n for n in fw.graph.nodes if n.op == "output").args[0]
     res = []
-    for n in fout[joint.num_user_outputs:]:
+    for n in fout[joint.num_forward_outputs:]:
         if not isinstance(n, torch.fx.Node) or n.op == "placeholder":
             continue
         base = n

@@ -1,11 +1,14 @@
 """--train, the partition stage's output: the forward and backward FX graphs as two CapturedGraphs for the
 scheduler, and the train info the runtime needs to bind them (parameters, gradients, saved tensors).
 
-Forward program inputs: the trainable parameters, then the user inputs (non-trainable buffers are
-archive weights). Its outputs: the loss, then the tensors saved for the backward. Backward program
+Forward program inputs: the trainable parameters, then the buffers the forward updates (train-mode
+BatchNorm's running statistics, `TrainInfo.mutated_buffers`), then the user inputs (the other
+buffers are archive weights). Its outputs: the loss, then the buffers' new values (the runtime
+writes them into the module's buffers), then the tensors saved for the backward. Backward program
 inputs: the saved tensors, then the tangent (d loss); outputs: the gradients in `joint.grads` order.
-Parameters are program inputs, not baked weights, so an optimizer that updates them (or a
-load_state_dict that replaces them) is seen on the next call.
+Parameters and updated buffers are program inputs, not baked weights, so an optimizer that updates
+them (or a load_state_dict that replaces them), and the previous call's statistics, are seen on the
+next call.
 """
 from __future__ import annotations
 
@@ -93,30 +96,51 @@ def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int) -> list:
     return done
 
 
+def _forward_placeholders(joint, fph) -> list[tuple[str, str, object]]:
+    """(name, kind, ref) per forward placeholder: parameters are program inputs 0..P-1, the buffers the
+    forward updates inputs P..P+M-1 (in `mutated_buffers` order), the user inputs after them; the other
+    buffers are archive weights."""
+    kinds = joint.placeholder_kinds()
+    n_p, n_m = len(joint.param_names), len(joint.mutated_buffers)
+    param_index = {f: i for i, f in enumerate(joint.param_names)}
+    mut_index = {f: i for i, f in enumerate(joint.mutated_buffers)}
+    out = []
+    for node in fph:
+        kind, ref = kinds.get(node.name, (None, None))
+        if kind == "param":
+            out.append((node.name, "input", param_index[ref]))
+        elif kind == "buffer" and ref in mut_index:
+            out.append((node.name, "input", n_p + mut_index[ref]))
+        elif kind == "buffer":
+            out.append((node.name, "weight", ref))
+        elif kind == "input":
+            out.append((node.name, "input", n_p + n_m + ref))
+        else:
+            raise BuildError(f"forward graph placeholder {node.name} is not a parameter, buffer or input of the joint graph")
+    return out
+
+
 def train_graphs(joint, part):
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
-    _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_user_outputs)
+    mutated = tuple(joint.mutated_buffers)
+    _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs)
     fph = _placeholders(part.fwd_gm)
     if len(fph) != n_p + n_b + len(joint.inputs):
         raise BuildError(f"forward graph has {len(fph)} placeholders; expected params+buffers+inputs = "
                          f"{n_p}+{n_b}+{len(joint.inputs)}")
-    placeholders = []
-    for i, node in enumerate(fph):
-        if i < n_p:
-            placeholders.append((node.name, "input", i))
-        elif i < n_p + n_b:
-            placeholders.append((node.name, "weight", joint.buffer_names[i - n_p]))
-        else:
-            placeholders.append((node.name, "input", i - n_b))
-    fwd_specs = tuple(_spec(fph[i], f"param:{joint.param_names[i]}") for i in range(n_p)) + tuple(joint.inputs)
-    buffers = {b: joint.weights[b] for b in joint.buffer_names}
+    placeholders = _forward_placeholders(joint, fph)
+    by_input = {ref: node for node, (_, kind, ref) in zip(fph, placeholders) if kind == "input"}
+    fwd_specs = tuple(_spec(by_input[i], f"param:{joint.param_names[i]}") for i in range(n_p))
+    fwd_specs += tuple(_spec(by_input[n_p + j], f"buffer:{fqn}") for j, fqn in enumerate(mutated))
+    fwd_specs += tuple(joint.inputs)
+    buffers = {b: joint.weights[b] for b in joint.buffer_names if b not in mutated}
     fwd = CapturedGraph(part.fwd_gm, tuple(placeholders), buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
     bph = _placeholders(part.bwd_gm)
     bwd_specs = tuple(_spec(n, n.name) for n in bph)
     bwd = CapturedGraph(part.bwd_gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, bwd_specs,
                         False, 0.0, contiguous_outputs=True)
-    info = TrainInfo(params=tuple(joint.param_names), buffers=tuple(joint.buffer_names),
+    info = TrainInfo(params=tuple(joint.param_names), buffers=tuple(buffers),
                      user_inputs=tuple(s.to_contract() for s in joint.inputs),
                      grads=tuple((str(k), ref) for k, ref in joint.grads), n_saved=len(bph) - 1,
-                     saved_bytes=int(part.saved_bytes))
+                     saved_bytes=int(part.saved_bytes), mutated_buffers=mutated)
     return fwd, bwd, info

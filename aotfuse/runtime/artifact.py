@@ -106,8 +106,9 @@ class Artifact:
 
     def _run(self, program: str, inputs: tuple):
         train = self.manifest.train
-        if train is not None:  # forward of a train archive: parameters are program inputs; return the loss
-            params = [self.weights[n] for n in train.params]
+        if train is not None:  # forward of a train archive: parameters (and updated buffers, read from the
+            # archive; their new values are dropped: as_module() keeps them) are program inputs; return the loss
+            params = [self.weights[n] for n in train.state_inputs]
             return self.executors["forward"].run(params + list(inputs))[0]
         outs = self._run_flat(program, inputs)
         return outs[0] if self.manifest.single_output and len(outs) == 1 else tuple(outs)

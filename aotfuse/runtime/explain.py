@@ -88,6 +88,8 @@ def _partition_lines(part: dict) -> list[str]:
     for s in part["saved"]:
         packed = " (bit-packed)" if s.get("packed") else ""
         out.append(f"  saved {s['name']}: {s['nbytes']} B from {s['producer_op']}{packed}: {s['why']}")
+    for u in part.get("buffer_updates", []):
+        out.append(f"  buffer update {u.get('buffer')}: {u.get('node')} ({u.get('note')})")
     for a in part.get("attention", []):
         out.append(f"  attention {a.get('attention')} {a.get('query')}: {a.get('kernel')} ({a.get('why')})")
     rec = part.get("recomputed", [])

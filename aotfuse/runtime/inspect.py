@@ -43,7 +43,9 @@ def describe(archive: Archive) -> dict:
         out["partition"] = report.partition
     if m.train is not None:
         out["train"] = {"params": list(m.train.params), "n_saved": m.train.n_saved,
-                        "saved_bytes": m.train.saved_bytes}
+                        "saved_bytes": m.train.saved_bytes,
+                        # buffers the forward updates (train-mode BatchNorm); the runtime writes them back
+                        "mutated_buffers": list(m.train.mutated_buffers)}
     return out
 
 

@@ -5,6 +5,8 @@ the forward program (loss + saved tensors) inside a torch.autograd.Function; bac
 backward program on the saved tensors and the incoming gradient and hands gradients to autograd,
 so `.grad` fills and any torch.optim optimizer works. Each forward keeps its own saved tensors,
 so several forwards may be live before their backwards; they are freed once the backward ran.
+Buffers the forward updates (train-mode BatchNorm) are the module's buffers (runtime/train_state.py):
+passed to the forward program after the parameters and written back in place after it ran.
 """
 from __future__ import annotations
 
@@ -14,14 +16,17 @@ import torch.nn as nn
 from ..dtypes import TORCH
 from ..errors import AotfuseError, ArchiveError, GuardError
 from .calling import flatten, loss_tree, rebuild
+from .train_state import UpdatedBuffers, original_state_dict_names
 
 
 class _Packaged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, *args):
         n_p = len(module._param_list)
-        outs = module._run("forward", list(args))
-        loss, saved = outs[0], outs[1:]
+        n_m = len(module._bufs.names)
+        outs = module._run("forward", list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
+        loss, saved = outs[0], outs[1 + n_m:]
+        module._bufs.write_back(outs[1:1 + n_m])  # after the program read them: as eager updates in place
         ctx.module = module
         ctx.n_inputs = len(args) - n_p
         for i, t in enumerate(saved):
@@ -69,20 +74,23 @@ class PackagedModule(nn.Module):
             self._params[name.replace(".", "__")] = p
             self._param_list.append(p)
         self._param_index = {n: i for i, n in enumerate(self._names)}
+        self._bufs = UpdatedBuffers(art, info.mutated_buffers)
+        original_state_dict_names(self, {"_params": tuple(self._names), "_bufs": self._bufs.names})
         self._grad_map = list(info.grads)
         self._graphs = None
         if art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs):
-            n_p = len(self._names)
-            # the forward copies the batch (a new tensor every step) and reads parameters in place; the
-            # backward reads the saved tensors where the forward's graph wrote them (keyed by address),
-            # parameters passed through in place, and copies the batch tensors passed through
-            # one arena per stream for both programs (graphs.ArenaPool): max(forward, backward), not the sum
+            n_p, n_m = len(self._names), len(self._bufs.names)
+            # the forward copies the batch (a new tensor every step) and reads parameters and updated
+            # buffers in place; the backward reads the saved tensors where the forward's graph wrote
+            # them (keyed by address), parameters passed through in place, and copies the batch tensors
+            # passed through. One arena per stream for both programs (graphs.ArenaPool): max, not sum.
             from .graphs import ArenaPool
 
             arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in ("forward", "backward")),
                                art.device)
-            fwd = art.graphed("forward", frozenset(range(n_p)), key=False, arenas=arenas)
-            through = {k - 1: j for k, j in fwd.passthrough.items() if k >= 1}
+            fwd = art.graphed("forward", frozenset(range(n_p + n_m)), key=False, arenas=arenas)
+            # forward outputs: loss, n_m buffer updates, then the saved tensors (the backward's inputs)
+            through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
             bwd = art.graphed("backward", params, frozenset(through) - params, key=True, arenas=arenas)
             self._graphs = {"forward": fwd, "backward": bwd}
@@ -99,6 +107,9 @@ class PackagedModule(nn.Module):
         for name, p in zip(self._names, self._param_list):
             yield (prefix + name, p)
 
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        yield from self._bufs.named(prefix)
+
     def forward(self, *args, **kwargs):
         """Called as the model was at build time (positional and keyword tensors, e.g. `input_ids=`,
         `labels=`). Returns the loss, as the model's output class (`out.loss`) when it returned one."""
@@ -110,6 +121,7 @@ class PackagedModule(nn.Module):
 
     def _forward(self, inputs: tuple):
         self._art.check_inputs(inputs)
+        self._bufs.check_mode(self.training)
         with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
         for i, x in enumerate(inputs):
             if x.requires_grad and i not in with_grad:

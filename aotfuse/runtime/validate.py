@@ -79,6 +79,11 @@ def _train_info(t, progs: list) -> None:
         _str(p, f"manifest.train.params[{i}]")
     if len(set(params)) != len(params):
         _fail("manifest.train.params", "names a parameter twice")
+    mutated = _list(t.get("mutated_buffers", []), "manifest.train.mutated_buffers", 0, 1 << 16)
+    for i, b in enumerate(mutated):
+        _str(b, f"manifest.train.mutated_buffers[{i}]")
+    if len(set(mutated)) != len(mutated) or set(mutated) & set(params):
+        _fail("manifest.train.mutated_buffers", "names a buffer twice, or a parameter")
     _int(t["n_saved"], "manifest.train.n_saved", 0, 1 << 20)
     for i, g in enumerate(_list(t["grads"], "manifest.train.grads", 0, 1 << 16)):
         where = f"manifest.train.grads[{i}]"
@@ -559,22 +564,33 @@ def _same(what: str, other: str, want: list, got) -> None:
         _fail(what, f"{fmt(want)} do not match {other}: {fmt(got)}")
 
 
-def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) -> None:
-    params = []
-    for p in train["params"]:
+def _state_specs(names, weights: dict, where: str, what: str) -> list:
+    specs = []
+    for p in names:
         t = weights.get(p)
         if t is None or name_of(t.dtype) not in DTYPES:
-            _fail("manifest.train.params", f"parameter {p!r} is not a usable weight of the archive")
-        params.append((name_of(t.dtype), tuple(t.shape)))
+            _fail(where, f"{what} {p!r} is not a usable weight of the archive")
+        specs.append((name_of(t.dtype), tuple(t.shape)))
+    return specs
+
+
+def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) -> None:
+    params = _state_specs(train["params"], weights, "manifest.train.params", "parameter")
+    mutated = train.get("mutated_buffers", [])
+    bufs = _state_specs(mutated, weights, "manifest.train.mutated_buffers", "buffer")
     fwd, bwd = sigs["forward"], sigs["backward"]
-    _same("the forward program's inputs", "train params + manifest.inputs", params + ins, fwd.inputs)
-    n_saved = train["n_saved"]
-    if len(fwd.outputs) != 1 + n_saved:
-        _fail("manifest.train.n_saved", f"{n_saved} saved tensors, the forward returns {len(fwd.outputs) - 1}")
+    _same("the forward program's inputs", "train params + mutated buffers + manifest.inputs", params + bufs + ins,
+          fwd.inputs)
+    n_saved, n_mut = train["n_saved"], len(mutated)
+    if len(fwd.outputs) != 1 + n_mut + n_saved:
+        _fail("manifest.train.n_saved", f"the loss, {n_mut} buffer updates and {n_saved} saved tensors, "
+                                        f"the forward returns {len(fwd.outputs)} outputs")
     _same("manifest.outputs", "the forward program's loss", outs, fwd.outputs[:1])
+    # each buffer update has its buffer's dtype and shape (the runtime copies it into the buffer)
+    _same("manifest.train.mutated_buffers", "the forward program's buffer updates", bufs, fwd.outputs[1:1 + n_mut])
     # the backward takes the saved tensors, then the loss's gradient (a tensor like the loss)
     _same("the backward program's inputs", "the forward's saved tensors + the loss",
-          list(fwd.outputs[1:]) + [fwd.outputs[0]], bwd.inputs)
+          list(fwd.outputs[1 + n_mut:]) + [fwd.outputs[0]], bwd.inputs)
     grads = train["grads"]
     if len(grads) != len(bwd.outputs):
         _fail("manifest.train.grads", f"{len(grads)} gradients, the backward returns {len(bwd.outputs)}")

@@ -287,12 +287,7 @@ ZOO: tuple[ZooEntry, ...] = (
 
 # (entry, mode) -> (error class name, message fragment, why): what still stops a case today. The test
 # tier marks these xfail(strict=True) on exactly that error, and docs/models.md prints them.
-KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str, str]] = {
-    ("hf_resnet", "train"): ("BuildError", "mutates buffers",
-                             "train-mode BatchNorm: running-statistics updates returned by the program (not built yet)"),
-    ("tv_resnet18", "train"): ("BuildError", "mutates buffers",
-                               "train-mode BatchNorm: running-statistics updates returned by the program (not built yet)"),
-}
+KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str, str]] = {}
 
 
 def entry(name: str) -> ZooEntry:
