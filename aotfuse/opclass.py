@@ -86,7 +86,7 @@ POINTWISE_EXTRA = {
 }
 COPY_OPS = {aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.flip.default,
             aten.repeat.default, aten.index_select.default, aten.index.Tensor, aten.gather.default,
-            aten.slice_scatter.default, aten.copy.default}
+            aten.slice_scatter.default, aten.copy.default, aten.scatter.value, aten.scatter.src}
 TUPLE_VIEW_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 
 

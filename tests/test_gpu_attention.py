@@ -158,7 +158,7 @@ def test_gpt_training_step_matches_eager_through_the_archive():
 def test_masked_and_gqa_training_through_the_archive_in_bf16(kw):
     import aotfuse
     from aotfuse.bench import verify_train
-    from tests.test_train_attention import _attn_case
+    from aotfuse.testing.attention_cases import attn_case as _attn_case
 
     A.forget_choices()
     model, (x, keep, target) = _attn_case(**kw)

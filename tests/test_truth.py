@@ -109,7 +109,8 @@ _COARSER = {
                                  "aten._adaptive_avg_pool2d_backward.default"},  # windowed pointwise lowering, reduction cost
     ("view", "copy"): {"aten.flip.default"},  # index math to lowering; the partition prices it as a copy
     ("pointwise", "copy"): {"aten.cat.default", "aten.index_select.default", "aten.gather.default",
-                            "aten.index.Tensor", "aten.slice_scatter.default", "aten.copy.default"},  # a gather by index to lowering; a copy to the cost model
+                            "aten.index.Tensor", "aten.slice_scatter.default", "aten.copy.default",
+                            "aten.scatter.value", "aten.scatter.src"},  # a gather by index to lowering; a copy to the cost model
     ("pointwise", "unknown"): {"aten.rsub.Tensor", "aotfuse.pack_bits.default", "aotfuse.unpack_bits.default"},
     ("structural", "unknown"): {"aten._assert_tensor_metadata.default"},
 }

@@ -24,9 +24,11 @@ from ..errors import BuildError
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from ..ir.indexing import simplify, unravel
-from ..ir.loop import (FLOATS, ITEMSIZE, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction,
-                       Scan, subs_expr)
+from ..ir.loop import (ARG_REDUCTIONS, FLOATS, ITEMSIZE, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op,
+                       Pointwise, Reduction, Scan, subs_expr)
 from ..ir.indexing import flat_index
+from .argreduce import finish as arg_finish, init as arg_init, persistent as arg_persistent
+from .argreduce import update as arg_update
 from .online import finish as online_finish, init as online_init, pairs as online_pairs
 from .online import update as online_update
 from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
@@ -262,7 +264,10 @@ class _Emitter:
                 raise BuildError(f"internal: {name} is read before its reduction is computed",
                                  remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
             # A pointwise kernel (r = 1) holds reductions over one element only (an adaptive pool
-            # or a mean of 1x1 maps): the value is that element, emitted like a pointwise body.
+            # or a mean of 1x1 maps): the value is that element, emitted like a pointwise body; the
+            # position of an argmax / argmin over one element is 0.
+            if node.rtype in ARG_REDUCTIONS:
+                return "tl.full([1], 0, tl.int64)"
         saved = self.ctx
         self.ctx = "xr" if self.kind != "pointwise" and node.numel != self.xnumel else "x"
         try:
@@ -343,13 +348,22 @@ def _red_identity(rtype: str, dtype: str) -> str:
     return _RED_INIT[rtype]
 
 
-def _finalize(rtype: str, v: str) -> str:
+def _finalize(rtype: str, v: str, dtype: str = "") -> str:
+    """A row's reduction of the [XBLOCK, RBLOCK] block `v`. A float max / min is NaN when the row holds
+    a NaN (torch propagates it; tl.max / tl.min skip it)."""
+    if rtype in ("max", "min") and dtype in FLOATS:
+        red = f"tl.{rtype}({v}, 1)[:, None]"
+        return f"tl.where(tl.max(({v} != {v}).to(tl.int8), 1)[:, None] > 0, float('nan'), {red})"
     return {"sum": f"tl.sum({v}, 1)[:, None]", "max": f"tl.max({v}, 1)[:, None]",
             "min": f"tl.min({v}, 1)[:, None]", "prod": f"tl.reduce({v}, 1, _prod_combine)[:, None]",
             "any": f"(tl.max({v}.to(tl.int8), 1) > 0)[:, None]"}[rtype]
 
 
-def _combine(rtype: str, acc: str, v: str) -> str:
+def _combine(rtype: str, acc: str, v: str, dtype: str = "") -> str:
+    """The looped accumulator's update; a float max / min keeps a NaN once seen (as torch)."""
+    if rtype in ("max", "min") and dtype in FLOATS:
+        cmp = ">" if rtype == "max" else "<"
+        return f"tl.where(({acc} != {acc}) | ({acc} {cmp} {v}), {acc}, {v})"
     return {"sum": f"{acc} + {v}", "max": f"tl.maximum({acc}, {v})", "min": f"tl.minimum({acc}, {v})",
             "prod": f"{acc} * {v}", "any": f"{acc} | {v}"}[rtype]
 
@@ -439,6 +453,9 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                         online_init(em, paired[n.name][1], f"acc_{n.name}", f"acc_{paired[n.name][0]}",
                                     f"[{xb}, {rb}]", TL_DTYPE[n.acc_dtype])
                         continue
+                    if n.rtype in ARG_REDUCTIONS:
+                        arg_init(em, f"acc_{n.name}", n.acc_dtype, TL_DTYPE[n.acc_dtype], f"[{xb}, {rb}]")
+                        continue
                     em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
                              f"{TL_DTYPE[n.acc_dtype]})")
                 em.line(f"for roffset in range(0, {r}, {rb}):")
@@ -459,12 +476,20 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                         online_update(em, how, f"acc_{n.name}", f"acc_{second}", v, TL_DTYPE[n.acc_dtype],
                                       "xmask & rmask")
                         continue
+                    if n.rtype in ARG_REDUCTIONS:
+                        if looped:
+                            arg_update(em, n.rtype, f"acc_{n.name}", v, n.acc_dtype, TL_DTYPE[n.acc_dtype],
+                                       "xmask & rmask")
+                        else:
+                            em.red_vars[n.name] = arg_persistent(em, n.rtype, v, n.acc_dtype, TL_DTYPE[n.acc_dtype],
+                                                                 "xmask & rmask")
+                        continue
                     ident = _red_identity(n.rtype, n.acc_dtype)
                     masked = em.tmp(f"tl.where(xmask & rmask, {v}, {ident})")
                     if looped:
-                        em.line(f"acc_{n.name} = {_combine(n.rtype, f'acc_{n.name}', masked)}")
+                        em.line(f"acc_{n.name} = {_combine(n.rtype, f'acc_{n.name}', masked, n.acc_dtype)}")
                     else:
-                        em.red_vars[n.name] = em.tmp(_finalize(n.rtype, masked))
+                        em.red_vars[n.name] = em.tmp(_finalize(n.rtype, masked, n.acc_dtype))
                 elif n.name in out_name:
                     store(n, v, "xr")
             if looped:
@@ -478,7 +503,10 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                         em.red_vars[n.name], em.red_vars[second] = online_finish(
                             em, how, f"acc_{n.name}", f"acc_{second}")
                         continue
-                    em.red_vars[n.name] = em.tmp(_finalize(n.rtype, f"acc_{n.name}"))
+                    if n.rtype in ARG_REDUCTIONS:
+                        em.red_vars[n.name] = arg_finish(em, f"acc_{n.name}", n.acc_dtype)
+                        continue
+                    em.red_vars[n.name] = em.tmp(_finalize(n.rtype, f"acc_{n.name}", n.acc_dtype))
             em.ctx = "x"
             for n in reds:
                 if n.name in out_name:

@@ -122,7 +122,11 @@ class Pointwise(_OuterLoops):
     body: Expr
 
 
-REDUCTIONS = ("sum", "max", "min", "prod", "any")
+REDUCTIONS = ("sum", "max", "min", "prod", "any", "argmax", "argmin")
+# argmax / argmin: the (int64) position along the reduced space, flattened row-major, of the first
+# maximum / minimum of the body (NaN counts as the extreme, as torch's max.dim / argmax); acc_dtype is
+# the body's (the values compared), the node's buffer is int64.
+ARG_REDUCTIONS = ("argmax", "argmin")
 
 
 @dataclasses.dataclass(frozen=True)

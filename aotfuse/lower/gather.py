@@ -13,7 +13,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..ir.indexing import simplify, sym, syms
-from ..ir.loop import Const, Gather, Op
+from ..ir.loop import Const, Gather, IndexValue, Op, compute_dtype
 from ..ir.views import View
 from .ctx import as_dtype, out_dtype, out_shape
 from .rules import collector
@@ -127,6 +127,37 @@ def _index(ctx, node, args, kwargs):
         else:
             coords.append(next(rest))
     return _gather(ctx, node, x, coords, indexed, ranges)
+
+
+@rule(aten.scatter.value, aten.scatter.src, category="pointwise",
+      note="one index per row along dim (index of size 1 there, self's size elsewhere): a compare and a where")
+def _scatter(ctx, node, args, kwargs):
+    """out = self with out[..., index[..., 0, ...], ...] = value (or src[..., 0, ...]) along `dim`, for an
+    index of size 1 along dim and self's size elsewhere (an argmax kept as a dim, as cumprod's backward
+    makes): each element compares its position along dim with the one index of its row."""
+    x, dim, idx, val = args[0], args[1], args[2], args[3]
+    if kwargs.get("reduce") is not None:
+        raise UnsupportedOpError(str(node.target), node.name, "scatter with reduce=")
+    nd = len(x.shape)
+    if not nd:
+        raise UnsupportedOpError(str(node.target), node.name, "scatter into a 0-d tensor")
+    dim %= nd
+    if len(idx.shape) != nd or idx.shape[dim] != 1 or any(idx.shape[d] != x.shape[d] for d in range(nd) if d != dim):
+        raise UnsupportedOpError(str(node.target), node.name,
+                                 f"scatter with index {list(idx.shape)} into {list(x.shape)} along dim {dim}: only "
+                                 "one index per row (size 1 along dim, the tensor's size elsewhere) is lowered")
+    shape = out_shape(node)
+    dt = out_dtype(node)
+    pv = syms("p", nd)
+    ranges = dict(zip(pv, shape))
+    row = [pv[d] if d != dim else sympy.Integer(0) for d in range(nd)]
+    # an index outside [0, n) (torch raises) matches no position: nothing is written, nothing read outside
+    target = as_dtype(ctx.load(idx, row, ranges), "int64")
+    hit = Op("eq", (target, IndexValue(pv[dim], "int64")), "bool")
+    cd = compute_dtype(dt)
+    new = as_dtype(ctx.load(val, row, ranges), cd) if isinstance(val, View) else Const(val, cd)
+    body = Op("where", (hit, new, as_dtype(ctx.load(x, list(pv), ranges), cd)), cd)
+    return ctx.pointwise(shape, dt, as_dtype(body, dt), hint="scatter")
 
 
 @rule(aten.embedding.default, category="extern",

@@ -1,11 +1,10 @@
-"""Reduction lowerings: sum / mean / max / min / prod / any along any set of dims."""
+"""Reduction lowerings: sum / mean / max / min / prod / any / argmax / argmin along any set of dims."""
 from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedOpError
 from ..ir.indexing import syms
-from ..ir.loop import FLOATS, Const, Op, compute_dtype
+from ..ir.loop import ARG_REDUCTIONS, FLOATS, Const, Op, compute_dtype
 from ..ir.views import View
 from .ctx import as_dtype, meta, out_dtype, out_shape
 from .rules import collector
@@ -34,6 +33,8 @@ def _reduce(ctx, node, src: View, dims, keepdim: bool, rtype: str, *, scale: flo
         acc = compute_dtype(dt) if dt in FLOATS else "int64"
     elif rtype == "any":
         acc = "bool"
+    elif rtype in ARG_REDUCTIONS:  # the values compared; the node's buffer is the int64 position
+        acc = compute_dtype(src.dtype) if src.dtype in FLOATS else "int64"
     else:
         acc = compute_dtype(src.dtype) if src.dtype != "bool" else "bool"
     body = as_dtype(ctx.load_compute(src, idx, ranges), acc)
@@ -102,20 +103,31 @@ def _any(ctx, node, args, kwargs):
     return _reduce(ctx, node, args[0], dims, False, "any")
 
 
-@rule(aten.max.dim, aten.min.dim, category="reduction", note="values only; the indices output is refused")
+@rule(aten.max.dim, aten.min.dim, category="reduction", note="values and indices (first extreme; NaN counts)")
 def _max_dim(ctx, node, args, kwargs):
-    for user in node.users:
-        if user.args[1] != 0:
-            raise UnsupportedOpError(str(node.target), node.name, "the indices output (argmax) is not supported")
-    rtype = "max" if node.target is aten.max.dim else "min"
-    val = _reduce_values(ctx, node, args[0], [args[1]], rtype)
-    return (val, None)
+    is_max = node.target is aten.max.dim
+    used = {user.args[1] for user in node.users}
+    val = _reduce_output(ctx, node, 0, args[0], [args[1]], "max" if is_max else "min") if 0 in used else None
+    idx = _reduce_output(ctx, node, 1, args[0], [args[1]], "argmax" if is_max else "argmin") if 1 in used else None
+    return (val, idx)
 
 
-def _reduce_values(ctx, node, src, dims, rtype):
-    class _N:  # the values output's meta stands in for the node's
+@rule(aten.argmax.default, aten.argmin.default, category="reduction",
+      note="first extreme; NaN counts; dim=None: position in the flattened tensor")
+def _argmax(ctx, node, args, kwargs):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    src = args[0]
+    if dim is None and len(src.shape) > 1:
+        src = src.reshape([-1])
+        dim = 0
+    rtype = "argmax" if node.target is aten.argmax.default else "argmin"
+    return _reduce(ctx, node, src, None if dim is None else [dim], False, rtype)
+
+
+def _reduce_output(ctx, node, i: int, src, dims, rtype):
+    class _N:  # output i's meta stands in for the node's
         name = node.name
-        meta = {"val": meta(node)[0]}
+        meta = {"val": meta(node)[i]}
         target = node.target
     return _reduce(ctx, _N, src, dims, False, rtype)
 

@@ -46,8 +46,8 @@ from ..dtypes import FLOATS, TORCH
 from ..emit.kernel_src import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, _kernelize, reduction_pattern
 from ..ir.indexing import flat_index, simplify, syms, unravel
 from ..ir.matmul import is_matmul
-from ..ir.loop import (ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod, rewrite_expr,
-                       subs_expr)
+from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod,
+                       rewrite_expr, subs_expr)
 from ..knobs import knobs
 
 
@@ -127,6 +127,8 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
 
     if x == 0 or r == 0:
         return no("empty")
+    if n.rtype in ARG_REDUCTIONS:
+        return no(f"{n.rtype} carries a position with its value: not split in two stages")
     if programs >= knobs.split_min_programs:
         return no(f"{programs} programs fill the GPU (split_min_programs = {knobs.split_min_programs})")
     per_program = r * (OUTER_XBLOCK if pattern == "outer" else 1)
