@@ -3,8 +3,9 @@
     python3 scripts/gen_models_doc.py          # rewrites docs/models.md; tests/test_zoo.py checks it is current
 
 Status per (model, mode) comes from ZOO and KNOWN_FAILURES (what tests/test_zoo.py checks on the CPU
-path); GPU figures at realistic sizes go to docs/benchmarks.md (`aotfuse bench`) and are linked here
-once measured.
+path); the GPU column from docs/zoo_gpu.json when present (`python3 scripts/zoo_gpu.py --json
+docs/zoo_gpu.json` on a GPU machine: realistic sizes, checked against eager, timed against eager and
+torch.compile).
 """
 from __future__ import annotations
 
@@ -16,8 +17,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from aotfuse.testing.zoo import KNOWN_FAILURES, ZOO  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "models.md"
-GPU = {  # realistic-size GPU measurements recorded in docs/benchmarks.md (none yet for the zoo)
-}
+GPU_JSON = OUT.parent / "zoo_gpu.json"  # written by `python3 scripts/zoo_gpu.py --json docs/zoo_gpu.json` on a GPU
+
+
+def _gpu_cell(r: dict) -> str:
+    if "error" in r:
+        return f"failed: {r['error']}"
+    comp = r.get("torch.compile", r.get("torch.compile(reduce-overhead)"))
+    ours, eager = r.get("aotfuse"), r.get("eager")
+    if not all(isinstance(v, float) for v in (ours, eager)):
+        return f"aotfuse {ours}, eager {eager}"
+    cell = f"{ours:.2f} ms: {eager / ours:.2f}x eager"
+    if isinstance(comp, float):
+        cell += f", {comp / ours:.2f}x torch.compile"
+    ok = r.get("error_vs_eager", 99) <= 1
+    return cell + ("" if ok else f"; CHECK FAILED ({r.get('error_vs_eager')})") + f" ({r.get('device', 'GPU')})"
+
+
+def _gpu() -> dict:
+    if not GPU_JSON.exists():
+        return {}
+    import json
+
+    return {(r["model"], r["mode"]): _gpu_cell(r) for r in json.loads(GPU_JSON.read_text())}
+
+
+GPU = _gpu()
 
 
 def render() -> str:

@@ -1,0 +1,193 @@
+"""Issue 8.4: each zoo model at its realistic size on the GPU: build, check against eager, time.
+
+    python3 scripts/zoo_gpu.py [NAME ...] [--mode infer,train] [--iters 20] [--json OUT.json] [--markdown OUT.md]
+    python3 scripts/zoo_gpu.py llama --tiny --device cpu      # the same path on tiny configs (CPU check)
+
+For each entry of aotfuse/testing/zoo.py (all by default) and each mode:
+- build with `aotfuse.build` on this machine (bf16 realistic example, the current GPU's target);
+- check against eager on the same device, on fresh inputs: inference, every output against an fp32 eager
+  run; training, the loss and every gradient; `error_vs_eager` is ours over max(twice bf16 eager's own
+  error, 2e-2), worst case (at most 1 passes);
+- time (CUDA events, stream drained before each call; median of `iters` after warm-up) eager,
+  torch.compile (default; reduce-overhead for inference) and aotfuse, called as users call the model
+  (keywords, `labels=`); training steps are `loss.backward()` with grads set to None; peak memory above
+  what was allocated before the first step.
+Prints one line per (model, mode) and a table last; `--json docs/zoo_gpu.json` feeds docs/models.md's
+GPU column (then `python3 scripts/gen_models_doc.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+import aotfuse
+from aotfuse.bench import time_calls
+from aotfuse.testing.zoo import ZOO, loss_of, output_leaves
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _to(inputs, device, dtype=None):
+    args, kw = inputs
+
+    def f(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.to(device)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return tuple(f(a) for a in args), {k: f(v) for k, v in kw.items()}
+
+
+def _check(ex, art, train: bool, device: str) -> float:
+    """Worst error of ours against fp32 eager, as a multiple of bf16 eager's own (<= 1: as good as eager)."""
+    inputs = _to(ex.make_inputs(11), device)
+    ref32 = copy.deepcopy(ex.model).to(device).float()
+    low = copy.deepcopy(ex.model).to(device)
+    if not train:
+        with torch.no_grad():
+            want = output_leaves(ex.call(ref32, _to(inputs, device, torch.float32)))
+            theirs = output_leaves(ex.call(low, inputs))
+            ours = output_leaves(art(*inputs[0], **inputs[1]))
+        pairs = list(zip(ours, theirs, want))
+    else:
+        mod = art.as_module()
+        lo = loss_of(mod(*inputs[0], **inputs[1]))
+        lo.backward()
+        lt = loss_of(ex.call(low, inputs))
+        lt.backward()
+        lw = loss_of(ex.call(ref32, _to(inputs, device, torch.float32)))
+        lw.backward()
+        pairs = [(lo, lt, lw)]
+        ours = dict(mod.named_parameters())
+        theirs = dict(low.named_parameters())
+        for n, p in ref32.named_parameters():
+            if p.grad is not None:
+                pairs.append((ours[n].grad, theirs[n].grad, p.grad))
+    worst = 0.0  # ours vs fp32, over max(twice bf16 eager's own error, 2e-2): at most 1 passes
+    for o, t, w in pairs:
+        if isinstance(o, torch.Tensor) and o.is_floating_point():
+            worst = max(worst, _rel(o, w) / max(2 * _rel(t, w), 2e-2))
+    return worst
+
+
+def _timer(fn, iters: int, device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    times = time_calls(fn, iters=iters, warmup=3, device=device)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
+    return statistics.median(times), peak
+
+
+def _step(model, inputs, call, params):
+    def run():
+        for p in params:
+            p.grad = None
+        loss_of(call(model, inputs)).backward()
+    return run
+
+
+def run_one(e, mode: str, args) -> dict:
+    train = mode == "train"
+    make = e.tiny if args.tiny else e.realistic
+    ex = make(train=train, dtype=torch.bfloat16)
+    row = {"model": e.name, "mode": mode,
+           "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}
+    if args.device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        targets = (f"sm_{major}{minor}",)
+    else:
+        targets = ("sm_90",)
+    t0 = time.perf_counter()
+    res = aotfuse.build(ex.model, ex.args, example_kwargs=ex.kwargs, train=train, targets=targets)
+    row["build_s"] = round(time.perf_counter() - t0, 1)
+    art = aotfuse.load(res.data, device=args.device)
+    row["error_vs_eager"] = round(_check(ex, art, train, args.device), 3)
+    inputs = _to(ex.make_inputs(12), args.device)
+    eager = copy.deepcopy(ex.model).to(args.device)
+    call = ex.call
+    if train:
+        mod = art.as_module()
+        contenders = [("eager", eager, list(eager.parameters()))]
+        if args.device == "cuda":
+            comp = torch.compile(copy.deepcopy(ex.model).to(args.device))
+            contenders.append(("torch.compile", comp, list(comp.parameters())))
+        contenders.append(("aotfuse", None, list(mod.parameters())))
+        for name, m, params in contenders:
+            fn = _step(mod, inputs, lambda _m, i: _m(*i[0], **i[1]), params) if name == "aotfuse" else \
+                _step(m, inputs, call, params)
+            try:
+                row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device)
+            except Exception as exc:  # a contender that fails is reported
+                row[name] = f"failed: {type(exc).__name__}"
+    else:
+        contenders = [("eager", lambda: call(eager, inputs))]
+        if args.device == "cuda":
+            ro = torch.compile(copy.deepcopy(ex.model).to(args.device), mode="reduce-overhead")
+            contenders.append(("torch.compile(reduce-overhead)", lambda: call(ro, inputs)))
+        contenders.append(("aotfuse", lambda: art(*inputs[0], **inputs[1])))
+        with torch.no_grad():
+            for name, fn in contenders:
+                try:
+                    row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device)
+                except Exception as exc:
+                    row[name] = f"failed: {type(exc).__name__}"
+    return row
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("names", nargs="*")
+    ap.add_argument("--mode", default="infer,train")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="tiny configs (a quick check of this script)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--markdown", default="")
+    args = ap.parse_args(argv)
+    rows = []
+    for e in ZOO:
+        if args.names and e.name not in args.names:
+            continue
+        for mode in args.mode.split(","):
+            try:
+                row = run_one(e, mode, args)
+            except Exception as exc:
+                traceback.print_exc()
+                row = {"model": e.name, "mode": mode, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    cols = ["model", "mode", "build_s", "error_vs_eager", "eager", "torch.compile", "torch.compile(reduce-overhead)",
+            "aotfuse", "eager_peak_mb", "torch.compile_peak_mb", "aotfuse_peak_mb", "error"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(f"\n{table}\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
