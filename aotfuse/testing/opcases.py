@@ -272,6 +272,14 @@ fn_case("max_min_dim", lambda x: (torch.max(x, 1).values, torch.min(x, -1)[0], t
         _x(*S), ["aten.max.dim", "aten.min.dim"], HALF)
 fn_case("int_max_min", lambda a: (a.amax(1), a.amin(-1), torch.max(a, 0).values), lambda dt: (ints(*S),),
         ["aten.amax.default", "aten.amin.default", "aten.max.dim"])
+fn_case("max_min_indices", lambda x: (*torch.max(x, 1), torch.min(x, -1, keepdim=True).indices),
+        _x(*S), ["aten.max.dim", "aten.min.dim"], HALF)
+fn_case("argmax_argmin", lambda x, a: (torch.argmax(x, 1), torch.argmin(x, 0, keepdim=True), torch.argmax(x),
+                                       torch.argmin(a, -1)),
+        lambda dt: (randn(*S, dtype=dt), ints(*S)), ["aten.argmax.default", "aten.argmin.default"], HALF)
+fn_case("scatter_one_per_row", lambda x, i, j: (x.scatter(2, i, 2.5), x.scatter(1, j, x[:, :1] * 3)),
+        lambda dt: (randn(*S, dtype=dt), torch.randint(0, S[2], (S[0], S[1], 1)), torch.randint(0, S[1], (S[0], 1, S[2]))),
+        ["aten.scatter.value", "aten.scatter.src"], HALF)
 fn_case("any", lambda x: ((x > 1).any(1), torch.any(x > 1.5, dim=(0, 2)), (x > 2).any(), x.any(-1)), _x(*S),
         ["aten.any.dim", "aten.any.dims", "aten.any.default"])
 fn_case("prod", lambda x: (x.prod(1), x.prod(-1, keepdim=True)), _x(*S), ["aten.prod.dim_int"])
@@ -540,8 +548,8 @@ UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the reg
 ]
 
 REFUSED = [  # registered ops that refuse one form of themselves
-    Unsupported("max_indices", lambda x: torch.max(x, 1).indices, "aten.max.dim", "max_1",
-                "values only: use .values (argmax is not supported)"),
+    Unsupported("scatter_two_per_row", lambda x: x.scatter(1, torch.zeros(4, 2, dtype=torch.int64), 1.0),
+                "aten.scatter.value", "scatter", "one index per row along the dim (size 1 there) lowers"),
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
                                                                          dropout_p=0.5),
                 "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),
