@@ -256,12 +256,14 @@ def test_online_softmax_looped_rows_match_eager():
     x[1, 700:] = -float("inf")
     x[2, 3] = 60.0  # one dominant entry
     x[4, :] = -float("inf")
+    x[5, 1200] = float("nan")  # a NaN row: NaN everywhere, and its max NaN, as torch
     with override(persistent_rblock_max=256):
-        res = aotfuse.build(Fn(lambda x: (torch.softmax(x, -1), torch.log_softmax(x, -1))), (x,), targets=TARGETS)
+        res = aotfuse.build(Fn(lambda x: (torch.softmax(x, -1), torch.log_softmax(x, -1), x.amax(-1))), (x,),
+                            targets=TARGETS)
     whys = _kernel_whys(res)
     assert any("looped over r" in w and "online softmax" in w for w in whys), whys
     art = aotfuse.load(res.data, device="cpu")
-    for o, r in zip(art(x), (torch.softmax(x, -1), torch.log_softmax(x, -1))):
+    for o, r in zip(art(x), (torch.softmax(x, -1), torch.log_softmax(x, -1), x.amax(-1))):
         assert torch.equal(o.isnan(), r.isnan())
         torch.testing.assert_close(o.nan_to_num(), r.nan_to_num(), rtol=1e-5, atol=1e-5)
 

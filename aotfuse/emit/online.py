@@ -165,7 +165,7 @@ def finish(em, kind: str, first: str, second: str) -> tuple[str, str]:
 def _softmax_update(em, m_acc: str, s_acc: str, v: str, dtype: str) -> None:
     """`v` holds the max's masked values (-inf where masked)."""
     v = em.tmp(f"{v}.to({dtype})")
-    new = em.tmp(f"tl.maximum({m_acc}, {v})")
+    new = em.tmp(f"tl.where(({m_acc} != {m_acc}) | ({m_acc} > {v}), {m_acc}, {v})")  # keeps a NaN, as torch's max
     safe = em.tmp(f"tl.where({new} == float('-inf'), 0.0, {new})")
     em.line(f"{s_acc} = {s_acc} * tl.exp({m_acc} - {safe}) + tl.exp({v} - {safe})")
     em.line(f"{m_acc} = {new}")
@@ -173,7 +173,8 @@ def _softmax_update(em, m_acc: str, s_acc: str, v: str, dtype: str) -> None:
 
 def _softmax_finish(em, m_acc: str, s_acc: str) -> tuple[str, str]:
     """After the loop: (row max, row sum of exp(f - max)) from the lanes' running pairs."""
-    m = em.tmp(f"tl.max({m_acc}, 1)[:, None]")
+    m = em.tmp(f"tl.where(tl.max(({m_acc} != {m_acc}).to(tl.int8), 1)[:, None] > 0, float('nan'), "
+               f"tl.max({m_acc}, 1)[:, None])")
     safe = em.tmp(f"tl.where({m} == float('-inf'), 0.0, {m})")
     s = em.tmp(f"tl.sum({s_acc} * tl.exp({m_acc} - {safe}), 1)[:, None]")
     return m, s
