@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU tier in one call on the device machine (repo root, torch/triton preinstalled there).
 # Archives under build/gpu are built on the machine itself if missing (building needs no GPU).
-# STAGES picks what runs (default: all): repro host pytest sanitize check driver train bench kernels trainbench.
+# STAGES picks what runs (default: all but the opt-in ones): repro host pytest sanitize check driver train bench
+# kernels trainbench; opt-in: profile (scripts/profile_train.py: per-kernel GPU time of the anchor step, aotfuse vs
+# torch.compile) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
+# docs/zoo_gpu.json and run scripts/gen_models_doc.py).
 # kernels: scripts/bench_kernels.py (memory-bound cases, % of copy); trainbench: `aotfuse bench --train` of
 # TRAIN_SPECS (default: the anchor GPT, batch 8 x 1024, bf16).
 # host: host time per call, this tree vs an older one unpacked in build/old (git archive REV aotfuse).
@@ -52,6 +55,9 @@ if want trainbench; then
       --iters ${TRAIN_ITERS:-30} --markdown "$OUT/trainbench.md"
   done
 fi
+# opt-in stages (not in the default list: minutes each)
+want profile && run profile python3 scripts/profile_train.py
+want zoo && run zoo python3 scripts/zoo_gpu.py ${ZOO_NAMES:-} --json "$OUT/zoo_gpu.json" --markdown "$OUT/zoo.md"
 echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
 [ -f "$OUT/replay_crash.log" ] && echo "replay_crash: $(tail -1 "$OUT/replay_crash.log")"
