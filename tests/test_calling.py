@@ -86,3 +86,30 @@ def test_train_module_called_like_the_model():
     torch.testing.assert_close(out["loss"], want, rtol=1e-5, atol=1e-6)
     for (n, p), (_, q) in zip(mod.named_parameters(), model.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+Pair = collections.namedtuple("Pair", "doubled total")
+
+
+class _ReturnsMax(torch.nn.Module):
+    def forward(self, x):
+        return torch.max(x, 1)
+
+
+class _ReturnsPair(torch.nn.Module):
+    def forward(self, x):
+        return Pair(x * 2, x.sum(0))
+
+
+@pytest.mark.parametrize("model", [_ReturnsMax(), _ReturnsPair()], ids=["structseq", "namedtuple"])
+def test_structseq_and_namedtuple_outputs_come_back_as_the_models(model):
+    """torch.return_types.max (a structseq) and a namedtuple: recorded by field names, rebuilt as the
+    model's own class (it is loaded in this process)."""
+    x = torch.randn(4, 6)
+    res = aotfuse.build(model, (x,), targets=("sm_90",))
+    assert res.manifest.call["outputs"]["kind"] == "dict"
+    art = aotfuse.load(res.data, device="cpu")
+    x2 = torch.randn(4, 6)
+    got, want = art(x2), model(x2)
+    assert type(got) is type(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -81,8 +81,17 @@ def output_structure(spec) -> dict:
     if isinstance(spec.context, (list, tuple)) and all(isinstance(k, str) for k in spec.context) and \
             len(spec.context) == len(items):
         return {"kind": "dict", "class": _qualname(t), "keys": list(spec.context), "items": items}
-    if isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields"):  # a namedtuple
-        return {"kind": "dict", "class": _qualname(t), "keys": list(t._fields), "items": items}
+    # a namedtuple (pytree's node type is collections.namedtuple, the class its context), or a structseq
+    # such as torch.return_types.max (its fields in __match_args__)
+    import collections
+
+    if t is collections.namedtuple and isinstance(spec.context, type):
+        t = spec.context
+    fields = None
+    if isinstance(t, type) and issubclass(t, tuple):
+        fields = getattr(t, "_fields", None) or getattr(t, "__match_args__", None)
+    if fields and len(fields) == len(items):
+        return {"kind": "dict", "class": _qualname(t), "keys": list(fields), "items": items}
     raise BuildError(f"the model returns a {_qualname(t)}, whose structure cannot be recorded",
                      remedy="return a tensor, a tuple/list or a dict of tensors")
 

@@ -72,7 +72,11 @@ def _node(tree: dict, it: Iterator) -> Any:
     if kind == "dict":
         d = {k: _node(t, it) for k, t in zip(tree["keys"], tree["items"])}
         cls = _loaded_dict_class(tree.get("class", ""))
-        return cls(**d) if cls is not None else d
+        if cls is None:
+            return d
+        if issubclass(cls, tuple) and not hasattr(cls, "_fields"):  # a structseq (torch.return_types.*)
+            return cls(tuple(d.values()))
+        return cls(**d)
     raise GuardError(f"unknown output node kind {kind!r} in the archive's output structure",
                      remedy="upgrade aotfuse, or rebuild the archive with this one")
 
@@ -81,7 +85,13 @@ def _loaded_dict_class(qualname: str):
     module, _, name = qualname.rpartition(".")
     mod = sys.modules.get(module)  # never imported here: only a class the process already has
     cls = getattr(mod, name, None) if mod is not None and "." not in name else None
-    return cls if isinstance(cls, type) and issubclass(cls, dict) and cls is not dict else None
+    if not isinstance(cls, type) or cls in (dict, tuple):
+        return None
+    if issubclass(cls, dict):
+        return cls
+    # a namedtuple or structseq whose fields are the recorded keys (else the equivalent dict)
+    fields = getattr(cls, "_fields", None) or getattr(cls, "__match_args__", None)
+    return cls if issubclass(cls, tuple) and fields else None
 
 
 def loss_tree(call: dict | None) -> dict | None:
