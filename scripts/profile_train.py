@@ -73,12 +73,11 @@ def main(argv=None) -> int:
         mod = art if a.infer else art.as_module()
     gin = tuple(t.cuda() for t in inputs)
 
-    def ours():
-        if a.infer:
-            return mod(*gin)
-        for p in mod.parameters():
-            p.grad = None
-        mod(*gin).backward()
+    from aotfuse.bench_train import (
+        _stepper,  # a training step: grads to None, loss.backward()
+    )
+
+    ours = (lambda: mod(*gin)) if a.infer else _stepper(mod, list(mod.parameters()), gin, False)
 
     text, total = _profile(ours, a.steps, a.top)
     print(f"== aotfuse ({a.spec}, batch {a.batch}) ==\n{text}\n")
@@ -87,13 +86,11 @@ def main(argv=None) -> int:
         m2 = m2.cuda()
         c = torch.compile(m2, mode="reduce-overhead" if a.infer else None)
 
-        def comp():
-            if a.infer:
-                with torch.no_grad():
-                    return c(*gin)
-            for p in m2.parameters():
-                p.grad = None
-            c(*gin).backward()
+        def comp_infer():
+            with torch.no_grad():
+                return c(*gin)
+
+        comp = comp_infer if a.infer else _stepper(c, list(m2.parameters()), gin, False)
 
         text2, total2 = _profile(comp, a.steps, a.top)
         print(f"== torch.compile ==\n{text2}\n")

@@ -7,22 +7,14 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import aotfuse
 from aotfuse.errors import UnsupportedOpError
 from aotfuse.knobs import override
+from aotfuse.testing.opcases import Fn
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-class Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
 
 
 def _same(a, b):
