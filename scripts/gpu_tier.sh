@@ -29,7 +29,7 @@ if want host; then
   [ -d build/old ] && run host_before env PYTHONPATH=/tmp/site:$PWD/build/old python3 scripts/host_overhead.py
   run host_after python3 scripts/host_overhead.py
 fi
-want pytest && run pytest python3 -m pytest -q -ra -m gpu tests
+want pytest && run pytest timeout -s ABRT ${PYTEST_TIMEOUT:-420} python3 -X faulthandler -m pytest -q -ra -m gpu tests
 if want sanitize; then
   run san_build python3 scripts/sanitize_gpu.py build build/san
   run memcheck  compute-sanitizer --tool memcheck  --kernel-name kns=aotf_ --error-exitcode 9 python3 scripts/sanitize_gpu.py run build/san

@@ -130,7 +130,8 @@ def run_one(e, mode: str, args) -> dict:
             try:
                 row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device)
             except Exception as exc:  # a contender that fails is reported
-                row[name] = f"failed: {type(exc).__name__}"
+                traceback.print_exc()
+                row[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
     else:
         contenders = [("eager", lambda: call(eager, inputs))]
         if args.device == "cuda":
@@ -142,8 +143,22 @@ def run_one(e, mode: str, args) -> dict:
                 try:
                     row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device)
                 except Exception as exc:
-                    row[name] = f"failed: {type(exc).__name__}"
+                    traceback.print_exc()
+                    row[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
     return row
+
+
+def _save_json(path: str, rows: list) -> None:
+    """Merge `rows` into the JSON list at `path` by (model, mode): runs of a few models add up."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        old = []
+    new = {(r["model"], r["mode"]) for r in rows}
+    merged = [r for r in old if (r.get("model"), r.get("mode")) not in new] + rows
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
 
 
 def _fmt(v) -> str:
@@ -172,6 +187,8 @@ def main(argv=None) -> int:
                 row = {"model": e.name, "mode": mode, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
             print(json.dumps(row), flush=True)
             rows.append(row)
+            if args.json:  # after every row: a run cut short by a time limit keeps what it measured
+                _save_json(args.json, rows)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     cols = ["model", "mode", "build_s", "error_vs_eager", "eager", "torch.compile", "torch.compile(reduce-overhead)",
@@ -183,9 +200,6 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(f"\n{table}\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0 if all("error" not in r for r in rows) else 1
 
 

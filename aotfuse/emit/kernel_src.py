@@ -31,7 +31,7 @@ from .argreduce import finish as arg_finish, init as arg_init, persistent as arg
 from .argreduce import update as arg_update
 from .online import finish as online_finish, init as online_init, pairs as online_pairs
 from .online import update as online_update
-from .printer import PTR_TYPE, TL_DTYPE, literal, op_source, print_index
+from .printer import PTR_TYPE, TL_DTYPE, index_value, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
 SR = sympy.Symbol("sr", integer=True, nonnegative=True)
@@ -234,7 +234,7 @@ class _Emitter:
         if isinstance(e, Const):
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         if isinstance(e, IndexValue):
-            return f"({print_index(e.expr, {SX: 'xindex', SR: 'rindex'})}).to({TL_DTYPE[e.dtype]})"
+            return index_value(e.expr, {SX: 'xindex', SR: 'rindex'}, e.dtype)
         if isinstance(e, Cast):
             inner = self.emit(e.arg)
             src = e.arg.dtype

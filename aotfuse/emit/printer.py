@@ -36,6 +36,14 @@ def print_index(e: sympy.Expr, names: dict) -> str:
     raise ValueError(f"cannot print index expression {e}")
 
 
+def index_value(e: sympy.Expr, names: dict, dtype: str) -> str:
+    """An index expression as a value of `dtype`; a constant one (a range of size 1, a fill) is a tl.full,
+    since a Python int has no .to()."""
+    if not e.free_symbols:
+        return f"tl.full([1], {literal(int(e), dtype)}, {TL_DTYPE[dtype]})"
+    return f"({print_index(e, names)}).to({TL_DTYPE[dtype]})"
+
+
 def literal(value, dtype: str) -> str:
     if dtype == "bool":
         return "1" if value else "0"

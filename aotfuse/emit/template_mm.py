@@ -28,7 +28,7 @@ from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _HEADER, _kernelize
 from .mm_configs import choose_config
-from .printer import TL_DTYPE, literal, op_source, print_index
+from .printer import TL_DTYPE, index_value, literal, op_source, print_index
 
 SB = sympy.Symbol("sb", integer=True, nonnegative=True)
 SM = sympy.Symbol("sm", integer=True, nonnegative=True)
@@ -68,7 +68,7 @@ class _Operand:
         elif isinstance(e, Const):
             code = f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         elif isinstance(e, IndexValue):
-            code = f"({print_index(e.expr, self.names)}).to({TL_DTYPE[e.dtype]})"
+            code = index_value(e.expr, self.names, e.dtype)
         elif isinstance(e, Cast):
             inner = self.emit(e.arg)
             code = inner if e.dtype == e.arg.dtype else (

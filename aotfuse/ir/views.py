@@ -6,7 +6,7 @@ from typing import Sequence
 
 import sympy
 
-from .indexing import flat_index, linear_strides, simplify, syms, unravel
+from .indexing import FloorDiv, ModIdx, flat_index, linear_strides, simplify, syms, unravel
 from .loop import TensorArg, prod
 
 
@@ -112,6 +112,35 @@ class View:
         nv = syms("v", len(self.shape) - 1)
         old_idx = list(nv[:dim]) + [sympy.Integer(i)] + list(nv[dim:])
         return self._remap(self.shape[:dim] + self.shape[dim + 1:], old_idx)
+
+    def restride(self, layout: tuple[Sequence[int], int], size: Sequence[int], stride: Sequence[int],
+                 offset: int) -> "View | None":
+        """torch's as_strided(x, size, stride, offset) on this view, whose storage layout (strides, storage
+        offset) is `layout`: each output element's storage offset is mapped back to the logical index of
+        x that lives there. None when x's storage is not dense and non-overlapping (an offset could name
+        no element or two) or when the result reads outside x's elements."""
+        src_stride, src_off = tuple(int(s) for s in layout[0]), int(layout[1])
+        dims = [d for d in range(len(self.shape)) if self.shape[d] != 1]
+        order = sorted(dims, key=lambda d: src_stride[d])
+        expect = 1
+        for d in order:  # dense and non-overlapping: strides are the running products in stride order
+            if src_stride[d] != expect:
+                return None
+            expect *= self.shape[d]
+        size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        if any(st < 0 for st in stride):
+            return None
+        rel = int(offset) - src_off
+        hi = rel + sum((n - 1) * st for n, st in zip(size, stride) if n > 0)
+        if prod(size) and (rel < 0 or hi >= self.numel):
+            return None
+        nv = syms("v", len(size))
+        flat = sympy.Integer(rel) + sympy.Add(*[v * st for v, n, st in zip(nv, size, stride) if n != 1], 0)
+        old_idx = [sympy.Integer(0)] * len(self.shape)
+        for d in order:
+            q = FloorDiv(flat, sympy.Integer(src_stride[d])) if src_stride[d] != 1 else flat
+            old_idx[d] = q if src_stride[d] * self.shape[d] >= expect else ModIdx(q, sympy.Integer(self.shape[d]))
+        return self._remap(size, old_idx)
 
     @property
     def numel(self) -> int:

@@ -43,6 +43,26 @@ rule(aten.clone.default, aten.alias.default, aten.detach.default, aten.lift_fres
     _view_op(lambda v, node, **kw: v))
 
 
+@rule(aten.as_strided.default, category="view",
+      note="index math over the input's storage layout (dense, non-overlapping); channels-last reshapes")
+def _as_strided(ctx, node, args, kwargs):
+    v = args[0]
+    size = args[1]
+    stride = args[2] if len(args) > 2 else kwargs["stride"]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+    if not isinstance(v, View) or not isinstance(val, torch.Tensor):
+        raise UnsupportedOpError(str(node.target), node.name, "as_strided of a value without a recorded layout")
+    out = v.restride((val.stride(), val.storage_offset()), size, stride,
+                     val.storage_offset() if offset is None else offset)
+    if out is None:
+        raise UnsupportedOpError(
+            str(node.target), node.name,
+            f"as_strided{tuple(size), tuple(stride), offset} over an input with strides {val.stride()}: only "
+            "views of dense, non-overlapping inputs that stay inside them are lowered")
+    return out
+
+
 @rule(aten.split_with_sizes.default, aten.split.Tensor, category="view")
 def _split(ctx, node, args, kwargs):
     v, sizes = args[0], args[1]

@@ -532,6 +532,14 @@ class Unsupported:
 
 fn_case("flip", lambda x: (torch.flip(x, [1]) * 2, torch.flip(x, [0, 2]) + 1), _x(*S), ["aten.flip.default"], HALF)
 fn_case("flip_into_mm", lambda x: torch.flip(x, [0]) @ x.t(), _x(5, 7), ["aten.flip.default", "aten.mm.default"])
+fn_case("as_strided", lambda x: (x.as_strided((6, 4), (1, 6)) * 2, x.reshape(-1).as_strided((5, 3), (2, 1), 3) + 1,
+                                  x.t().as_strided((2, 3), (1, 4), 1) - 1), _x(4, 6), ["aten.as_strided.default"],
+        HALF)
+fn_case("scan_of_constant_index", lambda x: (torch.arange(1).expand(4, 6).cumsum(1) * x, (torch.arange(1) + x).cumsum(1)),
+        _x(4, 6), ["aten.arange.start_step", "aten.cumsum.default"])  # an index value that is one constant
+fn_case("adaptive_pool_channels_last",
+        lambda x: F.adaptive_avg_pool2d(x.contiguous(memory_format=torch.channels_last), 1).flatten(1) * 2,
+        _x(2, 5, 7, 7), ["aten.as_strided.default"], HALF)
 fn_case("max_min_all", lambda x: (x.max(), x.min() * 2), _x(*S), ["aten.max.default", "aten.min.default"], HALF)
 fn_case("bitwise_bool", lambda x: ((x > 0) & (x < 1), (x > 0) | (x < -1), (x > 0) ^ (x < 0.5)), _x(*S),
         ["aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor", "aten.bitwise_xor.Tensor"])
@@ -548,6 +556,8 @@ UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the reg
 ]
 
 REFUSED = [  # registered ops that refuse one form of themselves
+    Unsupported("as_strided_of_slice", lambda x: x[:, :3].as_strided((2, 2), (1, 6)), "aten.as_strided.default",
+                "as_strided", "as_strided of a dense, non-overlapping tensor (a contiguous copy first)"),
     Unsupported("scatter_two_per_row", lambda x: x.scatter(1, torch.zeros(4, 2, dtype=torch.int64), 1.0),
                 "aten.scatter.value", "scatter", "one index per row along the dim (size 1 there) lowers"),
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
