@@ -13,6 +13,7 @@ from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
 from .fold import fold_unlowerable_constants, lowerable_ops
+from .masks import simplify_attention_masks
 from .ranges import int_range
 
 
@@ -157,6 +158,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's
     # gather of its token-type buffer) are evaluated now: buffers are fixed in an inference archive.
     fixed = {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    # Masks transformers materializes under tracing (all-true, causal) become flags first, so that their
+    # constant subgraphs die instead of being folded into stored weights.
+    simplify_attention_masks(ep.graph_module, seeds={ph: state[fqn] for ph, fqn in fixed.items()})
     folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(),
                                         seeds={ph: state[fqn] for ph, fqn in fixed.items()})
     folded_fqn = {name: fqn for name, fqn, _ in folded}

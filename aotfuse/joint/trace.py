@@ -363,6 +363,15 @@ def data_dependent_error(exc: BaseException, stage: str) -> BuildError | None:
 
 # ---------------------------------------------------------------- constants
 
+def _simplify_masks(gm, placeholders, weights, mutated=()) -> None:
+    """export/masks.py on the joint graph (before _fold: a mask that becomes a flag is never stored);
+    buffers the forward does not update are constants of the archive."""
+    from ..export.masks import simplify_attention_masks
+
+    seeds = {name: weights[ref] for name, kind, ref in placeholders if kind == "buffer" and ref not in mutated}
+    simplify_attention_masks(gm, seeds)
+
+
 def _fold(gm, placeholders, param_names, buffer_names, weights, mutated=()):
     """export/fold.py on the joint graph: constant subgraphs lowering has no rule for (the causal
     mask's cumsum) become buffers, placed after the other buffers (buffers the forward does not
@@ -557,6 +566,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
     placeholders.append((tangent.name, "tangent", None))
     graph.eliminate_dead_code()
+    _simplify_masks(gm, placeholders, weights, set(mutated))
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)
     graph.eliminate_dead_code()

@@ -100,11 +100,19 @@ def _sdpa(ctx, node, args, kwargs):
                                  remedy="set dropout_p=0 (or put dropout after the attention)")
     tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    _mask_decision(ctx, node)
     shape = out_shape(node)
     perm = [0, 2, 1, 3] if len(shape) == 4 else None
     kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
     return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),
                       False, storage_perm=perm)
+
+
+def _mask_decision(ctx, node) -> None:
+    """What export/masks.py did with this attention's mask (dropped, made causal, kept and why)."""
+    rec = node.meta.get("aotfuse_mask")
+    if rec is not None:
+        ctx.decisions.append({"attention_mask": rec["attention"], "kept": rec["kept"], "why": rec["why"]})
 
 
 _BTHD = [0, 2, 1, 3]  # [B, H, T, E] results stored [B, T, H, E], as the flash kernels write them
@@ -116,6 +124,7 @@ def _attention(ctx, node, args, kwargs):
     q, k, v, mask, causal, scale, gqa = args[:7]
     tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    _mask_decision(ctx, node)
     out, lse = (node.meta["val"][i] for i in range(2))
     ctx.decisions.append({"attention": node.name, "kernel": "fused", "why": "aotfuse::attention extern: out and "
                           "logsumexp, no B x H x T x T tensor"})

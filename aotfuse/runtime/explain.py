@@ -19,6 +19,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['addmm']}: {'kept as addmm' if d['kept'] else 'mm + bias add'} ({d['why']})"
     if "realize" in d:
         return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})"
+    if "attention_mask" in d:  # export/masks.py
+        return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
     if "attention" in d:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
     if "folded" in d:

@@ -1,0 +1,180 @@
+"""Attention masks that are constants of the model's shapes become flags.
+
+Under tracing, transformers materializes masks it skips in eager: ViT's `create_bidirectional_mask`
+builds an all-true B x 1 x T x T mask (eager passes None), and Llama's `create_causal_mask` builds the
+lower-triangular one (eager's sdpa path passes `is_causal=True` when it can). A materialized mask costs a
+kernel to build it, a B x H x T x T read per attention, and it keeps attention off the flash kernels
+(cuDNN and flash take no arbitrary mask; memory-efficient attention wants an aligned one, else PyTorch
+falls back to the math form). This pass evaluates each attention's mask once at build time when it
+depends on nothing but shapes and fixed buffers, and rewrites the call exactly:
+
+- every position kept (bool all true, additive all zero): the mask is dropped;
+- kept exactly where `tril(ones(L, S))` (sdpa's `is_causal` alignment: top-left) and masked elsewhere:
+  the mask is dropped and the call becomes causal;
+- anything else (padding, sliding windows, bottom-right causal with L != S): the mask stays.
+
+An additive float mask counts as masked where it is -inf or the dtype's lowest value (transformers
+uses `finfo.min`): exp of a score plus either underflows to exactly 0, and a causal pattern never masks
+a whole row. The decision is written on the attention node (`meta["aotfuse_mask"]`) and the lowering
+records it for `aotfuse explain`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from .fold import _map, _pure
+
+aten = torch.ops.aten
+META_KEY = "aotfuse_mask"
+MAX_MASK_ELEMENTS = 1 << 26  # a larger constant mask is left alone (its evaluation would cost the build)
+
+
+def _attention_ops() -> dict:
+    """attention op -> (mask arg index, causal arg index); aotfuse's ops register with the runtime."""
+    from ..runtime import attention  # noqa: F401  (registers torch.ops.aotfuse.*)
+
+    return {aten.scaled_dot_product_attention.default: (3, 5),
+            torch.ops.aotfuse.attention.default: (3, 4),
+            torch.ops.aotfuse.attention_backward.default: (4, 7)}
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _set(node: torch.fx.Node, i: int, name: str, value) -> None:
+    if len(node.args) > i:
+        args = list(node.args)
+        args[i] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
+def _on_cpu(kwargs: dict) -> dict:
+    return {k: (torch.device("cpu") if k == "device" and v is not None else v) for k, v in kwargs.items()}
+
+
+class _Evaluator:
+    """Values of constant nodes (pure ATen ops over seeded placeholders), computed once on the CPU."""
+
+    def __init__(self, seeds: dict):
+        self.seeds = {k: v.detach().cpu() for k, v in seeds.items()}
+        self.env: dict[torch.fx.Node, object] = {}
+        self.dead: set[torch.fx.Node] = set()
+
+    def value(self, node: torch.fx.Node):
+        order, stack, seen = [], [node], set()
+        while stack:  # the ancestors; any that is not constant makes the whole value unknown
+            n = stack.pop()
+            if n in seen or n in self.env:
+                continue
+            if n in self.dead:
+                return None
+            seen.add(n)
+            if n.op == "placeholder":
+                if n.name not in self.seeds:
+                    self.dead.add(n)
+                    return None
+                self.env[n] = self.seeds[n.name]
+                continue
+            if not _pure(n):
+                self.dead.add(n)
+                return None
+            order.append(n)
+            stack.extend(n.all_input_nodes)
+        for n in sorted(order, key=_position(node.graph)):
+            self.env[n] = n.target(*_map(n.args, self.env), **_on_cpu(_map(dict(n.kwargs), self.env)))
+        return self.env[node]
+
+
+def _position(graph: torch.fx.Graph):
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: pos[n]
+
+
+def _erase_dead_constants(graph: torch.fx.Graph, evaluated: dict) -> None:
+    """Erase the evaluated constant nodes nothing reads any more. Export's metadata checks
+    (aten._assert_tensor_metadata, which DCE keeps as side effects) on them go too: the values they
+    check are constants of the build, checked when export traced them."""
+    check = aten._assert_tensor_metadata.default
+    for n in reversed(list(graph.nodes)):
+        if n not in evaluated or n.op == "placeholder":
+            continue
+        if n.users and all(u.target is check for u in n.users):
+            for u in list(n.users):
+                graph.erase_node(u)
+        if not n.users:
+            graph.erase_node(n)
+
+
+def classify(mask: torch.Tensor, L: int, S: int) -> str | None:
+    """"all" (every position kept), "causal" (kept exactly on tril(ones(L, S))) or None (a real mask)."""
+    if mask.dtype == torch.bool:
+        keep = mask
+    elif mask.is_floating_point():
+        masked = torch.isneginf(mask) | (mask <= torch.finfo(mask.dtype).min)
+        if not bool((masked | (mask == 0)).all()):
+            return None
+        keep = ~masked
+    else:
+        return None
+    try:
+        keep = keep.expand(*keep.shape[:-2], L, S)
+    except RuntimeError:
+        return None
+    if bool(keep.all()):
+        return "all"
+    tril = torch.ones(L, S, dtype=torch.bool).tril()
+    if bool((keep == tril).all()):
+        return "causal"
+    return None
+
+
+def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None) -> list[dict]:
+    """Rewrite attention calls whose mask is a constant "all kept" or causal pattern (module docstring).
+    `seeds`: placeholder name -> tensor for placeholders fixed at build time. Returns the decisions."""
+    ops = _attention_ops()
+    ev = _Evaluator(seeds or {})
+    decisions = []
+    changed = False
+    for node in list(gm.graph.nodes):
+        spec = ops.get(node.target) if node.op == "call_function" else None
+        if spec is None:
+            continue
+        mi, ci = spec
+        mask = _arg(node, mi, "attn_mask")
+        if not isinstance(mask, torch.fx.Node):
+            continue
+        q = node.args[1 if node.target is torch.ops.aotfuse.attention_backward.default else 0]
+        k = node.args[2 if node.target is torch.ops.aotfuse.attention_backward.default else 1]
+        L, S = int(q.meta["val"].shape[-2]), int(k.meta["val"].shape[-2])
+        mval = mask.meta.get("val")
+        rec = {"attention": node.name, "mask": mask.name}
+        if mval is not None and mval.numel() > MAX_MASK_ELEMENTS:
+            rec.update(kept=True, why=f"mask of {mval.numel()} elements: not evaluated at build time")
+        else:
+            val = ev.value(mask)
+            kind = None if not isinstance(val, torch.Tensor) else classify(val, L, S)
+            if val is None:
+                rec.update(kept=True, why="the mask depends on the inputs")
+            elif kind is None:
+                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal")
+            else:  # a causal call with a causal (or all-kept) mask is causal: dropping the mask is exact
+                _set(node, mi, "attn_mask", None)
+                if kind == "causal":
+                    _set(node, ci, "is_causal", True)
+                changed = True
+                rec.update(kept=False, why="constant all-kept mask dropped" if kind == "all" else
+                           "constant causal mask (tril) -> is_causal=True")
+        node.meta[META_KEY] = rec
+        decisions.append(rec)
+    if changed:
+        _erase_dead_constants(gm.graph, ev.env)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return decisions
