@@ -62,6 +62,21 @@ class Gathers(nn.Module):
         return ((rows @ self.w) ** 2).mean() + (g * g * self.w.sum()).sum()
 
 
+class ChannelsLastHead(nn.Module):
+    """A channels-last conv into adaptive_avg_pool2d to 1 x 1 (the ResNet head): its composite form is a
+    mean plus an as_strided_, whose gradient is an as_strided_scatter; the joint trace routes it to
+    _adaptive_avg_pool2d (joint/pooling.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x, t):
+        y = torch.relu(self.conv(x.contiguous(memory_format=torch.channels_last)))
+        return F.mse_loss(self.fc(F.adaptive_avg_pool2d(y, 1).flatten(1)), t) + F.adaptive_avg_pool2d(y, (2, None)).mean()
+
+
 def _stem_inputs():
     return torch.randn(2, 3, 13, 11), torch.randn(2, 4, 5, 5)
 
@@ -69,6 +84,7 @@ def _stem_inputs():
 CASES = {
     "stem": (lambda: Stem(), _stem_inputs),
     "stem_ceil_ties": (lambda: Stem(ceil_mode=True, ties=True), _stem_inputs),
+    "channels_last_head": (ChannelsLastHead, lambda: (torch.randn(2, 3, 7, 7), torch.randn(2, 5))),
     "scans": (Scans, lambda: (torch.randn(5, 13), torch.randint(0, 2, (5, 13)))),
     "gathers": (Gathers, lambda: (torch.randn(5, 9), torch.tensor([3, 0, 8, 8, 1, 2]))),
 }

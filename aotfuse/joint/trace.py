@@ -33,6 +33,7 @@ from ..fxgraph import ancestors
 from .batchnorm import cumulative_average_batchnorm
 from .decomp_train import sdpa_math_mode, training_decompositions
 from .losses import cross_entropy_mode
+from .pooling import adaptive_pool_mode
 
 aten = torch.ops.aten
 
@@ -495,7 +496,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     try:
         mode, fake_model, fake_inputs = _faked(model, example_inputs)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
-        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), \
+        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,

@@ -1,0 +1,32 @@
+"""Adaptive average pooling in the joint trace: routed to `aten._adaptive_avg_pool2d`.
+
+`aten.adaptive_avg_pool2d` is CompositeImplicitAutograd: above autograd it becomes a mean, and for a
+channels-last input to 1 x 1 an `as_strided_` that restores the memory format; its gradient is then an
+`as_strided_scatter`, which lowering refuses (it scatters through raw storage offsets). Its core op
+`_adaptive_avg_pool2d` has an autograd formula of its own (`_adaptive_avg_pool2d_backward`), and both
+lower (lower/pool.py), so a torchvision-style ResNet trained channels-last keeps one pooling op each
+way. The inference capture needs no route: there, the `as_strided` lowers as index math."""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+aten = torch.ops.aten
+
+
+def _size(x: torch.Tensor, output_size) -> list[int]:
+    if isinstance(output_size, int):
+        output_size = (output_size, output_size)
+    return [int(x.shape[-2 + i]) if o is None else int(o) for i, o in enumerate(output_size)]
+
+
+class adaptive_pool_mode(TorchFunctionMode):
+    """F.adaptive_avg_pool2d (and its C binding) -> aten._adaptive_avg_pool2d, for 3-d and 4-d inputs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.adaptive_avg_pool2d or func is torch._C._nn.adaptive_avg_pool2d:
+            x, output_size = args[0], (args[1] if len(args) > 1 else kwargs["output_size"])
+            if isinstance(x, torch.Tensor) and x.dim() in (3, 4):
+                return aten._adaptive_avg_pool2d.default(x, _size(x, output_size))
+        return func(*args, **kwargs)
