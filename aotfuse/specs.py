@@ -213,6 +213,9 @@ def random_input(spec: InputSpec | dict[str, Any], *, device: str | torch.device
     else:
         low, high = _spec_range(spec)
         t = torch.randint(low, high, shape, generator=generator, dtype=torch.int64).to(dtype)
+    if spec.get("stride") is not None:  # the layout the archive reads in place (channels-last)
+        order = sorted(range(len(shape)), key=lambda d: (-int(spec["stride"][d]), d))
+        t = t.permute(order).contiguous().permute([order.index(d) for d in range(len(shape))])
     return t.to(device)
 
 

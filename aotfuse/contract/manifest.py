@@ -26,16 +26,45 @@ class InputSpec:
     kind: str
     low: int | None = None
     high: int | None = None
+    # The memory layout the input must have when it is not row-major: strides of a dense,
+    # non-overlapping tensor (channels-last images). None: contiguous. Kernels read it in place.
+    stride: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
-                "low": self.low, "high": self.high}
+        d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+             "low": self.low, "high": self.high}
+        if self.stride is not None:  # absent for row-major inputs: those archives stay byte-identical
+            d["stride"] = list(self.stride)
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "InputSpec":
-        d = fields(d, "input spec", ("name", "shape", "dtype"), ("kind", "low", "high"))
+        d = fields(d, "input spec", ("name", "shape", "dtype"), ("kind", "low", "high", "stride"))
         kind = d.get("kind") or _kind(d["dtype"])
-        return cls(d["name"], ints(d["shape"]), d["dtype"], kind, d.get("low"), d.get("high"))
+        shape = ints(d["shape"])
+        stride = None if d.get("stride") is None else ints(d["stride"])
+        if stride is not None and not dense_strides(shape, stride):
+            raise ArchiveError(f"input spec {d['name']!r}: strides {stride} do not lay out shape {shape} densely "
+                               "without overlap", remedy=DAMAGED)
+        return cls(d["name"], shape, d["dtype"], kind, d.get("low"), d.get("high"), stride)
+
+
+def dense_strides(shape, stride) -> bool:
+    """Whether `stride` lays `shape` out densely without overlap (a permutation of row-major strides;
+    size-1 dims may have any stride)."""
+    if len(shape) != len(stride):
+        return False
+    expect = 1
+    for n, st in sorted(((n, st) for n, st in zip(shape, stride) if n != 1), key=lambda p: p[1]):
+        if st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def same_layout(shape, stride, want) -> bool:
+    """Whether a tensor of `shape` with `stride` has the layout `want` (strides of size-1 dims ignored)."""
+    return all(n == 1 or a == b for n, a, b in zip(shape, stride, want))
 
 
 def _kind(dtype: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..contract.manifest import InputSpec as ContractInputSpec
+from ..contract.manifest import InputSpec as ContractInputSpec, dense_strides
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
@@ -25,17 +25,24 @@ class InputSpec:
     kind: str  # "float" | "int" | "bool"
     low: int | None = None  # for int inputs: the valid value range [low, high)
     high: int | None = None
+    stride: tuple[int, ...] | None = None  # a dense non-row-major layout (channels-last) read in place
 
     def to_contract(self) -> ContractInputSpec:
         """The manifest's form (dtype spelled as torch prints it, "torch.float32")."""
-        return ContractInputSpec(self.name, tuple(self.shape), str(self.dtype), self.kind, self.low, self.high)
+        return ContractInputSpec(self.name, tuple(self.shape), str(self.dtype), self.kind, self.low, self.high,
+                                 self.stride)
 
     @classmethod
     def of(cls, name: str, ph: torch.fx.Node, t: torch.Tensor) -> "InputSpec":
-        """The spec of example input `t` at placeholder `ph` (exported or joint graph alike)."""
+        """The spec of example input `t` at placeholder `ph` (exported or joint graph alike). An example
+        laid out densely but not row-major (channels-last) fixes that layout: the archive reads it in
+        place and its guard asks for it; any other example layout means a contiguous input."""
         kind = input_kind(t.dtype)
         lo, hi = int_range(ph, t) if kind == "int" else (None, None)
-        return cls(name, tuple(t.shape), t.dtype, kind, lo, hi)
+        stride = None
+        if not t.is_contiguous() and dense_strides(tuple(t.shape), tuple(t.stride())):
+            stride = tuple(int(s) for s in t.stride())
+        return cls(name, tuple(t.shape), t.dtype, kind, lo, hi, stride)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,13 @@ class View:
         shape = tuple(int(s) for s in shape)
         return View(buf, shape, flat_index(syms("v", len(shape)), shape), dtype)
 
+    @staticmethod
+    def strided(buf: str, shape: Sequence[int], stride: Sequence[int], dtype: str) -> "View":
+        """A buffer laid out with `stride` (dense, e.g. channels-last) seen in logical index order."""
+        shape = tuple(int(s) for s in shape)
+        v = syms("v", len(shape))
+        return View(buf, shape, sympy.Add(*[x * int(st) for x, n, st in zip(v, shape, stride) if n != 1], 0), dtype)
+
     @property
     def vars(self):
         return syms("v", len(self.shape))

@@ -53,6 +53,10 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 name = f"in{ref}"
                 ctx.add_buffer(name, val.shape, dt, "input")
                 inputs.append((ref, name))
+                stride = getattr(cg.inputs[ref], "stride", None) if ref < len(cg.inputs) else None
+                if stride is not None:  # a channels-last (dense, permuted) input, read in place
+                    env[node] = View.strided(name, val.shape, stride, dt)
+                    continue
             env[node] = View.of_buffer(name, val.shape, dt)
         elif node.op == "call_function":
             if node.target is operator.getitem:

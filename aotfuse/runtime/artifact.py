@@ -15,6 +15,7 @@ import torch
 from ..archive import Archive, read_archive
 from ..errors import GuardError
 from ..knobs import knobs
+from ..contract.manifest import same_layout
 from .calling import flatten, rebuild
 from .executor import Executor
 from .payload import read_payload, read_sources
@@ -73,7 +74,15 @@ class Artifact:
             if x.device != self.device:
                 raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
                                  remedy=f"move it with .to('{self.device}')")
-            if not x.is_contiguous():
+            if spec.stride is not None:
+                if not same_layout(spec.shape, x.stride(), spec.stride):
+                    cl = spec.stride == tuple(torch.empty(spec.shape, device="meta").contiguous(
+                        memory_format=torch.channels_last).stride()) if len(spec.shape) == 4 else False
+                    raise GuardError(f"{where}: expected strides {spec.stride} (the layout of the build's example), "
+                                     f"got {tuple(x.stride())}",
+                                     remedy="pass x.contiguous(memory_format=torch.channels_last)" if cl else
+                                     "pass a tensor laid out as the example was (or rebuild with a contiguous one)")
+            elif not x.is_contiguous():
                 raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
                                  remedy="pass x.contiguous()")
             if x.numel() and x.data_ptr() % 16:

@@ -42,7 +42,7 @@ class Example:
 
     def call(self, model=None, inputs=None):
         args, kwargs = inputs if inputs is not None else (self.args, self.kwargs)
-        return (model or self.model)(*args, **kwargs)
+        return (self.model if model is None else model)(*args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""Inputs laid out densely but not row-major (channels-last images) are read in place: the build records
+the example's strides, kernels and externs index the input through them, the guard asks for that layout
+(a typed error naming it otherwise), and random inputs for `aotfuse run`/`verify` follow it. Inference
+and training, on the CPU path, against eager."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.contract.manifest import InputSpec, dense_strides
+from aotfuse.errors import ArchiveError, GuardError
+from aotfuse.specs import random_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+CL = torch.channels_last
+
+
+class Net(nn.Module):
+    def __init__(self, loss=False):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)  # as ResNet: BatchNorm cancels a bias (grad ~0)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+        self.loss = loss
+
+    def forward(self, x, t):
+        y = torch.relu(self.bn(self.conv(x)))  # x into an extern (conv) ...
+        z = self.fc(F.adaptive_avg_pool2d(y, 1).flatten(1)) + x.amax((1, 2, 3))[:, None]  # ... and a kernel
+        return F.mse_loss(z, t) if self.loss else z
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _x(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, 9, 7, generator=g).contiguous(memory_format=CL), torch.randn(2, 4, generator=g)
+
+
+def test_channels_last_inference_reads_in_place_and_guards_the_layout():
+    torch.manual_seed(0)
+    model = Net().eval()
+    res = aotfuse.build(model, _x(1), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    x, t = _x(2)
+    assert art.input_specs[0].stride == tuple(x.stride()) and art.input_specs[1].stride is None
+    with torch.no_grad():
+        assert rel(art(x, t), model(x, t)) < 1e-5
+        with pytest.raises(GuardError, match="channels_last"):
+            art(x.contiguous(), t)
+        rx, rt = random_inputs(art.input_specs, seed=3)
+        assert rx.stride() == x.stride()
+        assert rel(art(rx, rt), model(rx, rt)) < 1e-5
+
+
+def test_channels_last_training_matches_eager():
+    torch.manual_seed(0)
+    model = Net(loss=True).train()
+    res = aotfuse.build(model, _x(1), train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    x, t = _x(4)
+    loss = mod(x, t)
+    loss.backward()
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(x, t)
+    ref.backward()
+    assert rel(loss, ref) < 1e-5
+    ours = dict(mod.named_parameters())
+    for n, p in ref_model.named_parameters():
+        assert rel(ours[n].grad, p.grad) < 1e-4, n
+
+
+def test_contiguous_example_keeps_no_stride_and_bad_strides_are_refused():
+    model = Net().eval()
+    g = torch.Generator().manual_seed(0)
+    res = aotfuse.build(model, (torch.randn(2, 3, 9, 7, generator=g), torch.randn(2, 4, generator=g)),
+                        targets=("sm_90",))
+    assert aotfuse.load(res.data, device="cpu").input_specs[0].stride is None
+    assert dense_strides((2, 3, 4), (12, 1, 3)) and not dense_strides((2, 3, 4), (12, 4, 2))
+    d = InputSpec("x", (2, 3, 4), "torch.float32", "float", stride=(12, 4, 1)).to_dict()
+    assert InputSpec.from_dict(d).stride == (12, 4, 1)
+    d["stride"] = [24, 4, 1]  # would read past the tensor: a damaged archive
+    with pytest.raises(ArchiveError, match="densely"):
+        InputSpec.from_dict(d)
