@@ -73,11 +73,20 @@ def _check(ex, art, train: bool, device: str) -> float:
         for n, p in ref32.named_parameters():
             if p.grad is not None:
                 pairs.append((ours[n].grad, theirs[n].grad, p.grad))
+    names = ["loss" if train else f"out{i}" for i in range(1 if train else len(pairs))]
+    if train:
+        names += [f"grad {n}" for n, p in ref32.named_parameters() if p.grad is not None]
     worst = 0.0  # ours vs fp32, over max(twice bf16 eager's own error, 2e-2): at most 1 passes
-    for o, t, w in pairs:
+    for name, (o, t, w) in zip(names, pairs):
         if isinstance(o, torch.Tensor) and o.is_floating_point():
-            worst = max(worst, _rel(o, w) / max(2 * _rel(t, w), 2e-2))
+            ratio = _rel(o, w) / max(2 * _rel(t, w), 2e-2)
+            worst = max(worst, ratio)
+            if DETAIL and ratio > DETAIL_ABOVE:
+                print(f"  {name}: ours {_rel(o, w):.3e}, bf16 eager {_rel(t, w):.3e} vs fp32 (ratio {ratio:.2f})")
     return worst
+
+
+DETAIL, DETAIL_ABOVE = False, 0.5  # --detail: print each compared tensor whose ratio passes DETAIL_ABOVE
 
 
 def _timer(fn, iters: int, device: str, resident=lambda: 0):
@@ -185,7 +194,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")
+    ap.add_argument("--detail", action="store_true", help="print each output/gradient whose error ratio is > 0.5")
     args = ap.parse_args(argv)
+    global DETAIL
+    DETAIL = args.detail
     rows = []
     for e in ZOO:
         if args.names and e.name not in args.names:

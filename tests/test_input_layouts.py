@@ -89,3 +89,30 @@ def test_contiguous_example_keeps_no_stride_and_bad_strides_are_refused():
     d["stride"] = [24, 4, 1]  # would read past the tensor: a damaged archive
     with pytest.raises(ArchiveError, match="densely"):
         InputSpec.from_dict(d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_channels_last_training_with_and_without_cuda_graphs(graphs):
+    """The forward's CUDA graph copies the batch into static buffers: they keep the input's layout (a
+    channels-last batch copied into a row-major buffer was read as channels-last: wrong gradients)."""
+    torch.manual_seed(0)
+    model = Net(loss=True).train()
+    cap = torch.cuda.get_device_capability()
+    res = aotfuse.build(model, _x(1), train=True, targets=(f"sm_{cap[0]}{cap[1]}",))
+    art = aotfuse.load(res.data, device="cuda", cuda_graphs=graphs)
+    mod = art.as_module()
+    ref_model = copy.deepcopy(model).cuda()
+    for step in range(3):  # fresh inputs each step: the copied batch changes, the graph is replayed
+        x, t = (a.cuda() for a in _x(10 + step))
+        for p in list(mod.parameters()) + list(ref_model.parameters()):
+            p.grad = None
+        loss = mod(x, t)
+        loss.backward()
+        ref = ref_model(x, t)
+        ref.backward()
+        assert rel(loss, ref) < 1e-4, step
+        ours = dict(mod.named_parameters())
+        for n, p in ref_model.named_parameters():
+            assert rel(ours[n].grad, p.grad) < 1e-3, (step, n, rel(ours[n].grad, p.grad))

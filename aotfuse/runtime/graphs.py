@@ -265,9 +265,10 @@ class _Family:
         self.stream = stream
         self.lock = threading.Lock()
         self.state = prog.ex.state(prog.arenas.get(stream_id) if prog.arenas is not None else None)
-        ins = prog.ex.program.inputs
-        self.static = {i: torch.empty(ins[i].shape, dtype=torch_dtype(ins[i].dtype), device=prog.device)
-                       for i in prog.copied}
+        # Static buffers of the copied inputs, allocated at the first call with that call's strides: an
+        # input the archive reads in place with its own layout (channels-last, the manifest's stride)
+        # must keep it; the guards hold every later call to the same layout.
+        self.static: dict[int, torch.Tensor] = {}
         self.seed = torch.empty(1, dtype=torch.int64, device=prog.device) if prog.ex.program.rng else None
         self.cache = InstanceCache(prog.instances)
         self.bound_ptrs: list | None = None
@@ -287,6 +288,10 @@ class _Family:
         if action == "eager":
             self.stats["eager_calls"] += 1
             return p.ex.run(list(inputs), None, self.state)
+        if len(self.static) != len(p.copied):
+            ins = p.ex.program.inputs
+            self.static = {i: torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=torch_dtype(ins[i].dtype),
+                                                  device=p.device) for i in p.copied}
         dst = [self.static[i] for i in p.copied]
         src = [inputs[i] for i in p.copied]
         if self.seed is not None:
