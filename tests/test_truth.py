@@ -77,8 +77,9 @@ def test_legacy_externs_are_called_by_a_golden_archive():
     from aotfuse.archive import read_archive
     from aotfuse.runtime.payload import read_payload
 
-    golden = Path(__file__).resolve().parents[1] / "artifacts" / "golden" / "v1_model.aotf"
-    called = {i.target for p in read_payload(read_archive(golden)).programs.values() for i in p.instructions
+    golden = Path(__file__).resolve().parents[1] / "artifacts" / "golden"
+    called = {i.target for g in ("v1_model.aotf", "v1_cnn.aotf")
+              for p in read_payload(read_archive(golden / g)).programs.values() for i in p.instructions
               if hasattr(i, "target")}
     assert LEGACY and LEGACY <= called, (sorted(LEGACY), sorted(called))
 

@@ -12,7 +12,7 @@ from ..errors import BuildError
 from ..runtime.externs import ALLOWED
 from ..ir.indexing import simplify, syms
 from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, Scan, TensorArg,
-                       compute_dtype)
+                       compute_dtype, subs_expr)
 from ..ir.views import View
 
 TORCH_TO_NAME = NAME_OF
@@ -62,6 +62,9 @@ class LoweringCtx:
     _counter: int = 0
     rng: str | None = None
     rand_streams: int = 0
+    # The memory order the node being lowered asks for (lower/layout.py) and its shape; set by lower()
+    layout: tuple[int, ...] | None = None
+    layout_shape: tuple[int, ...] | None = None
 
     def rng_seed(self) -> View:
         """The per-call seed buffer; each rand op draws from its own stream (seed + stream id)."""
@@ -87,11 +90,23 @@ class LoweringCtx:
         return as_dtype(ld, compute_dtype(view.dtype))
 
     def pointwise(self, shape: Sequence[int], dtype: str, body: Expr, hint: str = "pw") -> View:
+        """A pointwise node over `shape` (body in p0..). Stored row-major, or in the memory order
+        `self.layout` (lower/layout.py) when the node being lowered asks for one and `shape` is its shape:
+        the node then iterates the stored order and the returned View is the inverse permute."""
         name = self.fresh(hint)
         shape = tuple(int(s) for s in shape)
-        self.add_buffer(name, shape, dtype, "node")
-        self.nodes.append(Pointwise(name, shape, as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")))
-        return View.of_buffer(name, shape, dtype)
+        body = as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")
+        perm = self.layout if self.layout is not None and shape == self.layout_shape else None
+        if perm is None:
+            self.add_buffer(name, shape, dtype, "node")
+            self.nodes.append(Pointwise(name, shape, body))
+            return View.of_buffer(name, shape, dtype)
+        stored = tuple(shape[p] for p in perm)
+        pv = syms("p", len(shape))
+        body = subs_expr(body, {pv[i]: pv[perm.index(i)] for i in range(len(shape))})  # simultaneous
+        self.add_buffer(name, stored, dtype, "node")
+        self.nodes.append(Pointwise(name, stored, body))
+        return View.of_buffer(name, stored, dtype).permute([perm.index(i) for i in range(len(perm))])
 
     def reduction(self, out_shape, ranges, rranges, body: Expr, rtype: str, acc: str, dtype: str, hint="red") -> View:
         name = self.fresh(hint)

@@ -10,6 +10,7 @@ from ..errors import UnsupportedOpError
 from ..ir.views import View
 from .ctx import dtype_name, out_dtype, out_shape
 from .matmul import add_bias, try_template
+from .layout import channels_last_perm
 from .rules import collector
 
 aten = torch.ops.aten
@@ -77,13 +78,16 @@ def _feeds_fusible(node) -> bool:
     return False
 
 
-@rule(aten.convolution.default, category="extern")
+@rule(aten.convolution.default, category="extern",
+      note="the functional op, its result bound as the buffer (convolution.out copies); channels-last kept")
 def _convolution(ctx, node, args, kwargs):
     x, w, b = args[:3]
     rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
     tx, tw = _targ(ctx, x, node, "input"), _targ(ctx, w, node, "weight")
     tb = None if b is None else _targ(ctx, b, node, "bias")
-    return ctx.extern("aten.convolution.out", (tx, tw, tb) + rest, {}, out_shape(node), out_dtype(node), True)
+    # cuDNN writes the layout of its input: the buffer is planned so (lower/layout.py), then bound, not copied
+    return ctx.extern("aten.convolution.default", (tx, tw, tb) + rest, {}, out_shape(node), out_dtype(node), False,
+                      storage_perm=channels_last_perm(node.meta.get("val")))
 
 
 @rule(aten.scaled_dot_product_attention.default, category="extern",

@@ -10,7 +10,8 @@ from ..errors import UnsupportedOpError
 from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
-from .ctx import LoweringCtx, dtype_name
+from .ctx import LoweringCtx, dtype_name, out_shape
+from .layout import channels_last_perm
 from .registry import registry
 
 
@@ -88,6 +89,9 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                     continue
             args = _map_args(node.args, env)
             kwargs = _map_args(dict(node.kwargs), env)
+            if info.category == "pointwise":  # channels-last values stay channels-last (lower/layout.py)
+                ctx.layout = channels_last_perm(node.meta.get("val"))
+                ctx.layout_shape = out_shape(node) if ctx.layout is not None else None
             try:
                 env[node] = info.fn(ctx, node, args, kwargs)
             except UnsupportedOpError:
@@ -95,6 +99,8 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
                 raise UnsupportedOpError(str(node.target), node.name,
                                          f"this form of the op cannot be lowered ({type(exc).__name__}: {exc})") from exc
+            finally:
+                ctx.layout = ctx.layout_shape = None
         elif node.op == "output":
             for out in node.args[0]:
                 v = env[out]

@@ -41,15 +41,21 @@ def _physical(val):
 
 def _layout_kept(node) -> bool:
     """Whether the lowering keeps this node's FX layout: an extern's result (through getitem), whose
-    kernel writes the strides its meta says. A pointwise or reduction result is laid out row-major by
-    the lowering whatever strides the FX trace gave it."""
+    kernel writes the strides its meta says, or a channels-last pointwise result (lower/layout.py).
+    Any other pointwise or reduction result is laid out row-major whatever strides the FX trace gave it."""
     import operator
 
+    from ..lower.layout import channels_last_perm
+    from ..lower.registry import registry
     from ..runtime.externs import keep_whole
 
     if getattr(node, "op", None) != "call_function":
         return False
-    if node.target is operator.getitem:
+    if node.target is not operator.getitem:
+        info = registry().get(node.target)
+        if info is not None and info.category == "pointwise" and channels_last_perm(node.meta.get("val")):
+            return True
+    else:
         node = node.args[0]
     return getattr(node, "target", None) in keep_whole(train=True)
 

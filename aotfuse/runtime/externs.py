@@ -44,7 +44,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     # kept whole (the index range of its input, never recomputed) but lowered as a gather kernel
     # (lower/gather.py); archives before that call aten.embedding.out
     ExternOp(aten.embedding.default, (), legacy=(aten.embedding.out,)),
-    ExternOp(aten.convolution.default, (aten.convolution.out,)),
+    # the functional op (its result bound as the buffer when it has the planned layout); archives before
+    # that call convolution.out (a copy of the result into the buffer)
+    ExternOp(aten.convolution.default, (aten.convolution.default,), legacy=(aten.convolution.out,)),
     ExternOp(aten.mm.default, (aten.mm.out,)),
     # addmm with a bias that is not a broadcast row lowers to mm + a pointwise add
     ExternOp(aten.addmm.default, (aten.addmm.out, aten.mm.out)),

@@ -1,0 +1,26 @@
+"""Which values the lowering stores in a memory order other than row-major.
+
+Values are logical (a View maps the logical index to a buffer offset), so any storage order is correct;
+the order matters for speed where a library reads the buffer. A CNN trained or served channels-last
+(`model.to(memory_format=torch.channels_last)`, NHWC images) runs its convolutions on NHWC tensors:
+given NCHW buffers, cuDNN converts every operand (nchwToNhwc/nhwcToNchw kernels) and falls back to
+slower kernels. So a pointwise result (BatchNorm, ReLU, residual add) or a convolution whose FX value is
+channels-last (eager's layout propagation, recorded in the trace's meta) is stored NHWC: the node
+iterates the stored order and its View is the inverse permute, as extern results with a storage
+permutation. Other permuted layouts (a [B, T, H, E] attention view) stay row-major: following them
+would turn their readers' row reductions into column reductions. The partition treats these values as
+kept layouts too (partition/programs._layout_kept): saved for the backward, they cross as a free view.
+"""
+from __future__ import annotations
+
+import torch
+
+CHANNELS_LAST = {4: (0, 2, 3, 1), 5: (0, 2, 3, 4, 1)}
+
+
+def channels_last_perm(val) -> tuple[int, ...] | None:
+    """The storage permutation of a channels-last (3-d: channels-last-3d) value, or None."""
+    if not isinstance(val, torch.Tensor) or val.dim() not in CHANNELS_LAST or val.is_contiguous():
+        return None
+    perm = CHANNELS_LAST[val.dim()]
+    return perm if val.permute(perm).is_contiguous() else None
