@@ -48,7 +48,7 @@ CONSTANT_OPS = {
 # graph under other names. Those never lower (they would be an unsupported op), but the partition
 # runs first and must not plan to run one twice.
 LIBRARY_OPS = {
-    aten.baddbmm.default, aten.convolution_backward.default, aten._convolution.default,
+    aten.baddbmm.default, aten._convolution.default,
     aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_backward.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_efficient_attention_backward.default,

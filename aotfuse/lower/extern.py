@@ -90,6 +90,26 @@ def _convolution(ctx, node, args, kwargs):
                       storage_perm=channels_last_perm(node.meta.get("val")))
 
 
+@rule(aten.convolution_backward.default, category="extern",
+      note="cuDNN's dgrad/wgrad (training): the outputs output_mask asks for, channels-last kept")
+def _convolution_backward(ctx, node, args, kwargs):
+    g, x, w = args[:3]
+    rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
+    mask = list(rest[-1])
+    tg, tx, tw = (_targ(ctx, t, node, n) for t, n in zip((g, x, w), ("grad_output", "input", "weight")))
+    vals = node.meta["val"]
+    wanted = [i for i in range(3) if mask[i] and vals[i] is not None]
+    if not wanted:
+        return (None, None, None)
+    results = tuple((tuple(vals[i].shape), dtype_name(vals[i].dtype, node.name), channels_last_perm(vals[i]))
+                    for i in wanted)
+    views = ctx.extern_results("aten.convolution_backward.default", (tg, tx, tw) + rest, {}, results)
+    out = [None, None, None]
+    for i, v in zip(wanted, views):
+        out[i] = v
+    return tuple(out)
+
+
 @rule(aten.scaled_dot_product_attention.default, category="extern",
           note="dropout_p must be 0; the result buffer is laid out [B, T, H, D] as the flash kernels write it")
 def _sdpa(ctx, node, args, kwargs):

@@ -411,7 +411,9 @@ class Executor:
             fn(*args, **kwargs, out=outv)
             return
         result = fn(*args, **kwargs)
-        if more:  # a tuple of results: the first binds `out`, the others their own buffers
+        if isinstance(result, (tuple, list)) or more:  # results: the first binds `out`, the others their own
+            if isinstance(result, (tuple, list)) and any(r is None for r in result):
+                result = [r for r in result if r is not None]  # outputs its output_mask did not ask for
             if not isinstance(result, (tuple, list)) or len(result) != len(more) + 1:
                 raise ArchiveError(f"extern returned {type(result).__name__}, the program expects {len(more) + 1} "
                                    "results")

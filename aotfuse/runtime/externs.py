@@ -52,6 +52,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(aten.addmm.default, (aten.addmm.out, aten.mm.out)),
     ExternOp(aten.bmm.default, (aten.bmm.out,)),
     ExternOp(aten.embedding_dense_backward.default, (aten.embedding_dense_backward.out,), inference=False),
+    # the gradient of a convolution: cuDNN's dgrad / wgrad; a multi-result extern whose results are the
+    # outputs its output_mask asks for (in order; the others are None and bind nothing)
+    ExternOp(aten.convolution_backward.default, (aten.convolution_backward.default,), inference=False),
     # training's fused attention (runtime/attention.py): multi-output externs, (out, lse) and (dq, dk, dv)
     ExternOp(_attention.attention, (_attention.attention,), inference=False),
     ExternOp(_attention.attention_backward, (_attention.attention_backward,), inference=False),

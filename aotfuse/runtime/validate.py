@@ -29,7 +29,7 @@ from ..contract.program import check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
-from .validate_extern import _Ref, _flat, _meta_check, _multi_check, _overlaps
+from .validate_extern import _Ref, _flat, _meta_check, _multi_check, _overlaps, returns_tuple
 from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, KERNEL_PTR_ALIGN, KINDS,
                               MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS,
                               MAX_NUMEL, NUM_WARPS, _align, _bool, _dict,
@@ -442,7 +442,10 @@ def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
         _fail(where, f"out_view strides {ov['stride']} make elements overlap")
     if _numel(ov["shape"]) != buf.numel:  # the writer makes every output a (permuted) view of all of it
         _fail(where, f"out_view holds {_numel(ov['shape'])} of the output's {buf.numel} elements")
-    _meta_check(fn, args, kwargs, ov, dtype, where)
+    if returns_tuple(fn):  # a tuple-returning op binding one result (its output_mask asks for one)
+        _multi_check(fn, args, kwargs, [(dtype, tuple(ov["shape"]))], where)
+    else:
+        _meta_check(fn, args, kwargs, ov, dtype, where)
 
 
 def _call_args(w: _Walk, ins: dict, where: str) -> tuple[list, dict]:

@@ -157,7 +157,57 @@ def _attention_backward_results(args: list, kwargs: dict, where: str) -> list:
     return [(q.dtype, q.shape), (k.dtype, k.shape), (v.dtype, v.shape)]
 
 
-_RESULT_RULES = {"aotfuse::attention": _attention_results, "aotfuse::attention_backward": _attention_backward_results}
+def _ints(a, n: int | None, what: str, where: str) -> list:
+    if type(a) is not list or not all(map(_is_int, a)) or (n is not None and len(a) != n):
+        _fail(where, f"convolution backward: {what} must be a list of {n or ''} ints, got {_short(a)}")
+    return a
+
+
+def _convolution_backward_results(args: list, kwargs: dict, where: str) -> list:
+    # convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+    #   output_padding, groups, output_mask) -> the results output_mask asks for, in order
+    if len(args) != 11 or kwargs:
+        _fail(where, f"convolution_backward takes 11 positional arguments; got {len(args)} and {sorted(kwargs)}")
+    g, x, w = (_tensor(a, n, where) for a, n in zip(args[:3], ("grad_output", "input", "weight")))
+    nd = len(x.shape)
+    if nd not in (3, 4, 5) or len(g.shape) != nd or len(w.shape) != nd:
+        _fail(where, f"convolution backward: grad_output, input, weight are {len(g.shape)}-, {nd}-, {len(w.shape)}-d")
+    if len({g.dtype, x.dtype, w.dtype}) != 1:
+        _fail(where, f"convolution backward: dtypes {g.dtype}, {x.dtype}, {w.dtype}")
+    if args[3] is not None:
+        _ints(args[3], 1, "bias_sizes", where)
+    stride, padding, dilation = (_ints(a, nd - 2, n, where) for a, n in zip(args[4:7], ("stride", "padding", "dilation")))
+    transposed, groups, mask = args[7], args[9], args[10]
+    _ints(args[8], nd - 2, "output_padding", where)
+    if type(transposed) is not bool or not _is_int(groups) or groups < 1 or type(mask) is not list or \
+            len(mask) != 3 or not all(type(b) is bool for b in mask):
+        _fail(where, "convolution backward: transposed, groups, output_mask malformed")
+    if g.shape[0] != x.shape[0]:
+        _fail(where, f"convolution backward: batch of grad_output {g.shape[0]} and input {x.shape[0]} differ")
+    if not transposed:  # the forward's output size, from the input's and the window's
+        want = [x.shape[0], w.shape[0]] + [
+            (x.shape[2 + i] + 2 * padding[i] - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1
+            for i in range(nd - 2)]
+        if list(g.shape) != want or x.shape[1] != w.shape[1] * groups:
+            _fail(where, f"convolution backward: grad_output {list(g.shape)} does not match input {list(x.shape)} "
+                         f"and weight {list(w.shape)} (expected {want})")
+    out = []
+    if mask[0]:
+        out.append((x.dtype, x.shape))
+    if mask[1]:
+        out.append((w.dtype, w.shape))
+    if mask[2]:
+        out.append((g.dtype, [g.shape[1]]))
+    return out
+
+
+_RESULT_RULES = {"aotfuse::attention": _attention_results, "aotfuse::attention_backward": _attention_backward_results,
+                 "aten::convolution_backward": _convolution_backward_results}
+
+
+def returns_tuple(fn) -> bool:
+    """An allowed op whose result is a tuple (checked by its written-out rule, also when it binds one)."""
+    return fn._schema.name in _RESULT_RULES
 
 
 def _multi_check(fn, args: list, kwargs: dict, declared: list, where: str) -> None:
@@ -198,6 +248,8 @@ _TYPES = {  # schema type -> what the program may pass (meta kernels coerce too 
     "number": lambda x: type(x) in (int, float),
     "Optional[float]": lambda x: x is None or type(x) in (int, float),
     "List[int]": lambda x: type(x) is list and all(map(_is_int, x)),
+    "Optional[List[int]]": lambda x: x is None or (type(x) is list and all(map(_is_int, x))),
+    "List[bool]": lambda x: type(x) is list and all(type(b) is bool for b in x),
 }
 
 

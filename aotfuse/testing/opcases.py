@@ -511,6 +511,8 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aotfuse.attention_backward.default": (TRAIN, "the gradient of aotfuse.attention"),
     "aten.max_pool2d_with_indices_backward.default": (BACKWARD, "the gradient of max-pool with overlapping "
                                                       "windows (tests/test_train_ops_cpu.py)"),
+    "aten.convolution_backward.default": (BACKWARD, "the gradient of aten.convolution (tests/test_train_ops_cpu.py, "
+                                          "tests/test_input_layouts.py)"),
     "aten.avg_pool2d_backward.default": (BACKWARD, "the gradient of avg_pool2d (tests/test_train_ops_cpu.py)"),
     "aten._adaptive_avg_pool2d_backward.default": (BACKWARD, "the gradient of adaptive_avg_pool2d "
                                                    "(tests/test_train_ops_cpu.py)"),
