@@ -274,9 +274,10 @@ def render_inspect(info: dict, path: Path) -> str:
            f"targets: {', '.join(info['targets']) or '-'}",
            f"weights: {info['weights']} tensors, {_bytes(info['weights_bytes'])}", "", "inputs:"]
     rows = [[s["name"], s["shape"], s["dtype"], s["kind"],
-             f"[{s['low']}, {s['high']})" if s["low"] is not None or s["high"] is not None else "-"]
+             f"[{s['low']}, {s['high']})" if s["low"] is not None or s["high"] is not None else "-",
+             "contiguous" if s.get("stride") is None else f"strides {s['stride']}"]
             for s in info["inputs"]]
-    out += [_indent(_bench.format_table(["name", "shape", "dtype", "kind", "range"], rows))]
+    out += [_indent(_bench.format_table(["name", "shape", "dtype", "kind", "range", "layout"], rows))]
     rows = [[f"out{i}", s["shape"], s["dtype"]] for i, s in enumerate(info["outputs"])]
     out += ["", "outputs:", _indent(_bench.format_table(["name", "shape", "dtype"], rows))]
     rows = []
