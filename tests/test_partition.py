@@ -11,6 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from aotfuse.joint import trace_joint
+from aotfuse.joint.decomp_train import training_decompositions
 from aotfuse.partition import is_banned, op_class, partition
 from aotfuse.partition.mincut import torch_min_cut_saved, torch_saved_bytes
 from aotfuse.packops import PACK, UNPACK, pack_bits, packed_nbytes, unpack_bits
@@ -116,9 +117,11 @@ def test_joint_signature(spec):
     assert set(joint.weights) == set(joint.param_names) | set(joint.buffer_names)
     ops = {n.target for n in joint.gm.graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.ones_like.default not in ops
-    # attention is fused (aotfuse::attention and its backward); no other backward op is kept
-    assert not any("flash" in str(t) or str(t).endswith("_backward.default") and "embedding" not in str(t)
-                   and not str(t).startswith("aotfuse.attention") for t in ops), sorted(map(str, ops))
+    # attention is fused (aotfuse::attention and its backward); no other backward op is kept but the
+    # library ones of the extern table (embedding's, convolution's: cuDNN dgrad/wgrad)
+    kept = ("embedding_dense_backward", "convolution_backward", "aotfuse.attention")
+    assert not any("flash" in str(t) or str(t).endswith("_backward.default") and not any(k in str(t) for k in kept)
+                   for t in ops), sorted(map(str, ops))
 
 
 def test_joint_input_ranges():
@@ -405,16 +408,30 @@ def test_decomp_max_pool_backward_ties():
 
 
 @pytest.mark.parametrize("stride,padding,dilation", [(1, 1, 1), (2, 1, 1), (2, 0, 2), (3, 2, 1)])
-def test_decomp_convolution_backward(stride, padding, dilation):
+def test_convolution_backward_is_kept_whole_and_its_result_rule_matches_aten(stride, padding, dilation):
+    """The joint trace keeps convolution_backward (cuDNN dgrad/wgrad): the runtime validates each call with
+    a written-out rule of its results (what output_mask asks for), which must agree with aten."""
+    from aotfuse.errors import ArchiveError
+    from aotfuse.runtime.validate_extern import _Ref, _convolution_backward_results
+
+    assert aten.convolution_backward.default not in training_decompositions()
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(2, 3, 11, 9, generator=g), torch.randn(4, 3, 3, 3, generator=g)
     args = ([stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], 1)
     y = aten.convolution(x, w, None, *args)
     go = torch.randn(y.shape, generator=g)
-    ref = aten.convolution_backward(go, x, w, [4], *args, [True, True, True])
-    got = _decomp(aten.convolution_backward.default)(go, x, w, [4], *args, [True, True, True])
-    for a, r in zip(got, ref):
-        _close(a, r, tol=1e-5)
+
+    def ref_of(t):
+        return _Ref("t", "float32", tuple(t.shape), tuple(t.stride()))
+    for mask in ([True, True, True], [False, True, False], [True, False, False]):
+        ref = [r for r in aten.convolution_backward(go, x, w, [4], *args, mask) if r is not None]
+        got = _convolution_backward_results([ref_of(go), ref_of(x), ref_of(w), [4], *map(list, args[:3]), args[3],
+                                             [0, 0], 1, mask], {}, "test")
+        assert [(d, list(s)) for d, s in got] == [("float32", list(r.shape)) for r in ref]
+    bad = torch.randn(2, 4, y.shape[2] + 1, y.shape[3])
+    with pytest.raises(ArchiveError, match="does not match"):
+        _convolution_backward_results([ref_of(bad), ref_of(x), ref_of(w), [4], *map(list, args[:3]), False, [0, 0], 1,
+                                       [True, True, True]], {}, "test")
 
 
 @pytest.mark.parametrize("case", ["causal", "plain", "bool_mask", "float_mask", "gqa", "scale"])
