@@ -167,7 +167,8 @@ def _report(p: _Compiled) -> Report:
         groups=tuple(GroupRecord(g.name, g.kind, tuple(g.nodes), g.xnumel, g.rnumel,
                                  kernels[g.name].name if g.name in kernels else None,
                                  _blocks(kernels[g.name]) if g.name in kernels else None) for g in sched.groups),
-        memory=MemorySummary(plan.arena_bytes, plan.naive_bytes, len(plan.allocations), len(plan.bound)),
+        memory=MemorySummary(plan.arena_bytes, plan.naive_bytes, len(plan.allocations), len(plan.bound),
+                             plan.peak_live_bytes, plan.how),
     )
 
 

@@ -130,15 +130,21 @@ class MemorySummary:
     naive_bytes: int  # what the buffers would take without reuse
     buffers: int
     bound_extern_results: int
+    peak_live_bytes: int = 0  # most bytes live at once (no plan is smaller); 0 in older reports
+    plan: str = ""  # which offset plan won (schedule/memplan.py): "greedy-by-size" | "slots"
 
     def to_dict(self) -> dict:
-        return {"arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes, "buffers": self.buffers,
-                "bound_extern_results": self.bound_extern_results}
+        d = {"arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes, "buffers": self.buffers,
+             "bound_extern_results": self.bound_extern_results}
+        put_optional(d, "peak_live_bytes", self.peak_live_bytes, 0)
+        return put_optional(d, "plan", self.plan, "")
 
     @classmethod
     def from_dict(cls, d: Any) -> "MemorySummary":
-        d = fields(d, "report memory", ("arena_bytes", "naive_bytes", "buffers", "bound_extern_results"))
-        return cls(d["arena_bytes"], d["naive_bytes"], d["buffers"], d["bound_extern_results"])
+        d = fields(d, "report memory", ("arena_bytes", "naive_bytes", "buffers", "bound_extern_results"),
+                   ("peak_live_bytes", "plan"))
+        return cls(d["arena_bytes"], d["naive_bytes"], d["buffers"], d["bound_extern_results"],
+                   d.get("peak_live_bytes", 0), d.get("plan", ""))
 
 
 @dataclasses.dataclass(frozen=True)

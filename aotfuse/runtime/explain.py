@@ -81,6 +81,8 @@ def _program_lines(name: str, rep: Report, refused_only: bool) -> list[str]:
     m = rep.memory
     out.append(f"-- memory: arena {m.arena_bytes} B for {m.buffers} buffers (no reuse: {m.naive_bytes} B); "
                f"{m.bound_extern_results} extern results bound as returned")
+    if m.plan:
+        out.append(f"   offsets by {m.plan}; at most {m.peak_live_bytes} B live at once (no arena is smaller)")
     return out
 
 
