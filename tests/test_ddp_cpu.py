@@ -83,3 +83,34 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     for rank, w in results.items():
         assert w["loss"] < 1e-5 and w["grad"] < 1e-4 and w["param"] < 1e-5, (rank, w)
         assert w["ranks_agree"] == 0.0, (rank, w)
+
+
+def _fsdp_worker(rank: int, path: str, port: int, tokens, targets, results):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from aotfuse.errors import AotfuseError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        mod = aotfuse.load(path, device="cpu").as_module()
+        fully_shard(mod, mesh=init_device_mesh("cpu", (1,)))
+        try:
+            mod(tokens, targets)
+            results["error"] = None
+        except AotfuseError as exc:
+            results["error"] = str(exc)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_fully_shard_is_refused_before_anything_runs(tmp_path):
+    """fully_shard replaces the parameters with shards: the programs would read the stale originals and
+    each rank would train alone, silently. The forward refuses, naming what to use instead (issue 12.3)."""
+    model, (tokens, targets) = demo_train(dropout=0.0)
+    path = tmp_path / "train.aotf"
+    aotfuse.build(model, (tokens, targets), train=True, targets=("sm_90",)).save(path)
+    results = mp.Manager().dict()
+    mp.spawn(_fsdp_worker, args=(str(path), _free_port(), tokens, targets, results), nprocs=1, join=True)
+    assert results["error"] and "FSDP" in results["error"] and "DistributedDataParallel" in results["error"]

@@ -74,6 +74,7 @@ class PackagedModule(nn.Module):
             self._params[name.replace(".", "__")] = p
             self._param_list.append(p)
         self._param_index = {n: i for i, n in enumerate(self._names)}
+        self._first_key = self._names[0].replace(".", "__") if self._names else None
         self._bufs = UpdatedBuffers(art, info.mutated_buffers)
         original_state_dict_names(self, {"_params": tuple(self._names), "_bufs": self._bufs.names})
         self._grad_map = list(info.grads)
@@ -107,6 +108,24 @@ class PackagedModule(nn.Module):
         for name, p in zip(self._names, self._param_list):
             yield (prefix + name, p)
 
+    def _refuse_replaced_parameters(self) -> None:
+        """FSDP (`fully_shard`, or FullyShardedDataParallel) replaces a module's parameters with shards
+        (DTensors, flat-parameter views) and gathers them around each forward: the packaged programs
+        would go on reading the original tensors, gradients would miss the shards and each rank would
+        train on its own. Refused before anything runs (an optimizer over these tensors changes nothing
+        FSDP sees)."""
+        current = [self._params._parameters.get(k) for k in self._params._parameters]
+        if type(self) is PackagedModule and len(current) == len(self._param_list) and \
+                all(a is b for a, b in zip(current, self._param_list)):
+            return  # a subclass that keeps the parameters
+        raise AotfuseError(
+            "the packaged module's parameters were replaced by a wrapper (FSDP fully_shard or "
+            "FullyShardedDataParallel shard them): its programs read whole parameter tensors, so "
+            "sharded data parallelism is not supported",
+            remedy="wrap it in torch.nn.parallel.DistributedDataParallel (replicated parameters); FSDP would "
+                   "need the programs to take the parameters FSDP all-gathers before each forward and to hand "
+                   "their gradients to its reduce-scatter (docs/architecture.md, Training: data parallel)")
+
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         yield from self._bufs.named(prefix)
 
@@ -120,6 +139,9 @@ class PackagedModule(nn.Module):
         return loss if tree is None else rebuild(tree, [loss])
 
     def _forward(self, inputs: tuple):
+        if type(self) is not PackagedModule or (self._param_list and self._params._parameters.get(
+                self._first_key) is not self._param_list[0]):
+            self._refuse_replaced_parameters()
         self._art.check_inputs(inputs)
         self._bufs.check_mode(self.training)
         with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
