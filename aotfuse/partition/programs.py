@@ -60,12 +60,14 @@ def _layout_kept(node) -> bool:
     return getattr(node, "target", None) in keep_whole(train=True)
 
 
-def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int) -> list:
+def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int, strided_inputs: frozenset = frozenset()) -> list:
     """Saved tensors cross from the forward program to the backward as contiguous buffers (lowering
     copies any that is not: CapturedGraph.contiguous_outputs). An extern result whose layout is a
     permutation (fused attention's out, stored [B, T, H, E] for the [B, H, T, E] result) is returned
     permuted into memory order (a free view in the forward) and permuted back in the backward (a
-    view), so nothing is copied. Returns the (saved index, permutation) pairs."""
+    view), so nothing is copied. So is a user input read in place with its own layout (`strided_inputs`:
+    placeholder names of channels-last inputs, InputSpec.stride). Returns the (saved index, permutation)
+    pairs."""
     import torch
 
     aten = torch.ops.aten
@@ -75,7 +77,7 @@ def _saved_in_memory_order(fwd_gm, bwd_gm, n_user: int) -> list:
     done = []
     for i, ph in enumerate(bph[:len(outs) - n_user]):
         node = outs[n_user + i]
-        if not _layout_kept(node):
+        if not (_layout_kept(node) or getattr(node, "name", None) in strided_inputs):
             continue  # our lowering lays it out row-major: its permutation would be a copy, not a view
         val = getattr(node, "meta", {}).get("val")
         perm = _physical(val)
@@ -129,13 +131,15 @@ def _forward_placeholders(joint, fph) -> list[tuple[str, str, object]]:
 def train_graphs(joint, part):
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
     mutated = tuple(joint.mutated_buffers)
-    _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs)
     fph = _placeholders(part.fwd_gm)
     if len(fph) != n_p + n_b + len(joint.inputs):
         raise BuildError(f"forward graph has {len(fph)} placeholders; expected params+buffers+inputs = "
                          f"{n_p}+{n_b}+{len(joint.inputs)}")
     placeholders = _forward_placeholders(joint, fph)
     by_input = {ref: node for node, (_, kind, ref) in zip(fph, placeholders) if kind == "input"}
+    first_user = n_p + len(mutated)
+    strided = frozenset(by_input[first_user + j].name for j, spec in enumerate(joint.inputs) if spec.stride is not None)
+    _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs, strided)
     fwd_specs = tuple(_spec(by_input[i], f"param:{joint.param_names[i]}") for i in range(n_p))
     fwd_specs += tuple(_spec(by_input[n_p + j], f"buffer:{fqn}") for j, fqn in enumerate(mutated))
     fwd_specs += tuple(joint.inputs)
