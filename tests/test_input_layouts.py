@@ -116,3 +116,33 @@ def test_gpu_channels_last_training_with_and_without_cuda_graphs(graphs):
         ours = dict(mod.named_parameters())
         for n, p in ref_model.named_parameters():
             assert rel(ours[n].grad, p.grad) < 1e-3, (step, n, rel(ours[n].grad, p.grad))
+
+
+def test_transposed_example_means_a_contiguous_input():
+    """Only channels-last examples fix the input layout; a transposed example (x.t()) keeps the old rule."""
+    model = nn.Linear(6, 3).eval()
+    x = torch.randn(6, 4).t()
+    art = aotfuse.load(aotfuse.build(model, (x,), targets=("sm_90",)).data, device="cpu")
+    assert art.input_specs[0].stride is None
+    with torch.no_grad():
+        y = torch.randn(4, 6)
+        assert rel(art(y), model(y)) < 1e-5
+
+
+def test_channels_last_module_keeps_row_major_parameters():
+    """`.to(memory_format=torch.channels_last)` on the packaged module would hand the programs NHWC weights
+    they read as row-major: the module keeps its parameters row-major (values unchanged)."""
+    torch.manual_seed(0)
+    model = Net(loss=True).train()
+    mod = aotfuse.load(aotfuse.build(model, _x(1), train=True, targets=("sm_90",)).data, device="cpu").as_module()
+    params = list(mod.parameters())
+    mod.to(memory_format=CL)
+    assert [p is q for p, q in zip(mod.parameters(), params)] == [True] * len(params)
+    assert all(p.is_contiguous() for p in mod.parameters())
+    x, t = _x(4)
+    loss = mod(x, t)
+    loss.backward()
+    ref_model = copy.deepcopy(model)
+    ref = ref_model(x, t)
+    ref.backward()
+    assert rel(loss, ref) < 1e-5

@@ -202,3 +202,18 @@ def test_report_reads_refusal_kinds_old_and_new():
     assert new.text == "would create a cycle: through another group (x -> z -> y)"
     assert old.text == "memory deps don't match: y reads x[p0] (other read in a 4x1 space)"
     assert fused.reason is None and fused.text == "saves 8 bytes"
+
+
+def test_emitter_accepts_a_fused_read_equal_on_the_whole_space():
+    """A channels-last node read by a fused consumer: flattened to (x, r) its index is nested
+    FloorDiv/ModIdx that simplify cannot fold back (transformers' ResNet-50 training build stopped on it).
+    The emitter's check proves it over the space; an index that differs anywhere is still refused."""
+    from aotfuse.emit.kernel_src import SR, SX, same_index
+    from aotfuse.ir.indexing import FloorDiv, ModIdx
+
+    f = SR + 224 * SX
+    read = 14336 * FloorDiv(SX, 64) + ModIdx(f, 2048) + 2048 * ModIdx(FloorDiv(f, 2048), 7)
+    assert same_index(read, f, 64 * 64 * 7, 224)
+    assert same_index(read, f, 200704, 224)  # the sampled path (more than 2**22 points)
+    assert not same_index(read, f + 1, 64 * 64 * 7, 224)
+    assert not same_index(14336 * FloorDiv(SX, 64) + ModIdx(f, 2048), f, 64 * 64 * 7, 224)

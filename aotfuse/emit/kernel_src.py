@@ -179,6 +179,37 @@ def reduction_pattern(knodes, x: int, r: int, outside, itemsize) -> str:
     return "outer" if votes["outer"] > votes["inner"] else "inner"
 
 
+def same_index(a: sympy.Expr, b: sympy.Expr, xnumel: int, rnumel: int) -> bool:
+    """Whether two kernel-level indices (in x, r) agree on the whole iteration space. The fusion proved
+    the read lines up in the consumer's own loop space (schedule/deps.classify_read); flattened to x and
+    r, a multi-dim index becomes nested FloorDiv/ModIdx that `simplify` may not fold back (a
+    channels-last node's read: 14336*(x//64) + (f % 2048) + 2048*((f // 2048) % 7) for f = 224*x + r
+    is f). This safety net first tries `simplify` over the ranges, then evaluates both on every point
+    when there are at most 2**22, else on every x of the first and last 2048 rows and a strided
+    sample between (each with every r)."""
+    import numpy as np
+
+    ranges = {SX: max(int(xnumel), 1), SR: max(int(rnumel), 1)}
+    if sympy.expand(simplify(a - b, ranges)) == 0:
+        return True
+    xs_all = ranges[SX]
+    if xs_all * ranges[SR] <= 1 << 22:
+        xs = np.arange(xs_all, dtype=np.int64)
+    else:
+        step = max(1, xs_all // 4096)
+        xs = np.unique(np.concatenate([np.arange(min(2048, xs_all)), np.arange(max(0, xs_all - 2048), xs_all),
+                                       np.arange(0, xs_all, step)])).astype(np.int64)
+    rs = np.arange(ranges[SR], dtype=np.int64)
+    X, R = np.meshgrid(xs, rs, indexing="ij")
+    funcs = {"FloorDiv": lambda p, q: np.floor_divide(p, q), "ModIdx": lambda p, q: np.mod(p, q)}
+    try:
+        fa = sympy.lambdify((SX, SR), a, modules=[funcs, "numpy"])
+        fb = sympy.lambdify((SX, SR), b, modules=[funcs, "numpy"])
+        return bool(np.array_equal(np.broadcast_to(fa(X, R), X.shape), np.broadcast_to(fb(X, R), X.shape)))
+    except Exception:  # an index numpy cannot evaluate: not proven equal
+        return False
+
+
 class _Emitter:
     # Mutable by nature: accumulates source lines and a CSE cache per scope while one kernel is written.
     def __init__(self, graph: LoopGraph, members: dict, args: dict, kind: str):
@@ -254,7 +285,8 @@ class _Emitter:
     def node_value(self, name: str, index) -> str:
         node = self.members[name]
         want = self.stores[name]
-        if sympy.expand(index - want) != 0:
+        if sympy.expand(index - want) != 0 and not same_index(index, want, getattr(self, "xnumel", 0),
+                                                              getattr(self, "rnumel", 1)):
             raise BuildError(f"internal: fused read of {name} at {index} but it is held at {want}",
                              remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
         if isinstance(node, Reduction):
@@ -402,7 +434,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
              for i, b in enumerate(outs)]
     out_name = {a.buf: a.name for a in args if a.role == "out"}
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
-    em.xnumel = x
+    em.xnumel, em.rnumel = x, r
     em.stores = stores
 
     def store(n, value: str, ctx: str):
@@ -544,7 +576,7 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     args.append(KernelArg("out_ptr0", node.name, graph.buffer(node.name).dtype, "out",
                           int(graph.buffer(node.name).numel)))
     em = _Emitter(graph, {}, {a.buf: a.name for a in args if a.role == "in"}, kind)
-    em.xnumel, em.stores = x, {}
+    em.xnumel, em.rnumel, em.stores = x, r, {}
     acc, ident = TL_DTYPE[node.acc_dtype], _SCAN_IDENT[node.stype]
     looped = kind == "looped_reduction"
     em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..contract.manifest import InputSpec as ContractInputSpec, dense_strides
+from ..contract.manifest import InputSpec as ContractInputSpec
+from ..layouts import channels_last_perm
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
@@ -35,12 +36,12 @@ class InputSpec:
     @classmethod
     def of(cls, name: str, ph: torch.fx.Node, t: torch.Tensor) -> "InputSpec":
         """The spec of example input `t` at placeholder `ph` (exported or joint graph alike). An example
-        laid out densely but not row-major (channels-last) fixes that layout: the archive reads it in
-        place and its guard asks for it; any other example layout means a contiguous input."""
+        laid out channels-last fixes that layout: the archive reads it in place and its guard asks for
+        it; any other example layout means a contiguous input."""
         kind = input_kind(t.dtype)
         lo, hi = int_range(ph, t) if kind == "int" else (None, None)
         stride = None
-        if not t.is_contiguous() and dense_strides(tuple(t.shape), tuple(t.stride())):
+        if channels_last_perm(t) is not None:  # other permutations (x.t()) mean a contiguous input, as before
             stride = tuple(int(s) for s in t.stride())
         return cls(name, tuple(t.shape), t.dtype, kind, lo, hi, stride)
 

@@ -157,9 +157,15 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         if mval is not None and mval.numel() > MAX_MASK_ELEMENTS:
             rec.update(kept=True, why=f"mask of {mval.numel()} elements: not evaluated at build time")
         else:
-            val = ev.value(mask)
+            try:
+                val = ev.value(mask)
+                err = None
+            except Exception as exc:  # an op that will not run on the CPU at build time: leave the mask
+                val, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
             kind = None if not isinstance(val, torch.Tensor) else classify(val, L, S)
-            if val is None:
+            if err is not None:
+                rec.update(kept=True, why=f"the constant mask could not be evaluated at build time ({err})")
+            elif val is None:
                 rec.update(kept=True, why="the mask depends on the inputs")
             elif kind is None:
                 rec.update(kept=True, why="a constant mask that is neither all-kept nor causal")

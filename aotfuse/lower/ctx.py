@@ -62,7 +62,7 @@ class LoweringCtx:
     _counter: int = 0
     rng: str | None = None
     rand_streams: int = 0
-    # The memory order the node being lowered asks for (lower/layout.py) and its shape; set by lower()
+    # The memory order the node being lowered asks for (aotfuse/layouts.py) and its shape; set by lower()
     layout: tuple[int, ...] | None = None
     layout_shape: tuple[int, ...] | None = None
 
@@ -91,7 +91,7 @@ class LoweringCtx:
 
     def pointwise(self, shape: Sequence[int], dtype: str, body: Expr, hint: str = "pw") -> View:
         """A pointwise node over `shape` (body in p0..). Stored row-major, or in the memory order
-        `self.layout` (lower/layout.py) when the node being lowered asks for one and `shape` is its shape:
+        `self.layout` (aotfuse/layouts.py) when the node being lowered asks for one and `shape` is its shape:
         the node then iterates the stored order and the returned View is the inverse permute."""
         name = self.fresh(hint)
         shape = tuple(int(s) for s in shape)

@@ -10,7 +10,7 @@ from ..errors import UnsupportedOpError
 from ..ir.views import View
 from .ctx import dtype_name, out_dtype, out_shape
 from .matmul import add_bias, try_template
-from .layout import channels_last_perm
+from ..layouts import channels_last_perm
 from .rules import collector
 
 aten = torch.ops.aten
@@ -85,7 +85,7 @@ def _convolution(ctx, node, args, kwargs):
     rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
     tx, tw = _targ(ctx, x, node, "input"), _targ(ctx, w, node, "weight")
     tb = None if b is None else _targ(ctx, b, node, "bias")
-    # cuDNN writes the layout of its input: the buffer is planned so (lower/layout.py), then bound, not copied
+    # cuDNN writes the layout of its input: the buffer is planned so (aotfuse/layouts.py), then bound, not copied
     return ctx.extern("aten.convolution.default", (tx, tw, tb) + rest, {}, out_shape(node), out_dtype(node), False,
                       storage_perm=channels_last_perm(node.meta.get("val")))
 

@@ -11,7 +11,7 @@ from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
-from .layout import channels_last_perm
+from ..layouts import channels_last_perm
 from .registry import registry
 
 
@@ -89,7 +89,7 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                     continue
             args = _map_args(node.args, env)
             kwargs = _map_args(dict(node.kwargs), env)
-            if info.category == "pointwise":  # channels-last values stay channels-last (lower/layout.py)
+            if info.category == "pointwise":  # channels-last values stay channels-last (aotfuse/layouts.py)
                 ctx.layout = channels_last_perm(node.meta.get("val"))
                 ctx.layout_shape = out_shape(node) if ctx.layout is not None else None
             try:

@@ -41,11 +41,11 @@ def _physical(val):
 
 def _layout_kept(node) -> bool:
     """Whether the lowering keeps this node's FX layout: an extern's result (through getitem), whose
-    kernel writes the strides its meta says, or a channels-last pointwise result (lower/layout.py).
+    kernel writes the strides its meta says, or a channels-last pointwise result (aotfuse/layouts.py).
     Any other pointwise or reduction result is laid out row-major whatever strides the FX trace gave it."""
     import operator
 
-    from ..lower.layout import channels_last_perm
+    from ..layouts import channels_last_perm
     from ..lower.registry import registry
     from ..runtime.externs import keep_whole
 

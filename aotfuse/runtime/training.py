@@ -115,16 +115,25 @@ class PackagedModule(nn.Module):
         train on its own. Refused before anything runs (an optimizer over these tensors changes nothing
         FSDP sees)."""
         current = [self._params._parameters.get(k) for k in self._params._parameters]
-        if type(self) is PackagedModule and len(current) == len(self._param_list) and \
-                all(a is b for a, b in zip(current, self._param_list)):
-            return  # a subclass that keeps the parameters
+        if len(current) == len(self._param_list) and all(a is b for a, b in zip(current, self._param_list)):
+            return  # a wrapper that keeps the parameters (composable replicate, DDP's class swap)
         raise AotfuseError(
-            "the packaged module's parameters were replaced by a wrapper (FSDP fully_shard or "
-            "FullyShardedDataParallel shard them): its programs read whole parameter tensors, so "
-            "sharded data parallelism is not supported",
+            "the packaged module's parameters were replaced (FSDP's fully_shard or FullyShardedDataParallel "
+            "shard them; load_state_dict(assign=True), functional_call or to_empty swap them): its programs "
+            "read the parameter tensors it was loaded with, so this is not supported",
             remedy="wrap it in torch.nn.parallel.DistributedDataParallel (replicated parameters); FSDP would "
                    "need the programs to take the parameters FSDP all-gathers before each forward and to hand "
                    "their gradients to its reduce-scatter (docs/architecture.md, Training: data parallel)")
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, `.to(memory_format=torch.channels_last)` keep the Parameter objects (their
+        .data changes): the programs read each parameter as a row-major buffer, so a layout change is
+        undone here (values kept; a dtype change is refused at the next call by the archive's guards)."""
+        out = super()._apply(fn, recurse)
+        for p in self._param_list:
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        return out
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         yield from self._bufs.named(prefix)

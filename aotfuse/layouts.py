@@ -1,4 +1,4 @@
-"""Which values the lowering stores in a memory order other than row-major.
+"""Which values are laid out in a memory order other than row-major (export, lowering, partition).
 
 Values are logical (a View maps the logical index to a buffer offset), so any storage order is correct;
 the order matters for speed where a library reads the buffer. A CNN trained or served channels-last
@@ -10,6 +10,7 @@ iterates the stored order and its View is the inverse permute, as extern results
 permutation. Other permuted layouts (a [B, T, H, E] attention view) stay row-major: following them
 would turn their readers' row reductions into column reductions. The partition treats these values as
 kept layouts too (partition/programs._layout_kept): saved for the backward, they cross as a free view.
+An example input laid out so fixes the archive's input layout (export/capture.InputSpec.of).
 """
 from __future__ import annotations
 
