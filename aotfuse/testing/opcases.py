@@ -409,6 +409,18 @@ class _EmbeddingLoss(nn.Module):
         return (self.emb(idx) ** 2).sum()
 
 
+class _ConvLoss(nn.Module):
+    """Two convolutions (the first's input needs no gradient: output_mask [False, True, True])."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 2, 3, stride=2, bias=False)
+
+    def forward(self, x):
+        return (self.c2(torch.relu(self.c1(x))) ** 2).sum()
+
+
 class _AttentionLoss(nn.Module):
     """Fused attention in training (runtime/attention.py): causal with GQA, and a boolean mask."""
 
@@ -427,6 +439,8 @@ class _AttentionLoss(nn.Module):
 TRAIN_CASES: list[OpCase] = [
     OpCase("embedding_backward", lambda dt: (_EmbeddingLoss().to(dt).train(), (torch.randint(0, 11, (3, 4)),)),
            ("aten.embedding_dense_backward.default",)),
+    OpCase("convolution_train", lambda dt: (_ConvLoss().to(dt).train(), (randn(2, 3, 9, 8, dtype=dt),)),
+           ("aten.convolution_backward.default",)),
     OpCase("attention_train", lambda dt: (_AttentionLoss().to(dt), (randn(2, 4, 6, 8, dtype=dt),
                                                                     (torch.rand(2, 1, 6, 6) > 0.3) | torch.eye(6, dtype=torch.bool))),
            ("aotfuse.attention.default", "aotfuse.attention_backward.default")),
