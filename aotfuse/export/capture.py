@@ -165,12 +165,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     state.update(ep.constants)
     # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's
     # gather of its token-type buffer) are evaluated now: buffers are fixed in an inference archive.
-    fixed = {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    fixed = {ph: state[fqn] for ph, fqn in {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}.items()}
     # Masks transformers materializes under tracing (all-true, causal) become flags first, so that their
     # constant subgraphs die instead of being folded into stored weights.
-    simplify_attention_masks(ep.graph_module, seeds={ph: state[fqn] for ph, fqn in fixed.items()})
-    folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(),
-                                        seeds={ph: state[fqn] for ph, fqn in fixed.items()})
+    simplify_attention_masks(ep.graph_module, seeds=fixed)
+    folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(), seeds=fixed)
     folded_fqn = {name: fqn for name, fqn, _ in folded}
     state.update({fqn: val for _, fqn, val in folded})
     ph_map: dict[str, Any] = {}

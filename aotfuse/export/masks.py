@@ -149,8 +149,8 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         mask = _arg(node, mi, "attn_mask")
         if not isinstance(mask, torch.fx.Node):
             continue
-        q = node.args[1 if node.target is torch.ops.aotfuse.attention_backward.default else 0]
-        k = node.args[2 if node.target is torch.ops.aotfuse.attention_backward.default else 1]
+        qi = 1 if node.target is torch.ops.aotfuse.attention_backward.default else 0  # after grad_out
+        q, k = node.args[qi], node.args[qi + 1]
         L, S = int(q.meta["val"].shape[-2]), int(k.meta["val"].shape[-2])
         mval = mask.meta.get("val")
         rec = {"attention": node.name, "mask": mask.name}

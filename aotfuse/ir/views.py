@@ -7,6 +7,7 @@ from typing import Sequence
 import sympy
 
 from .indexing import FloorDiv, ModIdx, flat_index, linear_strides, simplify, syms, unravel
+from ..contract.manifest import dense_strides  # torch-free, shared with the guard
 from .loop import TensorArg, prod
 
 
@@ -127,13 +128,10 @@ class View:
         x that lives there. None when x's storage is not dense and non-overlapping (an offset could name
         no element or two) or when the result reads outside x's elements."""
         src_stride, src_off = tuple(int(s) for s in layout[0]), int(layout[1])
-        dims = [d for d in range(len(self.shape)) if self.shape[d] != 1]
-        order = sorted(dims, key=lambda d: src_stride[d])
-        expect = 1
-        for d in order:  # dense and non-overlapping: strides are the running products in stride order
-            if src_stride[d] != expect:
-                return None
-            expect *= self.shape[d]
+        if not dense_strides(self.shape, src_stride):
+            return None
+        order = sorted((d for d in range(len(self.shape)) if self.shape[d] != 1), key=lambda d: src_stride[d])
+        expect = self.numel
         size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
         if any(st < 0 for st in stride):
             return None
