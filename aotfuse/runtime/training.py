@@ -114,7 +114,7 @@ class PackagedModule(nn.Module):
         would go on reading the original tensors, gradients would miss the shards and each rank would
         train on its own. Refused before anything runs (an optimizer over these tensors changes nothing
         FSDP sees)."""
-        current = [self._params._parameters.get(k) for k in self._params._parameters]
+        current = list(self._params._parameters.values())
         if len(current) == len(self._param_list) and all(a is b for a, b in zip(current, self._param_list)):
             return  # a wrapper that keeps the parameters (composable replicate, DDP's class swap)
         raise AotfuseError(
