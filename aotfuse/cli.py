@@ -215,7 +215,8 @@ class BuildProgress:
             self._print(f"  kernels compiled {done}/{total}")
 
 
-def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, memory_budget: float):
+def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, memory_budget: float,
+              step: str = "auto"):
     model, example = _specs.load_spec(spec)
     console = _stderr()
     console.print(f"building {spec} for {','.join(targets)}" + (" (train)" if train else ""),
@@ -223,7 +224,9 @@ def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, m
     build_fn = _core("build")
     t0 = time.perf_counter()
     with BuildProgress(console) as progress:
-        res = build_fn(model, example, targets=targets, train=train, memory_budget=memory_budget, progress=progress)
+        kw = {"step": step} if train else {}
+        res = build_fn(model, example, targets=targets, train=train, memory_budget=memory_budget, progress=progress,
+                       **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
     size = res.save(str(path))
     return res, size, time.perf_counter() - t0
@@ -237,13 +240,19 @@ def build(
     train: bool = typer.Option(False, "--train", help="Also package the backward pass."),
     memory_budget: float = typer.Option(1.0, "--memory-budget", min=0.0,
                                         help="With --train: share of saved activations to keep (less: recompute more)."),
+    split_step: bool = typer.Option(False, "--split-step",
+                                    help="With --train: a forward and a backward program even for a scalar loss "
+                                         "(default: one fused step program; see docs/architecture.md)."),
 ):
     """Compile a model into one .aotf file (no GPU needed)."""
     path = out or Path(_specs.default_artifact_name(spec))
     targets = _targets(arch)
     if memory_budget != 1.0 and not train:
         typer.echo("note: --memory-budget only matters with --train", err=True)
-    res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget)
+    if split_step and not train:
+        typer.echo("note: --split-step only matters with --train", err=True)
+    res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget,
+                                   step="split" if split_step else "auto")
     typer.echo(f"wrote {path} ({_bytes(size, exact=False)}, {res.compiled_kernels} kernels, "
                f"targets {','.join(targets)}) in {seconds:.1f} s")
 
@@ -300,8 +309,10 @@ def render_inspect(info: dict, path: Path) -> str:
         out += ["", "partition:", *_kv_lines(info["partition"])]
     if "train" in info:
         t = info["train"]
+        step = t.get("mode") == "step"
         out += ["", "train:", f"  parameters: {len(t['params'])}",
-                f"  saved for the backward: {t['n_saved']} tensors, {_bytes(t['saved_bytes'], exact=False)}",
+                ("  programs: one fused step (forward + backward; the backward scales the gradients)" if step else
+                 f"  saved for the backward: {t['n_saved']} tensors, {_bytes(t['saved_bytes'], exact=False)}"),
                 "  buffers updated by the forward (written back by the runtime): "
                 + (", ".join(t.get("mutated_buffers", [])) or "none")]
     return "\n".join(out)

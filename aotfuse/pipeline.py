@@ -24,6 +24,7 @@ from .emit.compile import compile_all
 from .emit.kernel_src import generate
 from .emit.program import build_program
 from .export import capture
+from .errors import BuildError
 from .knobs import knobs
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
@@ -83,8 +84,33 @@ class _Compiled:
     splits: tuple = ()
 
 
+def _suffix(program: str) -> str:
+    """Stage names carry the program's name, but for the (first) forward program's."""
+    return "" if program == "forward" else f"[{program}]"
+
+
+def _scale_kernels(step: _Compiled, info) -> list:
+    """The fused step's backward kernels (emit/scale.py): per gradient output, in order."""
+    from .emit.scale import scale_kernel
+
+    bufs = step.graph.buffer_map
+    outs = step.graph.outputs[1 + len(info.mutated_buffers):]
+    if len(outs) != len(info.grads):
+        raise BuildError(f"internal: the step program returns {len(outs)} gradients, the train info lists "
+                         f"{len(info.grads)}")
+    loss = bufs[step.graph.outputs[0].view.buf].dtype
+    return [scale_kernel(bufs[o.view.buf].dtype, _numel(o.view.shape), loss) for o in outs]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
-    sfx = "" if name == "forward" else f"[{name}]"
+    sfx = _suffix(name)
     graph, lctx = st.run("lower" + sfx, lower, cg, name)
     n_lowered = len(graph.nodes)
     graph, inlined = st.run("inline" + sfx, inline_pointwise, graph)
@@ -98,11 +124,15 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
 
 
 def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
-          train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None) -> BuildResult:
+          train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None,
+          step: str = "auto") -> BuildResult:
     """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
-    train=True: the model's forward returns the loss; the archive holds a forward program (loss and
-    the tensors saved for the backward) and a backward program (gradients), split by our min-cut.
+    train=True: the model's forward returns the loss. With a scalar loss (step="auto", the default, or
+    "step") the archive holds one program, "step": the forward and the backward for a loss gradient of 1
+    (partition/step.py); the runtime's backward scales the gradients by the actual one. Otherwise
+    (step="split", or a loss of several elements) a forward program (loss and the tensors saved for the
+    backward) and a backward program (gradients), split by our min-cut.
 
     example_kwargs: keyword arguments of the example call, `model(*example_inputs, **example_kwargs)`,
     as users call it (`input_ids=`, `labels=`). Tensor values become program inputs named by their
@@ -117,31 +147,41 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
     train_info = None
     if train:
         from .joint import trace_joint
-        from .partition import partition, train_graphs as _train_graphs
+        from .partition import partition, step_graphs, step_mode, train_graphs as _train_graphs
 
         joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs)
         call = {"inputs": joint.call, "outputs": joint.outputs_tree, "loss_leaf": joint.loss_leaf}
+        mode, mode_why = step_mode(joint, step)
         part = st.run("partition", partition, joint, memory_budget)
-        fwd_cg, bwd_cg, train_info = _train_graphs(joint, part)
-        progs = [_schedule_program(st, "forward", fwd_cg), _schedule_program(st, "backward", bwd_cg)]
+        if mode == "step":
+            step_cg, train_info = st.run("stitch", step_graphs, joint, part)
+            progs = [_schedule_program(st, "step", step_cg)]
+            scales = _scale_kernels(progs[0], train_info)
+            train_info = dataclasses.replace(train_info, scale_kernels=tuple(k.name for k in scales))
+        else:
+            fwd_cg, bwd_cg, train_info = _train_graphs(joint, part)
+            progs = [_schedule_program(st, "forward", fwd_cg), _schedule_program(st, "backward", bwd_cg)]
     else:
         cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs)
         call = {"inputs": cg.call, "outputs": cg.outputs_tree}
         progs = [_schedule_program(st, "forward", cg)]
-    all_kernels = [k for p in progs for k in p.kernels.values()]
+    scales = scales if train and mode == "step" else []
+    all_kernels = [k for p in progs for k in p.kernels.values()] + list({k.name: k for k in scales}.values())
     binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
-    programs = {p.name: st.run("program" + ("" if p.name == "forward" else f"[{p.name}]"), build_program,
+    programs = {p.name: st.run("program" + _suffix(p.name), build_program,
                                p.graph, p.sched, p.kernels, p.plan) for p in progs}
     report = _report(progs[0])
     params = {}
-    if len(progs) > 1:
+    if train:
         # the joint trace's attention choices (fused or math, and why) go with the partition's record
-        part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions]}
-        report = dataclasses.replace(report, backward=_report(progs[1]), partition=part_rec)
+        part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions],
+                    "step": {"mode": mode, "why": mode_why}}
+        report = dataclasses.replace(report, backward=_report(progs[1]) if len(progs) > 1 else None,
+                                     partition=part_rec)
         # parameters and the buffers the forward updates are program inputs: the archive holds their initial values
         params = {name: joint.weights[name] for name in joint.param_names + joint.mutated_buffers}
     manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info,
-                                      params, call)
+                                      params, call, scales)
     data = write_archive(manifest.to_dict(), parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)
     return BuildResult(data, report, dict(st.timings), len(binaries), manifest)
@@ -178,12 +218,12 @@ def _blocks(k) -> dict:
             "num_warps": k.num_warps, "grid": list(k.grid), "why": k.why}
 
 
-def _kernel_entries(progs, binaries) -> dict[str, KernelEntry]:
-    """One entry per distinct kernel, in first-launch order across the programs."""
+def _kernel_entries(progs, binaries, extra=()) -> dict[str, KernelEntry]:
+    """One entry per distinct kernel, in first-launch order across the programs, then `extra` (kernels the
+    runtime launches itself: the fused step's scaling)."""
     launched: dict[str, list] = {}
-    for p in progs:
-        for k in p.kernels.values():
-            launched.setdefault(k.name, []).append(k)
+    for k in [k for p in progs for k in p.kernels.values()] + list(extra):
+        launched.setdefault(k.name, []).append(k)
     out = {}
     for name, ks in launched.items():
         k = ks[0]
@@ -197,9 +237,10 @@ def _kernel_entries(progs, binaries) -> dict[str, KernelEntry]:
     return out
 
 
-def _pack(progs, programs, binaries, report: Report, targets, train_info, params: dict, call: dict | None = None):
-    kernels = _kernel_entries(progs, binaries)
-    sources = {name: k.source for p in progs for name, k in ((k.name, k) for k in p.kernels.values())}
+def _pack(progs, programs, binaries, report: Report, targets, train_info, params: dict, call: dict | None = None,
+          extra=()):
+    kernels = _kernel_entries(progs, binaries, extra)
+    sources = {k.name: k.source for k in [k for p in progs for k in p.kernels.values()] + list(extra)}
     weights = {}
     for p in progs:
         for buf, fqn in p.graph.weights:

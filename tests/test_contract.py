@@ -41,8 +41,12 @@ def archives():
             cfg = GPTConfig(vocab=32, seq=4, dim=16, heads=2, layers=1, dropout=0.0)
             model = _init((GPTWithLoss if train else GPT)(cfg), seed=0)
             ids = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(0))
-            res = aotfuse.build(model.train(train), (ids, ids) if train else (ids,), train=train, targets=("sm_90",))
+            kw = {"step": "split"} if train else {}
+            res = aotfuse.build(model.train(train), (ids, ids) if train else (ids,), train=train, targets=("sm_90",),
+                                **kw)
             out["train" if train else "infer"] = res
+            if train:
+                out["step"] = aotfuse.build(model, (ids, ids), train=True, targets=("sm_90",))
     return out
 
 
@@ -51,17 +55,20 @@ def _parts(data: bytes) -> tuple[dict, dict]:
     return ar.manifest, {n: msgpack.unpackb(ar.part(n), **_UNPACK) for n in ar.part_names if n != "sources"}
 
 
-@pytest.mark.parametrize("which", ["infer", "train"])
+@pytest.mark.parametrize("which", ["infer", "train", "step"])
 def test_real_build_round_trips(archives, which):
     res = archives[which]
     manifest, parts = _parts(res.data)
     m = Manifest.from_dict(manifest)
     assert Manifest.from_dict(m.to_dict()) == m
     assert write_archive(m.to_dict(), {}, {}) == write_archive(manifest, {}, {})  # the same canonical manifest
-    assert (m.train is not None) == (which == "train")
+    assert (m.train is not None) == (which != "infer")
     if m.train is not None:
         assert isinstance(m.train, TrainInfo) and TrainInfo.from_dict(m.train.to_dict()) == m.train
-        assert m.train.user_inputs == m.inputs and m.programs == ("forward", "backward")
+        assert m.train.user_inputs == m.inputs and m.programs == m.train.programs
+        assert m.programs == (("step",) if which == "step" else ("forward", "backward"))
+        assert m.train.mode == ("step" if which == "step" else "split")
+        assert len(m.train.scale_kernels) == (len(m.train.grads) if which == "step" else 0)
     for name in m.programs:
         d = parts[f"program.{name}"]
         p = Program.from_dict(d, name)
@@ -74,7 +81,7 @@ def test_real_build_round_trips(archives, which):
     assert msgpack.packb(kernels_to_dict(k), use_bin_type=True) == read_archive(res.data).part("kernels")
     rep = Report.from_dict(parts["report"])
     assert rep == res.report and rep.to_dict() == parts["report"] and Report.from_dict(rep.to_dict()) == rep
-    assert (rep.backward is not None) == (rep.partition is not None) == (which == "train")
+    assert (rep.backward is not None) == (which == "train") and (rep.partition is not None) == (which != "infer")
 
 
 def test_loaded_artifact_exposes_the_typed_payload(archives):

@@ -93,11 +93,13 @@ def test_two_live_graphs_and_tangent_scaling(built):
         assert rel(ours[n].grad, p.grad) < 1e-4, n
 
 
-def test_saved_tensors_are_freed_after_backward(built):
+def test_saved_tensors_are_freed_after_backward():
     import gc
     import weakref
 
-    _, res = built("llama_block")
+    model, inputs = CASES["llama_block"]()
+    res = aotfuse.build(model, inputs, train=True, targets=("sm_90",), step="split")
+    assert res.manifest.programs == ("forward", "backward")
     mod = aotfuse.load(res.data, device="cpu").as_module()
     loss = mod(*random_inputs(mod._art.input_specs, device="cpu", seed=3))
     saved = [weakref.ref(t) for t in loss.grad_fn.saved_tensors]
@@ -106,6 +108,30 @@ def test_saved_tensors_are_freed_after_backward(built):
     del loss
     gc.collect()
     assert all(r() is None for r in saved)
+
+
+def test_fused_step_holds_only_gradients_and_hands_them_over(built):
+    """A fused step keeps the gradients from the forward to the backward (no saved tensors), hands them to
+    autograd once, and frees them when the loss is dropped without a backward."""
+    import gc
+    import weakref
+
+    _, res = built("llama_block")
+    assert res.manifest.programs == ("step",) and res.manifest.train.mode == "step"
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    inputs = random_inputs(mod._art.input_specs, device="cpu", seed=3)
+    loss = mod(*inputs)
+    assert loss.grad_fn.saved_tensors == ()
+    held = [weakref.ref(g) for g in loss.grad_fn.grads]
+    assert len(held) == len(res.manifest.train.grads)
+    loss.backward()
+    assert loss.grad_fn.grads is None
+    assert all(p.grad is not None for p in mod.parameters())
+    loss = mod(*inputs)
+    held = [weakref.ref(g) for g in loss.grad_fn.grads]
+    del loss
+    gc.collect()
+    assert all(r() is None for r in held)
 
 
 class _Dropout(nn.Module):
@@ -142,14 +168,26 @@ def test_dropout_same_mask_in_backward_and_right_keep_rate():
     assert masks and all(s["nbytes"] == n // 8 for s in masks), part["saved"]
 
 
-def test_inspect_shows_partition(built, tmp_path):
-    _, res = built("gpt_small")
+@pytest.fixture(scope="module")
+def split_gpt():
+    model, inputs = small_gpt()
+    return aotfuse.build(model, inputs, train=True, targets=("sm_90",), step="split")
+
+
+def test_inspect_shows_partition(built, split_gpt, tmp_path):
     path = tmp_path / "t.aotf"
-    res.save(path)
+    split_gpt.save(path)
     info = aotfuse.inspect_archive(path)
-    assert set(info["programs"]) == {"forward", "backward"}
+    assert set(info["programs"]) == {"forward", "backward"} and info["train"]["mode"] == "split"
     part = info["partition"]
     assert part["saved_bytes"] > 0 and part["saved"] and "recomputed" in part
+    assert part["step"]["mode"] == "split" and "step='split'" in part["step"]["why"]
+    _, res = built("gpt_small")
+    res.save(path)
+    info = aotfuse.inspect_archive(path)
+    assert set(info["programs"]) == {"step"} and info["train"]["mode"] == "step" and info["train"]["n_saved"] == 0
+    assert info["partition"]["step"] == {"mode": "step", "why": res.report.partition["step"]["why"]}
+    assert "the loss is a scalar" in info["partition"]["step"]["why"]
 
 
 def test_gradient_for_an_input_that_requires_grad():
@@ -190,12 +228,12 @@ def test_full_demo_loss_and_gradients_match_eager():
     assert worst < 1e-4, worst
 
 
-def test_explain_lists_every_decision(built, tmp_path):
+def test_explain_lists_every_decision(built, split_gpt, tmp_path):
     from typer.testing import CliRunner
 
     from aotfuse.cli import app
 
-    _, res = built("gpt_small")
+    res = split_gpt
     path = tmp_path / "t.aotf"
     res.save(path)
     out = CliRunner().invoke(app, ["explain", str(path)]).output
@@ -203,3 +241,9 @@ def test_explain_lists_every_decision(built, tmp_path):
     assert "FUSED" in out and "refused" in out and "saved " in out and "recomputed in the backward" in out
     fused = sum(d.fused for d in res.report.fusion)
     assert out.count("FUSED") >= fused
+    _, res = built("gpt_small")
+    res.save(path)
+    out = CliRunner().invoke(app, ["explain", str(path)]).output
+    assert "== step program ==" in out and "== backward program ==" not in out
+    assert "one program (fused step): the loss is a scalar" in out
+    assert out.count("FUSED") >= sum(d.fused for d in res.report.fusion)

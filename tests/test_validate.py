@@ -38,13 +38,15 @@ def _fake_compile(kernels, targets, workers, progress=None):
     return {k.name: {"sm_90": Binary("sm_90", b"not-a-cubin", k.name, k.num_warps, 0, 0, 0)} for k in kernels}
 
 
-def _build(train: bool) -> bytes:
+def _build(train: bool, step: str = "split") -> bytes:
     from aotfuse.examples.gpt import GPT, GPTConfig, GPTWithLoss, _init
 
     cfg = GPTConfig(vocab=32, seq=4, dim=16, heads=2, layers=1, dropout=0.1 if train else 0.0)
     model = _init((GPTWithLoss if train else GPT)(cfg), seed=0)
     ids = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(0))
-    return aotfuse.build(model.train(train), (ids, ids) if train else (ids,), train=train, targets=("sm_90",)).data
+    kw = {"step": step} if train else {}
+    return aotfuse.build(model.train(train), (ids, ids) if train else (ids,), train=train, targets=("sm_90",),
+                         **kw).data
 
 
 @dataclasses.dataclass
@@ -65,7 +67,7 @@ class Decoded:
 
     @property
     def version(self) -> int:
-        return self.parts["program.forward"]["version"]
+        return self.parts["program." + self.manifest["programs"][0]]["version"]
 
 
 def decode(data: bytes) -> Decoded:
@@ -81,7 +83,8 @@ def decode(data: bytes) -> Decoded:
 def bases(monkeypatch_module):
     monkeypatch_module.setattr("aotfuse.pipeline.compile_all", _fake_compile)
     monkeypatch_module.setattr("aotfuse.knobs.knobs.mm", "extern")  # the extern cases need cuBLAS calls
-    return {"gpt": decode(_build(False)), "train": decode(_build(True)), "golden_v1": decode(GOLDEN.read_bytes())}
+    return {"gpt": decode(_build(False)), "train": decode(_build(True)), "step": decode(_build(True, "step")),
+            "golden_v1": decode(GOLDEN.read_bytes())}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +140,8 @@ def numels(prog: dict, weights: dict) -> dict[str, int]:
     for ins in prog["instructions"]:
         if ins["op"] == "alloc" or (ins["op"] == "extern" and not ins["out_variant"]):
             out[defines(ins)] = _prod(ins["shape"])
+        if ins["op"] == "extern":  # a multi-result op's further results
+            out.update((o["out"], _prod(o["shape"])) for o in ins.get("outs", []))
     return out
 
 
@@ -847,6 +852,36 @@ def test_train_archive_cross_checks(bases):
     spec = d.parts["program.backward"]["inputs"][0]
     spec["shape"] = [7] + spec["shape"]
     _refused(d, r"the backward program's inputs")
+
+
+def test_step_archive_cross_checks(bases):
+    """A fused-step archive: one program, no saved tensors, one scaling kernel per gradient that writes
+    exactly that gradient (a kernel writing more would scribble past it)."""
+    d = bases["step"].copy()
+    assert d.manifest["programs"] == ["step"] and d.manifest["train"]["mode"] == "step"
+    d.manifest["train"]["n_saved"] = 1
+    _refused(d, r"manifest.train.n_saved")
+    d = bases["step"].copy()
+    d.manifest["programs"] = ["forward", "backward"]
+    _refused(d, r"a step train archive has programs \['step'\]")
+    d = bases["step"].copy()
+    d.manifest["train"]["scale_kernels"].pop()
+    _refused(d, r"manifest.train.scale_kernels")
+    d = bases["step"].copy()
+    ks = d.manifest["train"]["scale_kernels"]
+    sizes = {n: d.parts["kernels"][n]["args"][0]["numel"] for n in ks}
+    i = next(i for i, n in enumerate(ks) if sizes[n] != sizes[ks[0]])
+    ks[0] = ks[i]  # a kernel for another gradient's size
+    _refused(d, r"manifest.train.scale_kernels\[0\]: kernel \w+ does not scale")
+    d = bases["step"].copy()
+    d.manifest["train"]["scale_kernels"][0] = "aotf_nope"
+    _refused(d, r"names kernel 'aotf_nope'")
+    d = bases["step"].copy()
+    d.manifest["train"]["mode"] = "fused"
+    _refused(d, r"manifest.train.mode")
+    d = bases["train"].copy()
+    d.manifest["train"]["scale_kernels"] = bases["step"].manifest["train"]["scale_kernels"]
+    _refused(d, r"a split train archive has no scaling kernels")
 
 
 def test_validate_program_is_pure_and_names_the_instruction(bases):

@@ -91,13 +91,18 @@ class OutputSpec:
 
 @dataclasses.dataclass(frozen=True)
 class TrainInfo:
-    """What a train archive's two programs mean (aotfuse/partition/programs.py).
+    """What a train archive's programs mean (aotfuse/partition/programs.py, aotfuse/partition/step.py).
 
-    The forward program takes `params` (archive weights, in order), then `mutated_buffers` (archive
+    mode "split": two programs. The forward program takes `params` (archive weights, in order), then `mutated_buffers` (archive
     weights holding their initial values), then the user inputs, and returns the loss, then the new
     value of each mutated buffer (same order, same shape and dtype; the runtime copies it into the
     module's buffer), then `n_saved` tensors for the backward; the backward takes those and the
-    loss's gradient and returns one gradient per `grads` entry: ("param", name) or ("input", index)."""
+    loss's gradient and returns one gradient per `grads` entry: ("param", name) or ("input", index).
+
+    mode "step" (a scalar loss): one program, "step", takes the forward's inputs and returns the loss, the
+    buffer updates, then one gradient per `grads` entry computed for a loss gradient of 1; the runtime's
+    backward multiplies each gradient in place by the actual loss gradient with kernel `scale_kernels[i]`
+    (args: the gradient, written; the loss gradient, read), which does nothing when it is 1. n_saved is 0."""
 
     params: tuple[str, ...]
     buffers: tuple[str, ...]  # buffers the forward only reads, baked in as weights
@@ -108,6 +113,12 @@ class TrainInfo:
     # buffers the forward updates (train-mode BatchNorm's running statistics and num_batches_tracked);
     # program version 4, written only when there are some
     mutated_buffers: tuple[str, ...] = ()
+    mode: str = "split"  # "split" | "step"; written only when "step"
+    scale_kernels: tuple[str, ...] = ()  # mode "step": per gradient, the kernel that scales it in place
+
+    @property
+    def programs(self) -> tuple[str, ...]:
+        return ("step",) if self.mode == "step" else ("forward", "backward")
 
     @property
     def state_inputs(self) -> tuple[str, ...]:
@@ -118,16 +129,18 @@ class TrainInfo:
         out = {"params": list(self.params), "buffers": list(self.buffers),
                "user_inputs": [s.to_dict() for s in self.user_inputs], "grads": [list(g) for g in self.grads],
                "n_saved": self.n_saved, "saved_bytes": self.saved_bytes}
-        return put_optional(out, "mutated_buffers", list(self.mutated_buffers), [])
+        out = put_optional(out, "mutated_buffers", list(self.mutated_buffers), [])
+        out = put_optional(out, "mode", self.mode, "split")
+        return put_optional(out, "scale_kernels", list(self.scale_kernels), [])
 
     @classmethod
     def from_dict(cls, d: Any) -> "TrainInfo":
         d = fields(d, "manifest.train", ("params", "grads", "n_saved"),
-                   ("buffers", "user_inputs", "saved_bytes", "mutated_buffers"))
+                   ("buffers", "user_inputs", "saved_bytes", "mutated_buffers", "mode", "scale_kernels"))
         return cls(strs(d["params"]), strs(d.get("buffers", ())),
                    tuple(InputSpec.from_dict(s) for s in d.get("user_inputs", ())),
                    tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0),
-                   strs(d.get("mutated_buffers", ())))
+                   strs(d.get("mutated_buffers", ())), d.get("mode", "split"), strs(d.get("scale_kernels", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +149,7 @@ class Manifest:
     aotfuse_version: str
     torch_version: str
     targets: tuple[str, ...]  # cubin architectures ("sm_90")
-    programs: tuple[str, ...]  # ("forward",) or ("forward", "backward")
+    programs: tuple[str, ...]  # ("forward",); train: ("forward", "backward") or ("step",)
     inputs: tuple[InputSpec, ...]
     outputs: tuple[OutputSpec, ...]  # a train archive: the loss only
     single_output: bool  # the model returned one tensor (not a tuple)

@@ -1,5 +1,6 @@
 """--train, the partition stage's output: the forward and backward FX graphs as two CapturedGraphs for the
-scheduler, and the train info the runtime needs to bind them (parameters, gradients, saved tensors).
+scheduler (or, for a fused step, the one stitched graph: partition/step.py), and the train info the runtime
+needs to bind them (parameters, gradients, saved tensors).
 
 Forward program inputs: the trainable parameters, then the buffers the forward updates (train-mode
 BatchNorm's running statistics, `TrainInfo.mutated_buffers`), then the user inputs (the other
@@ -128,29 +129,50 @@ def _forward_placeholders(joint, fph) -> list[tuple[str, str, object]]:
     return out
 
 
-def train_graphs(joint, part):
+def _forward_inputs(joint, gm):
+    """(placeholders, input specs, baked buffers) of a program that takes the forward's inputs: the
+    trainable parameters, the buffers the forward updates, then the user inputs."""
     n_p, n_b = len(joint.param_names), len(joint.buffer_names)
     mutated = tuple(joint.mutated_buffers)
-    fph = _placeholders(part.fwd_gm)
+    fph = _placeholders(gm)
     if len(fph) != n_p + n_b + len(joint.inputs):
         raise BuildError(f"forward graph has {len(fph)} placeholders; expected params+buffers+inputs = "
                          f"{n_p}+{n_b}+{len(joint.inputs)}")
     placeholders = _forward_placeholders(joint, fph)
     by_input = {ref: node for node, (_, kind, ref) in zip(fph, placeholders) if kind == "input"}
-    first_user = n_p + len(mutated)
+    specs = tuple(_spec(by_input[i], f"param:{joint.param_names[i]}") for i in range(n_p))
+    specs += tuple(_spec(by_input[n_p + j], f"buffer:{fqn}") for j, fqn in enumerate(mutated))
+    specs += tuple(joint.inputs)
+    buffers = {b: joint.weights[b] for b in joint.buffer_names if b not in mutated}
+    return tuple(placeholders), specs, buffers, by_input
+
+
+def _train_info(joint, buffers, n_saved: int, saved_bytes: int, mode: str = "split") -> TrainInfo:
+    return TrainInfo(params=tuple(joint.param_names), buffers=tuple(buffers),
+                     user_inputs=tuple(s.to_contract() for s in joint.inputs),
+                     grads=tuple((str(k), ref) for k, ref in joint.grads), n_saved=n_saved,
+                     saved_bytes=int(saved_bytes), mutated_buffers=tuple(joint.mutated_buffers), mode=mode)
+
+
+def train_graphs(joint, part):
+    placeholders, fwd_specs, buffers, by_input = _forward_inputs(joint, part.fwd_gm)
+    first_user = len(joint.param_names) + len(joint.mutated_buffers)
     strided = frozenset(by_input[first_user + j].name for j, spec in enumerate(joint.inputs) if spec.stride is not None)
     _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs, strided)
-    fwd_specs = tuple(_spec(by_input[i], f"param:{joint.param_names[i]}") for i in range(n_p))
-    fwd_specs += tuple(_spec(by_input[n_p + j], f"buffer:{fqn}") for j, fqn in enumerate(mutated))
-    fwd_specs += tuple(joint.inputs)
-    buffers = {b: joint.weights[b] for b in joint.buffer_names if b not in mutated}
-    fwd = CapturedGraph(part.fwd_gm, tuple(placeholders), buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
+    fwd = CapturedGraph(part.fwd_gm, placeholders, buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
     bph = _placeholders(part.bwd_gm)
     bwd_specs = tuple(_spec(n, n.name) for n in bph)
     bwd = CapturedGraph(part.bwd_gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, bwd_specs,
                         False, 0.0, contiguous_outputs=True)
-    info = TrainInfo(params=tuple(joint.param_names), buffers=tuple(buffers),
-                     user_inputs=tuple(s.to_contract() for s in joint.inputs),
-                     grads=tuple((str(k), ref) for k, ref in joint.grads), n_saved=len(bph) - 1,
-                     saved_bytes=int(part.saved_bytes), mutated_buffers=mutated)
-    return fwd, bwd, info
+    return fwd, bwd, _train_info(joint, buffers, len(bph) - 1, part.saved_bytes)
+
+
+def step_graphs(joint, part):
+    """The one program of a fused step (partition/step.py): the forward's inputs; the loss, the buffer
+    updates and the gradients out. Its TrainInfo's scale_kernels are filled in by the pipeline."""
+    from .step import step_graph
+
+    gm = step_graph(part)
+    placeholders, specs, buffers, _ = _forward_inputs(joint, gm)
+    step = CapturedGraph(gm, placeholders, buffers, specs, False, 0.0, contiguous_outputs=True)
+    return step, _train_info(joint, buffers, 0, 0, mode="step")

@@ -48,6 +48,7 @@ class Artifact:
             from .interpret import make_launchers as interp_launchers
 
             launchers, self.arch = interp_launchers(self.kernels, read_sources(archive, self.kernels)), "interpreter"
+            self.launchers = launchers  # name -> launch(grid, stream, tensors)
         else:
             raise GuardError(f"device {self.device} is not supported", remedy="use cuda or cpu")
         self.weights = {k: v.to(self.device, non_blocking=True) for k, v in archive.weights.items()}
@@ -117,8 +118,9 @@ class Artifact:
         train = self.manifest.train
         if train is not None:  # forward of a train archive: parameters (and updated buffers, read from the
             # archive; their new values are dropped: as_module() keeps them) are program inputs; return the loss
+            # (a fused step's program computes the gradients too: as_module() hands them to autograd)
             params = [self.weights[n] for n in train.state_inputs]
-            return self.executors["forward"].run(params + list(inputs))[0]
+            return self.executors[train.programs[0]].run(params + list(inputs))[0]
         outs = self._run_flat(program, inputs)
         return outs[0] if self.manifest.single_output and len(outs) == 1 else tuple(outs)
 

@@ -86,9 +86,22 @@ def _program_lines(name: str, rep: Report, refused_only: bool) -> list[str]:
     return out
 
 
+def _step_mode(part: dict | None) -> str:
+    step = (part or {}).get("step")
+    return step.get("mode", "split") if isinstance(step, dict) else "split"
+
+
 def _partition_lines(part: dict) -> list[str]:
-    out = ["== partition (min-cut) ==",
-           f"saved {part['saved_bytes']} B for the backward; budget {part.get('memory_budget')}"]
+    step = part.get("step")
+    if _step_mode(part) == "step":
+        out = ["== partition (min-cut) ==", f"one program (fused step): {step.get('why')}",
+               f"kept from the forward half for the backward half {part['saved_bytes']} B (live inside the step "
+               f"program, planned in its arena); budget {part.get('memory_budget')}"]
+    else:
+        out = ["== partition (min-cut) ==",
+               f"saved {part['saved_bytes']} B for the backward; budget {part.get('memory_budget')}"]
+        if isinstance(step, dict):
+            out.append(f"two programs: {step.get('why')}")
     for s in part["saved"]:
         packed = " (bit-packed)" if s.get("packed") else ""
         out.append(f"  saved {s['name']}: {s['nbytes']} B from {s['producer_op']}{packed}: {s['why']}")
@@ -104,8 +117,9 @@ def _partition_lines(part: dict) -> list[str]:
 
 def explain_report(report: Report, *, program: str | None = None, refused_only: bool = False) -> str:
     sections = []
-    if program in (None, "forward"):
-        sections.append(_program_lines("forward", report, refused_only))
+    first = "step" if _step_mode(report.partition) == "step" else "forward"
+    if program in (None, first):
+        sections.append(_program_lines(first, report, refused_only))
     if program in (None, "backward") and report.backward is not None:
         sections.append(_program_lines("backward", report.backward, refused_only))
     if report.partition is not None and program is None:

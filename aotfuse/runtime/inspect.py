@@ -42,7 +42,7 @@ def describe(archive: Archive) -> dict:
     if report.partition is not None:
         out["partition"] = report.partition
     if m.train is not None:
-        out["train"] = {"params": list(m.train.params), "n_saved": m.train.n_saved,
+        out["train"] = {"params": list(m.train.params), "mode": m.train.mode, "n_saved": m.train.n_saved,
                         "saved_bytes": m.train.saved_bytes,
                         # buffers the forward updates (train-mode BatchNorm); the runtime writes them back
                         "mutated_buffers": list(m.train.mutated_buffers)}

@@ -7,6 +7,11 @@ so `.grad` fills and any torch.optim optimizer works. Each forward keeps its own
 so several forwards may be live before their backwards; they are freed once the backward ran.
 Buffers the forward updates (train-mode BatchNorm) are the module's buffers (runtime/train_state.py):
 passed to the forward program after the parameters and written back in place after it ran.
+
+A fused-step archive (TrainInfo.mode "step", partition/step.py) has one program that returns the loss
+and the gradients for a loss gradient of 1: the forward runs it and keeps the gradients (nothing else);
+the backward multiplies them in place by the loss gradient autograd passes (emit/scale.py: no work
+when it is 1) and hands them over, once: a second backward through the same forward is refused.
 """
 from __future__ import annotations
 
@@ -43,15 +48,65 @@ class _Packaged(torch.autograd.Function):
         saved = ctx.saved_tensors
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
         grads = module._run("backward", list(saved) + [tangent])
+        return _by_owner(module, ctx, _unshared(grads))
+
+
+def _by_owner(module, ctx, grads) -> tuple:
+    n_p = len(module._param_list)
+    out_param = [None] * n_p
+    out_input = [None] * ctx.n_inputs
+    for (kind, ref), g in zip(module._grad_map, grads):
+        if kind == "param":
+            out_param[module._param_index[ref]] = g
+        else:
+            out_input[int(ref)] = g
+    return (None, *out_param, *out_input)
+
+
+def _unshared(grads: list) -> list:
+    """A program may return one buffer for two gradients (equal values): each owner gets its own tensor,
+    so an in-place change to one `.grad` (clipping, scaling) never reaches another."""
+    seen = set()
+    out = []
+    for g in grads:
+        key = (g.untyped_storage().data_ptr(), g.storage_offset()) if g.numel() else None
+        if key is not None and key in seen:
+            g = g.clone()
+        elif key is not None:
+            seen.add(key)
+        out.append(g)
+    return out
+
+
+class _Step(torch.autograd.Function):
+    """A fused-step archive: the program computes loss and gradients (for loss gradient 1) in the forward."""
+
+    @staticmethod
+    def forward(ctx, module, *args):
         n_p = len(module._param_list)
-        out_param = [None] * n_p
-        out_input = [None] * ctx.n_inputs
-        for (kind, ref), g in zip(module._grad_map, grads):
-            if kind == "param":
-                out_param[module._param_index[ref]] = g
-            else:
-                out_input[int(ref)] = g
-        return (None, *out_param, *out_input)
+        n_m = len(module._bufs.names)
+        outs = module._run("step", list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
+        loss = outs[0]
+        module._bufs.write_back(outs[1:1 + n_m])
+        ctx.module = module
+        ctx.n_inputs = len(args) - n_p
+        ctx.grads = outs[1 + n_m:]
+        return loss.clone() if loss._base is not None else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        module = ctx.module
+        grads = ctx.grads
+        if grads is None:
+            raise AotfuseError("a second backward through one forward of a fused-step archive: its gradients "
+                               "were handed to autograd by the first (backward(retain_graph=True) twice)",
+                               remedy="run the forward again for each backward, or build with step='split' "
+                                      "(--split-step), whose saved tensors serve several backwards")
+        ctx.grads = None
+        tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
+        grads = _unshared(grads)  # before scaling: a buffer returned twice is scaled once per owner
+        module._scale(grads, tangent)
+        return _by_owner(module, ctx, grads)
 
 
 class PackagedModule(nn.Module):
@@ -79,7 +134,16 @@ class PackagedModule(nn.Module):
         original_state_dict_names(self, {"_params": tuple(self._names), "_bufs": self._bufs.names})
         self._grad_map = list(info.grads)
         self._graphs = None
-        if art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs):
+        self._step = info.mode == "step"
+        if self._step:  # per gradient: its in-place scaling kernel's launcher and grid
+            self._scalers = [(art.launchers[k], tuple(art.kernels[k].grid)) for k in info.scale_kernels]
+        graphs = art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs)
+        if graphs and self._step:
+            # the step reads parameters and updated buffers in place and copies the batch (a new tensor
+            # every step) into static buffers; its outputs (the gradients) are fresh per held set
+            n_p, n_m = len(self._names), len(self._bufs.names)
+            self._graphs = {"step": art.graphed("step", frozenset(range(n_p + n_m)), key=False)}
+        elif graphs:
             n_p, n_m = len(self._names), len(self._bufs.names)
             # the forward copies the batch (a new tensor every step) and reads parameters and updated
             # buffers in place; the backward reads the saved tensors where the forward's graph wrote
@@ -97,6 +161,19 @@ class PackagedModule(nn.Module):
             self._graphs = {"forward": fwd, "backward": bwd}
         loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+    def _scale(self, grads: list, tangent: torch.Tensor) -> None:
+        """grads[i] *= tangent in place, on the current stream (emit/scale.py: nothing when it is 1)."""
+        if self._art.device.type == "cuda":
+            from .executor import current_stream
+
+            stream = current_stream(self._art.device.index)
+            with self._art.device_scope():
+                for (launch, grid), g in zip(self._scalers, grads):
+                    launch(grid, stream, [g.data_ptr(), tangent.data_ptr()])
+        else:
+            for (launch, grid), g in zip(self._scalers, grads):
+                launch(grid, 0, [g, tangent])
 
     def _run(self, program: str, inputs: list):
         with self._art.device_scope():
@@ -159,4 +236,4 @@ class PackagedModule(nn.Module):
                 name = self._art.input_specs[i].name
                 raise GuardError(f"input {name!r} (#{i}) requires grad, but the archive has no gradient for it",
                                  remedy="build with an example input that requires grad (x.requires_grad_())")
-        return _Packaged.apply(self, *self._param_list, *inputs)
+        return (_Step if self._step else _Packaged).apply(self, *self._param_list, *inputs)

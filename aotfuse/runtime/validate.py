@@ -72,8 +72,17 @@ def validate_manifest(manifest) -> None:
 
 def _train_info(t, progs: list) -> None:
     t = _dict(t, "manifest.train", ("params", "grads", "n_saved"))
-    if progs != ["forward", "backward"]:
-        _fail("manifest.programs", f"a train archive has programs ['forward', 'backward'], got {_short(progs)}")
+    mode = t.get("mode", "split")
+    if mode not in ("split", "step"):
+        _fail("manifest.train.mode", f"is not 'split' or 'step': {_short(mode)}")
+    want = ["step"] if mode == "step" else ["forward", "backward"]
+    if progs != want:
+        _fail("manifest.programs", f"a {mode} train archive has programs {want}, got {_short(progs)}")
+    scales = _list(t.get("scale_kernels", []), "manifest.train.scale_kernels", 0, 1 << 16)
+    for i, k in enumerate(scales):
+        _str(k, f"manifest.train.scale_kernels[{i}]")
+    if mode == "split" and scales:
+        _fail("manifest.train.scale_kernels", "a split train archive has no scaling kernels")
     params = _list(t["params"], "manifest.train.params", 0, 1 << 16)
     for i, p in enumerate(params):
         _str(p, f"manifest.train.params[{i}]")
@@ -96,6 +105,8 @@ def _train_info(t, progs: list) -> None:
                 _fail(where, f"expected an input index, got {_short(g[1])}")
         else:
             _fail(where, f"expected kind 'param' or 'input', got {_short(g[0])}")
+    if mode == "step" and len(scales) != len(t["grads"]):
+        _fail("manifest.train.scale_kernels", f"{len(scales)} kernels for {len(t['grads'])} gradients")
 
 
 # ---------------------------------------------------------------- kernels part
@@ -550,11 +561,11 @@ def validate_archive(manifest: dict, kernels, programs: dict, weights: dict[str,
     validate_kernels(kernels)
     sigs = {name: validate_program(name, p, kernels, weights) for name, p in programs.items()}
     train = manifest.get("train")
-    fwd = sigs["forward"]
+    fwd = sigs["step" if train and train.get("mode") == "step" else "forward"]
     ins = [_spec(s, "", True) for s in manifest["inputs"]]
     outs = [_spec(s, "", False) for s in manifest["outputs"]]
     if train:
-        _check_train(train, sigs, weights, ins, outs)
+        _check_train(train, sigs, weights, ins, outs, kernels)
     else:
         _same("manifest.inputs", "the forward program's inputs", ins, fwd.inputs)
         _same("manifest.outputs", "the forward program's outputs", outs, fwd.outputs)
@@ -577,10 +588,12 @@ def _state_specs(names, weights: dict, where: str, what: str) -> list:
     return specs
 
 
-def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) -> None:
+def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list, kernels: dict) -> None:
     params = _state_specs(train["params"], weights, "manifest.train.params", "parameter")
     mutated = train.get("mutated_buffers", [])
     bufs = _state_specs(mutated, weights, "manifest.train.mutated_buffers", "buffer")
+    if train.get("mode") == "step":
+        return _check_step(train, sigs["step"], kernels, params, bufs, ins, outs)
     fwd, bwd = sigs["forward"], sigs["backward"]
     _same("the forward program's inputs", "train params + mutated buffers + manifest.inputs", params + bufs + ins,
           fwd.inputs)
@@ -594,10 +607,41 @@ def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list) 
     # the backward takes the saved tensors, then the loss's gradient (a tensor like the loss)
     _same("the backward program's inputs", "the forward's saved tensors + the loss",
           list(fwd.outputs[1 + n_mut:]) + [fwd.outputs[0]], bwd.inputs)
+    _check_grads(train, params, ins, bwd.outputs, "the backward")
+
+
+def _check_step(train: dict, step, kernels: dict, params: list, bufs: list, ins: list, outs: list) -> None:
+    """A fused step (partition/step.py): inputs as a forward's; the loss, the buffer updates, the gradients
+    out; per gradient a scaling kernel that writes exactly that gradient and reads one loss-like value."""
+    _same("the step program's inputs", "train params + mutated buffers + manifest.inputs", params + bufs + ins,
+          step.inputs)
+    if train["n_saved"] != 0:
+        _fail("manifest.train.n_saved", f"a step archive saves nothing between programs, got {train['n_saved']}")
+    _same("manifest.outputs", "the step program's loss", outs, step.outputs[:1])
+    n_mut = len(bufs)
+    _same("manifest.train.mutated_buffers", "the step program's buffer updates", bufs, step.outputs[1:1 + n_mut])
+    grads_out = step.outputs[1 + n_mut:]
+    _check_grads(train, params, ins, grads_out, "the step")
+    loss_dtype = outs[0][0]
+    for i, (name, (dtype, shape)) in enumerate(zip(train.get("scale_kernels", []), grads_out)):
+        where = f"manifest.train.scale_kernels[{i}]"
+        k = kernels.get(name)
+        if k is None:
+            _fail(where, f"names kernel {_short(name)}, which the archive does not contain")
+        numel = 1
+        for d in shape:
+            numel *= d
+        args = k["args"]
+        if (len(args) != 2 or args[0]["role"] != "out" or args[0]["dtype"] != dtype or args[0].get("numel") != numel
+                or args[1]["role"] != "in" or args[1]["dtype"] != loss_dtype or args[1].get("numel") != 1):
+            _fail(where, f"kernel {name} does not scale a {dtype}{list(shape)} gradient by a {loss_dtype} value")
+
+
+def _check_grads(train: dict, params: list, ins: list, got_outputs, program: str) -> None:
     grads = train["grads"]
-    if len(grads) != len(bwd.outputs):
-        _fail("manifest.train.grads", f"{len(grads)} gradients, the backward returns {len(bwd.outputs)}")
-    for (kind, ref), got in zip(grads, bwd.outputs):
+    if len(grads) != len(got_outputs):
+        _fail("manifest.train.grads", f"{len(grads)} gradients, {program} returns {len(got_outputs)}")
+    for (kind, ref), got in zip(grads, got_outputs):
         if kind == "param":
             want = params[train["params"].index(ref)]
         elif 0 <= int(ref) < len(ins):

@@ -1,0 +1,34 @@
+"""The fused step's backward (partition/step.py): one kernel per gradient shape that multiplies the gradient
+in place by the loss's gradient, and does nothing when that is 1.
+
+`loss.backward()` hands the step a loss gradient of exactly 1: every program reads that one value and
+returns, so the common step costs one launch per gradient and no memory traffic. Any other value (a
+scaled loss, `(loss / n).backward()`, AMP's loss scaling) multiplies each element in fp32 and rounds
+once to the gradient's dtype.
+"""
+from __future__ import annotations
+
+from .kernel_src import _HEADER, KernelArg, KernelSource
+from .printer import TL_DTYPE
+
+SCALE_BLOCK = 2048  # elements per program (8 per thread at 8 warps)
+SCALE_WARPS = 8
+
+
+def scale_kernel(grad_dtype: str, numel: int, tangent_dtype: str) -> KernelSource:
+    """`grad *= tangent` (tangent one element), skipped when tangent == 1."""
+    numel = int(numel)
+    name = f"aotf_scale_{grad_dtype}_{numel}_{tangent_dtype}"
+    text = (f"{_HEADER}\n@triton.jit\ndef {name}(out_ptr0, in_ptr0):\n"
+            f"    t = tl.load(in_ptr0).to(tl.float32)\n"
+            f"    if t != 1.0:\n"
+            f"        xindex = tl.program_id(0) * {SCALE_BLOCK} + tl.arange(0, {SCALE_BLOCK})\n"
+            f"        xmask = xindex < {numel}\n"
+            f"        v = tl.load(out_ptr0 + xindex, xmask).to(tl.float32)\n"
+            f"        tl.store(out_ptr0 + xindex, (v * t).to({TL_DTYPE[grad_dtype]}), xmask)\n")
+    args = (KernelArg("out_ptr0", "grad", grad_dtype, "out", numel),
+            KernelArg("in_ptr0", "loss_grad", tangent_dtype, "in", 1))
+    grid = (max(1, -(-numel // SCALE_BLOCK)), 1, 1)
+    return KernelSource(name, text, args, grid, SCALE_WARPS, "step_scale", "pointwise", (), SCALE_BLOCK, 1,
+                        numel, 1, why=f"the fused step's backward: gradient *= loss gradient, {SCALE_BLOCK} "
+                                      "elements per program, nothing done when it is 1")
