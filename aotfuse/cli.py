@@ -216,7 +216,7 @@ class BuildProgress:
 
 
 def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, memory_budget: float,
-              step: str = "auto"):
+              step: str | None = None):
     model, example = _specs.load_spec(spec)
     console = _stderr()
     console.print(f"building {spec} for {','.join(targets)}" + (" (train)" if train else ""),
@@ -240,19 +240,19 @@ def build(
     train: bool = typer.Option(False, "--train", help="Also package the backward pass."),
     memory_budget: float = typer.Option(1.0, "--memory-budget", min=0.0,
                                         help="With --train: share of saved activations to keep (less: recompute more)."),
-    split_step: bool = typer.Option(False, "--split-step",
-                                    help="With --train: a forward and a backward program even for a scalar loss "
-                                         "(default: one fused step program; see docs/architecture.md)."),
+    fused_step: bool = typer.Option(False, "--fused-step",
+                                    help="With --train and a scalar loss: one program for forward and backward "
+                                         "(docs/architecture.md, Fused training step)."),
 ):
     """Compile a model into one .aotf file (no GPU needed)."""
     path = out or Path(_specs.default_artifact_name(spec))
     targets = _targets(arch)
     if memory_budget != 1.0 and not train:
         typer.echo("note: --memory-budget only matters with --train", err=True)
-    if split_step and not train:
-        typer.echo("note: --split-step only matters with --train", err=True)
+    if fused_step and not train:
+        typer.echo("note: --fused-step only matters with --train", err=True)
     res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget,
-                                   step="split" if split_step else "auto")
+                                   step="auto" if fused_step else None)
     typer.echo(f"wrote {path} ({_bytes(size, exact=False)}, {res.compiled_kernels} kernels, "
                f"targets {','.join(targets)}) in {seconds:.1f} s")
 

@@ -125,14 +125,14 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
 
 def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
           train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None,
-          step: str = "auto") -> BuildResult:
+          step: str | None = None) -> BuildResult:
     """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
-    train=True: the model's forward returns the loss. With a scalar loss (step="auto", the default, or
-    "step") the archive holds one program, "step": the forward and the backward for a loss gradient of 1
-    (partition/step.py); the runtime's backward scales the gradients by the actual one. Otherwise
-    (step="split", or a loss of several elements) a forward program (loss and the tensors saved for the
-    backward) and a backward program (gradients), split by our min-cut.
+    train=True: the model's forward returns the loss. step (default knobs.train_step, "split"): "split"
+    packages a forward program (loss and the tensors saved for the backward) and a backward program
+    (gradients), split by our min-cut; "auto" (a scalar loss; else split) or "step" packages one program,
+    "step": the forward and the backward for a loss gradient of 1 (partition/step.py); the runtime's
+    backward scales the gradients by the actual one.
 
     example_kwargs: keyword arguments of the example call, `model(*example_inputs, **example_kwargs)`,
     as users call it (`input_ids=`, `labels=`). Tensor values become program inputs named by their
@@ -151,7 +151,7 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
 
         joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs)
         call = {"inputs": joint.call, "outputs": joint.outputs_tree, "loss_leaf": joint.loss_leaf}
-        mode, mode_why = step_mode(joint, step)
+        mode, mode_why = step_mode(joint, step or knobs.train_step)
         part = st.run("partition", partition, joint, memory_budget)
         if mode == "step":
             step_cg, train_info = st.run("stitch", step_graphs, joint, part)

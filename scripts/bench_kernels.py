@@ -192,9 +192,12 @@ def rel_err(got, want) -> float:
 
 # ---------------------------------------------------------------- backends
 def build_aotfuse(model, inputs, train: bool):
+    """Training cases are built as one fused step (partition/step.py): a loss's forward and backward in
+    one program, the issue's "fused forward+backward"; AOTFUSE_TRAIN_STEP=split measures two programs."""
     path = tempfile.mktemp(suffix=".aotf")
     cpu_inputs = tuple(x.detach().cpu().requires_grad_(x.requires_grad) for x in inputs)
-    aotfuse.build(model.cpu(), cpu_inputs, train=train, targets=(_arch(),)).save(path)
+    kw = {"step": os.environ.get("AOTFUSE_TRAIN_STEP") or "auto"} if train else {}
+    aotfuse.build(model.cpu(), cpu_inputs, train=train, targets=(_arch(),), **kw).save(path)
     model.to(DEV)
     art = aotfuse.load(path, device=DEV, cuda_graphs=False)
     os.unlink(path)

@@ -46,7 +46,7 @@ def archives():
                                 **kw)
             out["train" if train else "infer"] = res
             if train:
-                out["step"] = aotfuse.build(model, (ids, ids), train=True, targets=("sm_90",))
+                out["step"] = aotfuse.build(model, (ids, ids), train=True, targets=("sm_90",), step="auto")
     return out
 
 

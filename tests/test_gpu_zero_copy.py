@@ -37,7 +37,13 @@ def demo():
 @pytest.fixture(scope="module")
 def demo_train():
     model, inputs = load_spec("aotfuse.examples.gpt:demo_train(dropout=0.0)")
-    return model, aotfuse.build(model, inputs, train=True, targets=_arch()).data
+    return model, aotfuse.build(model, inputs, train=True, targets=_arch(), step="split").data
+
+
+@pytest.fixture(scope="module")
+def demo_step():
+    model, inputs = load_spec("aotfuse.examples.gpt:demo_train(dropout=0.0)")
+    return model, aotfuse.build(model, inputs, train=True, targets=_arch(), step="auto").data
 
 
 def _entries(gp):
@@ -172,3 +178,33 @@ def test_gradient_accumulation_and_two_forwards_before_one_backward(demo_train):
     assert fwd.stats["captures"] == 2  # a second output set only when two forwards were alive
     assert bwd.stats["captures"] == 3  # .grad holds set 1 during the 2nd micro-batch; 2nd forward's key
     assert fwd.stats["eager_calls"] == bwd.stats["eager_calls"] == 0
+
+
+def test_fused_step_grads_held_accumulated_and_scaled(demo_step):
+    """One fused-step program: gradients held across steps stay valid (a held set takes another graph),
+    micro-batches accumulate, and two forwards alive before one backward of `a + 0.5 * b` get their
+    gradients scaled in place by 1 and 0.5 (emit/scale.py)."""
+    model, data = demo_step
+    pm = aotfuse.load(data, device="cuda").as_module()
+    assert pm._art.manifest.programs == ("step",)
+    ref = copy.deepcopy(model).cuda()
+    batch = random_inputs(pm._art.input_specs, device="cuda", seed=0)
+    _step(pm, [batch], list(pm.parameters()))
+    _step(ref, [batch], list(ref.parameters()))
+    kept = _grads(pm)
+    want_kept = {n: g.clone() for n, g in _grads(ref).items()}
+    for step in range(1, 4):
+        batches = [random_inputs(pm._art.input_specs, device="cuda", seed=10 * step + i) for i in range(2)]
+        _step(pm, batches, list(pm.parameters()))
+        _step(ref, batches, list(ref.parameters()))
+        _check_grads(pm, ref, step)
+    for n, g in kept.items():
+        assert rel(g, want_kept[n]) < 1e-3, n
+    b1, b2 = (random_inputs(pm._art.input_specs, device="cuda", seed=200 + i) for i in range(2))
+    for m in (pm, ref):
+        for p in m.parameters():
+            p.grad = None
+        (m(*b1) + 0.5 * m(*b2)).backward()
+    _check_grads(pm, ref, "two forwards, scaled")
+    st = pm._graphs["step"].stats
+    assert st["eager_calls"] == 0 and st["captures"] >= 2

@@ -36,17 +36,20 @@ CASES = {
 def built():
     cache = {}
 
-    def get(name):
-        if name not in cache:
+    def get(name, step="split"):
+        if (name, step) not in cache:
             model, inputs = CASES[name]()
-            cache[name] = (model, aotfuse.build(model, inputs, train=True, targets=("sm_90",)))
-        return cache[name]
+            cache[name, step] = (model, aotfuse.build(model, inputs, train=True, targets=("sm_90",), step=step))
+        return cache[name, step]
     return get
 
 
+@pytest.mark.parametrize("step", ["split", "auto"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_loss_and_every_gradient_match_eager(built, name):
-    model, res = built(name)
+def test_loss_and_every_gradient_match_eager(built, name, step):
+    """Both packagings: forward + backward programs, and one fused step program (partition/step.py)."""
+    model, res = built(name, step)
+    assert res.manifest.programs == (("step",) if step == "auto" else ("forward", "backward"))
     art = aotfuse.load(res.data, device="cpu")
     mod = art.as_module()
     inputs = random_inputs(art.input_specs, device="cpu", seed=21)
@@ -116,7 +119,7 @@ def test_fused_step_holds_only_gradients_and_hands_them_over(built):
     import gc
     import weakref
 
-    _, res = built("llama_block")
+    _, res = built("llama_block", "auto")
     assert res.manifest.programs == ("step",) and res.manifest.train.mode == "step"
     mod = aotfuse.load(res.data, device="cpu").as_module()
     inputs = random_inputs(mod._art.input_specs, device="cpu", seed=3)
@@ -182,7 +185,7 @@ def test_inspect_shows_partition(built, split_gpt, tmp_path):
     part = info["partition"]
     assert part["saved_bytes"] > 0 and part["saved"] and "recomputed" in part
     assert part["step"]["mode"] == "split" and "step='split'" in part["step"]["why"]
-    _, res = built("gpt_small")
+    _, res = built("gpt_small", "auto")
     res.save(path)
     info = aotfuse.inspect_archive(path)
     assert set(info["programs"]) == {"step"} and info["train"]["mode"] == "step" and info["train"]["n_saved"] == 0
@@ -241,7 +244,7 @@ def test_explain_lists_every_decision(built, split_gpt, tmp_path):
     assert "FUSED" in out and "refused" in out and "saved " in out and "recomputed in the backward" in out
     fused = sum(d.fused for d in res.report.fusion)
     assert out.count("FUSED") >= fused
-    _, res = built("gpt_small")
+    _, res = built("gpt_small", "auto")
     res.save(path)
     out = CliRunner().invoke(app, ["explain", str(path)]).output
     assert "== step program ==" in out and "== backward program ==" not in out

@@ -15,8 +15,10 @@ What it buys over two programs:
 The min cut still decides what the backward half recomputes rather than keeps (its memory trade-off
 is the same: a kept value lives from its forward producer to its last backward use).
 
-Conditions (`step_mode`): the loss has one element (the scaling kernel reads one value) and the
-caller did not ask for two programs (`step="split"`). Costs, documented for users: a forward whose
+Conditions (`step_mode`): the caller asked for it (`step="auto"` or `"step"`; the default,
+knobs.train_step, is "split": measured on an H100 the fused step wins where a loss's forward and
+backward share a large input, but not yet on a whole GPT step, knobs.py has the figures) and the loss
+has one element (the scaling kernel reads one value). Costs, documented for users: a forward whose
 loss is never backpropagated (an evaluation under grad mode, or under no_grad with a train archive)
 still computes the gradients; a second backward through the same forward is refused (the gradients
 were handed over to autograd by the first); communication cannot overlap a backward that already ran
@@ -41,7 +43,7 @@ def step_mode(joint, want: str = "auto") -> tuple[str, str]:
     val = tangent.meta.get("val")
     numel = val.numel() if isinstance(val, torch.Tensor) else 0
     if want == "split":
-        return "split", "two programs (forward, backward) were asked for (step='split')"
+        return "split", "two programs (forward, backward): step='split' (the default; 'auto' fuses a scalar loss's step)"
     if numel != 1:
         why = (f"the loss has {numel} elements (shape {list(getattr(val, 'shape', ()))}): one program needs a "
                "scalar loss, whose gradient scales every gradient")

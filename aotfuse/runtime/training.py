@@ -100,8 +100,8 @@ class _Step(torch.autograd.Function):
         if grads is None:
             raise AotfuseError("a second backward through one forward of a fused-step archive: its gradients "
                                "were handed to autograd by the first (backward(retain_graph=True) twice)",
-                               remedy="run the forward again for each backward, or build with step='split' "
-                                      "(--split-step), whose saved tensors serve several backwards")
+                               remedy="run the forward again for each backward, or build without --fused-step "
+                                      "(step='split'), whose saved tensors serve several backwards")
         ctx.grads = None
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
         grads = _unshared(grads)  # before scaling: a buffer returned twice is scaled once per owner

@@ -83,7 +83,8 @@ class _Inliner:
     - a pointwise node that is not pinned (an output or an extern operand) and has one consumer is
       substituted into it if the consumer reads it at one index, or if it is cheap;
     - a cheap one with several consumers is substituted into those whose reads are not all 'point',
-      and removed once no consumer reads it;
+      and removed once no consumer reads it, unless it reads two or more buffers of at least half
+      its size (recomputing it would read more than reading it);
     - a cheap one that nothing reads is removed.
 
     A node's decision depends only on its own body, its consumers (in graph order) and their loads
@@ -96,6 +97,7 @@ class _Inliner:
 
     def __init__(self, graph: LoopGraph):
         self.nodes = {n.name: n for n in graph.nodes}
+        self.numel = {b.name: b.numel for b in graph.buffers}
         self.order = [n.name for n in graph.nodes]
         self.pos = {name: i for i, name in enumerate(self.order)}
         self.pinned = {o.view.buf for o in graph.outputs}
@@ -154,6 +156,10 @@ class _Inliner:
                                     and len(self.loads[name]) <= 8)
         return c
 
+    def _reads_more_than_it_writes(self, p) -> bool:
+        big = {ld.buf for ld in self.loads[p.name] if self.numel.get(ld.buf, 0) * 2 >= p.numel}
+        return len(big) > 1
+
     def _kind(self, consumer: str, index, producer_numel: int) -> str:
         # A consumer's iteration space never changes (substitution rewrites only its body).
         key = (consumer, index, producer_numel)
@@ -197,6 +203,11 @@ class _Inliner:
                 self.decisions.append(InlineDecision(name, u, "only consumer"))
             return
         if not cheap:
+            return
+        if self._reads_more_than_it_writes(p):
+            # Recomputed at a consumer, it would read two or more buffers of its own size where the
+            # consumer read one: more traffic, and chained (a residual stream's running sums) it grows
+            # with depth. It is stored for its point consumers anyway; the others read it.
             return
         for u in users:
             kinds = {self._kind(u, ld.index, p.numel) for ld in self.loads[u] if ld.buf == name}
