@@ -10,6 +10,8 @@ online rescaling (Milakov & Gimelshein, 2018): per lane,
 
     m' = max(m, v);  s = s * exp(m - m') + exp(v - m');  m = m'
 
+(computed with one exponential per element: one of the two exponents is 0, see _softmax_update)
+
 and after the loop the lanes are combined: M = max(m), S = sum(s * exp(m - M)). A lane that has seen
 only -inf (the masked tail) keeps s = 0: exponents are taken against a finite stand-in (0) where the
 running max is -inf, so the tail adds nothing and no NaN appears inside the loop. A row of all -inf
@@ -164,10 +166,16 @@ def finish(em, kind: str, first: str, second: str) -> tuple[str, str]:
 
 def _softmax_update(em, m_acc: str, s_acc: str, v: str, dtype: str) -> None:
     """`v` holds the max's masked values (-inf where masked)."""
+    # One exponential per element: of the running max m and the value v, one is the new max, so one of
+    # s * exp(m - new) and exp(v - new) has exponent 0: with d = exp(-|v - m|), s becomes s * d + 1 when
+    # v takes over, else s + d. A masked (-inf) value adds exp(-inf) = 0; a first finite value over
+    # m = -inf gives d = 0, s = 1; a NaN on either side makes d, hence s, NaN (torch's max keeps NaN).
     v = em.tmp(f"{v}.to({dtype})")
     new = em.tmp(f"tl.where(({m_acc} != {m_acc}) | ({m_acc} > {v}), {m_acc}, {v})")  # keeps a NaN, as torch's max
-    safe = em.tmp(f"tl.where({new} == float('-inf'), 0.0, {new})")
-    em.line(f"{s_acc} = {s_acc} * tl.exp({m_acc} - {safe}) + tl.exp({v} - {safe})")
+    over = em.tmp(f"{v} > {m_acc}")
+    arg = em.tmp(f"tl.where({v} == float('-inf'), float('-inf'), tl.where({over}, {m_acc} - {v}, {v} - {m_acc}))")
+    d = em.tmp(f"tl.exp({arg})")
+    em.line(f"{s_acc} = tl.where({over}, {s_acc} * {d} + 1.0, {s_acc} + {d})")
     em.line(f"{m_acc} = {new}")
 
 
