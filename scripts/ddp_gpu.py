@@ -1,0 +1,126 @@
+"""Data-parallel training with the packaged module (issue 12): one process per GPU under torchrun.
+
+    python3 -m aotfuse build aotfuse.examples.gpt:anchor_train --train -o /tmp/anchor_train.aotf --arch sm_90
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=N scripts/ddp_gpu.py /tmp/anchor_train.aotf \
+        [--spec aotfuse.examples.gpt:anchor_train] [--steps 50] [--modes eager,compile,aotfuse] [--json OUT]
+
+Each mode wraps its module in DistributedDataParallel (NCCL; gloo on the CPU) and runs `--steps` AdamW
+steps on the same per-rank batches (fresh random tokens, seeded by step and rank): eager (the model),
+compile (torch.compile of the DDP module) and aotfuse (`aotfuse.load(path, device=f"cuda:{rank}")
+.as_module()` in DDP). Each step's loss is all-reduced (mean over ranks) and compared with eager's step
+by step; the step time is the median over the steps after the first `--warmup` (CUDA events, the
+stream drained before each step). Rank 0 prints one line per mode and a table; `--json` writes them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import aotfuse
+from aotfuse.specs import load_spec, random_inputs
+
+
+def _batch(specs, device, step: int, rank: int):
+    return random_inputs(specs, device=device, seed=1000 * step + rank)
+
+
+def run_mode(mode: str, spec: str, path: str, device, steps: int, warmup: int, lr: float):
+    rank = dist.get_rank()
+    model, _ = load_spec(spec)  # the same initial weights on every rank (the spec seeds its init)
+    model = model.to(device).train()
+    if mode == "aotfuse":
+        art = aotfuse.load(path, device=device)
+        mod = art.as_module()
+        with torch.no_grad():  # the archive's weights are the spec's; copy anyway: one source of truth
+            for n, p in mod.named_parameters():
+                p.copy_(dict(model.named_parameters())[n])
+        del model
+    else:
+        mod = model
+    specs = aotfuse.inspect_archive(path)["inputs"]  # with the ranges of integer inputs
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DDP(mod, device_ids=ids)
+    step_fn = torch.compile(ddp) if mode == "compile" else ddp
+    opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+    losses, times = [], []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t_first = time.perf_counter()
+    first = None
+    for step in range(steps):
+        batch = _batch(specs, device, step, rank)
+        sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = step_fn(*batch)
+        loss = getattr(loss, "loss", loss)
+        loss.backward()
+        opt.step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if first is None:
+            first = time.perf_counter() - t_first
+        lt = loss.detach().float().reshape(1)
+        dist.all_reduce(lt)
+        losses.append(float(lt) / dist.get_world_size())
+    return {"mode": mode, "losses": losses, "step_ms": statistics.median(times[warmup:]),
+            "first_step_s": first, "peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20
+                                               if device.type == "cuda" else 0.0)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("archive")
+    ap.add_argument("--spec", default="aotfuse.examples.gpt:anchor_train")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--modes", default="eager,compile,aotfuse")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    rows = []
+    for mode in a.modes.split(","):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        r = run_mode(mode, a.spec, a.archive, device, a.steps, a.warmup, a.lr)
+        rows.append(r)
+        if rank == 0:
+            print(f"{mode}: world {world}, step {r['step_ms']:.3f} ms, first step {r['first_step_s']:.1f} s, "
+                  f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}", flush=True)
+    if rank == 0:
+        ref = next((r for r in rows if r["mode"] == "eager"), None)
+        name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        print(f"\n{name} x {world}, torch {torch.__version__}, {a.spec}, {a.steps} AdamW steps")
+        print("| GPUs | mode | step ms (median) | first step s | peak MiB (rank 0) | loss first -> last | "
+              "worst step loss diff vs eager | last-10 mean diff |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if ref is not None:
+                d = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], ref["losses"])]
+                r["worst_rel"] = max(d)
+                r["last10_rel"] = abs(statistics.mean(r["losses"][-10:]) - statistics.mean(ref["losses"][-10:])) / \
+                    abs(statistics.mean(ref["losses"][-10:]))
+            print(f"| {world} | {r['mode']} | {r['step_ms']:.3f} | {r['first_step_s']:.1f} | {r['peak_mb']:.0f} | "
+                  f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {r.get('worst_rel', 0):.1e} | "
+                  f"{r.get('last10_rel', 0):.1e} |")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": name, "world": world, "spec": a.spec, "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
