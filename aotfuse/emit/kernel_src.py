@@ -261,6 +261,11 @@ class _Emitter:
             idx = print_index(e.index, {SX: "xindex", SR: "rindex"})
             if not e.index.free_symbols:  # a scalar (e.g. the tangent, a seed): unmasked scalar load
                 return f"tl.load({self.args[e.buf]} + {idx})"
+            if self.ctx == "xr" and SR not in e.index.free_symbols:
+                # a per-row value read inside the row (a target index, a row statistic): loaded once per
+                # row as [XBLOCK, 1], so what is computed from it alone stays per row (a division by a
+                # row count once per row, not once per element) and broadcasts where it meets the row
+                return f"tl.load({self.args[e.buf]} + {idx}, xmask, other=0)"
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0)"
         if isinstance(e, Const):
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
