@@ -21,7 +21,7 @@ import aotfuse.emit.kernel_src as ks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import CrossEntropyLoss, Softmax, copy_bandwidth  # noqa: E402
-from step_ab import kernel_time, steps_of  # noqa: E402
+from step_ab import kernel_time, print_table, steps_of  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -75,11 +75,9 @@ def main():
             top_name, top_us = per.most_common(1)[0]
             rows.append((v, name, total, top_name, top_us, 100 * nbytes / (top_us * 1e-6) / bw))
             print(rows[-1], flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s")
-    print("| variant RBLOCKxwarps | case | GPU us per call | largest kernel us | its % of copy |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[4]:.0f} | {r[5]:.0f}% |")
+    print_table(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s",
+                ("variant RBLOCKxwarps", "case", "GPU us per call", "largest kernel us", "its % of copy"),
+                [(r[0], r[1], f"{r[2]:.0f}", f"{r[4]:.0f}", f"{r[5]:.0f}%") for r in rows])
 
 
 if __name__ == "__main__":

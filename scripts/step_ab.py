@@ -94,6 +94,15 @@ def kernel_time(step, n: int = 5):
     return total, per
 
 
+def print_table(title: str, head: tuple, rows: list) -> None:
+    """A markdown table, after a title line (device, versions)."""
+    print(f"\n{title}")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("cases", nargs="?", default="ln,ce,anchor")
@@ -134,11 +143,10 @@ def main():
             top = "; ".join(f"{n} {us:.0f}" for n, us in per.most_common(a.top))
             rows.append((name, k, statistics.median(meds[k]), min(meds[k]), max(meds[k]), total / 1e3, top))
             print(rows[-1], flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, graphs={a.graphs}")
-    print("| case | backend | step ms (median of round medians) | min | max | GPU kernel ms per step | top kernels (us) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]} |")
+    print_table(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, graphs={a.graphs}",
+                ("case", "backend", "step ms (median of round medians)", "min", "max", "GPU kernel ms per step",
+                 "top kernels (us)"),
+                [(r[0], r[1], f"{r[2]:.3f}", f"{r[3]:.3f}", f"{r[4]:.3f}", f"{r[5]:.3f}", r[6]) for r in rows])
 
 
 if __name__ == "__main__":
