@@ -427,6 +427,25 @@ def test_inspect_train(tiny):
     assert [s["name"] for s in info["inputs"]] == ["x", "t"] and info["outputs"] == [{"shape": [], "dtype": "torch.float32"}]
 
 
+def test_fused_step_build_inspect_explain_verify(tiny, tmp_path):
+    """--fused-step: one `step` program; inspect and explain say so; verify checks loss and gradients."""
+    out = tmp_path / "step.aotf"
+    r = invoke("build", f"{TINY}:mlp_train", "--train", "--fused-step", "--arch", "sm_90", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "stitch" in r.stderr and "program[step]" in r.stderr
+    r = invoke("inspect", str(out))
+    assert r.exit_code == 0, r.output
+    assert "programs: one fused step" in r.stdout and "fusion (backward):" not in r.stdout
+    info = json.loads(invoke("inspect", str(out), "--json").stdout)
+    assert info["train"]["mode"] == "step" and info["train"]["n_saved"] == 0
+    r = invoke("explain", str(out))
+    assert r.stdout.startswith("== step program ==\n") and "one program (fused step)" in r.stdout
+    r = invoke("verify", f"{TINY}:mlp_train", str(out), "--device", "cpu", "--train")
+    assert r.exit_code == 0, r.output
+    r = invoke("build", f"{TINY}:mlp", "--fused-step", "--arch", "sm_90", "-o", str(tmp_path / "i.aotf"))
+    assert r.exit_code == 0 and "--fused-step only matters with --train" in r.stderr
+
+
 def test_explain(tiny):
     r = invoke("explain", str(tiny["infer"]))
     assert r.exit_code == 0, r.output
