@@ -147,10 +147,11 @@ class _Dropout(nn.Module):
         return F.dropout(x * self.w, self.p, training=True).sum()
 
 
-def test_dropout_same_mask_in_backward_and_right_keep_rate():
+@pytest.mark.parametrize("step", ["split", "auto"])
+def test_dropout_same_mask_in_backward_and_right_keep_rate(step):
     p, n = 0.25, 1 << 16
     model = _Dropout(n, p)
-    res = aotfuse.build(model, (torch.ones(n),), train=True, targets=("sm_90",))
+    res = aotfuse.build(model, (torch.ones(n),), train=True, targets=("sm_90",), step=step)
     part = res.report.partition
     mod = aotfuse.load(res.data, device="cpu").as_module()
     torch.manual_seed(0)
@@ -166,9 +167,19 @@ def test_dropout_same_mask_in_backward_and_right_keep_rate():
     # a fresh seed per call: another forward draws another mask
     g2 = torch.autograd.grad(mod(torch.ones(n)), mod._param_list[0])[0]
     assert not torch.equal(g2 != 0, g != 0)
-    # the mask is saved bit-packed
+    # the mask is saved bit-packed between two programs; one fused step program keeps it in its arena
     masks = [s for s in part["saved"] if s.get("packed")]
     assert masks and all(s["nbytes"] == n // 8 for s in masks), part["saved"]
+    if step == "auto":
+        from aotfuse.joint import trace_joint
+        from aotfuse.packops import PACK, UNPACK
+        from aotfuse.partition import partition
+        from aotfuse.partition.step import step_graph
+
+        assert res.manifest.programs == ("step",)
+        gm = step_graph(partition(trace_joint(model, (torch.ones(n),))))
+        targets = {nd.target for nd in gm.graph.nodes if nd.op == "call_function"}
+        assert PACK not in targets and UNPACK not in targets  # unpack(pack(mask)) is the mask itself
 
 
 @pytest.fixture(scope="module")
