@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from typing import Callable
 
@@ -99,14 +100,7 @@ def _scale_kernels(step: _Compiled, info) -> list:
         raise BuildError(f"internal: the step program returns {len(outs)} gradients, the train info lists "
                          f"{len(info.grads)}")
     loss = bufs[step.graph.outputs[0].view.buf].dtype
-    return [scale_kernel(bufs[o.view.buf].dtype, _numel(o.view.shape), loss) for o in outs]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+    return [scale_kernel(bufs[o.view.buf].dtype, math.prod(o.view.shape), loss) for o in outs]
 
 
 def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
@@ -145,6 +139,7 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
     t_all = time.perf_counter()
     example_inputs = tuple(example_inputs)
     train_info = None
+    scales = []  # a fused step's backward kernels, launched by the runtime itself (emit/scale.py)
     if train:
         from .joint import trace_joint
         from .partition import partition, step_graphs, step_mode, train_graphs as _train_graphs
@@ -165,8 +160,7 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
         cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs)
         call = {"inputs": cg.call, "outputs": cg.outputs_tree}
         progs = [_schedule_program(st, "forward", cg)]
-    scales = scales if train and mode == "step" else []
-    all_kernels = [k for p in progs for k in p.kernels.values()] + list({k.name: k for k in scales}.values())
+    all_kernels = [k for p in progs for k in p.kernels.values()] + scales
     binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
     programs = {p.name: st.run("program" + _suffix(p.name), build_program,
                                p.graph, p.sched, p.kernels, p.plan) for p in progs}
@@ -180,8 +174,8 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
                                      partition=part_rec)
         # parameters and the buffers the forward updates are program inputs: the archive holds their initial values
         params = {name: joint.weights[name] for name in joint.param_names + joint.mutated_buffers}
-    manifest, parts, weights = st.run("archive", _pack, progs, programs, binaries, report, targets, train_info,
-                                      params, call, scales)
+    manifest, parts, weights = st.run("archive", _pack, progs, all_kernels, programs, binaries, report, targets,
+                                      train_info, params, call)
     data = write_archive(manifest.to_dict(), parts, weights)
     st.timings["total"] = round(time.perf_counter() - t_all, 4)
     return BuildResult(data, report, dict(st.timings), len(binaries), manifest)
@@ -218,11 +212,11 @@ def _blocks(k) -> dict:
             "num_warps": k.num_warps, "grid": list(k.grid), "why": k.why}
 
 
-def _kernel_entries(progs, binaries, extra=()) -> dict[str, KernelEntry]:
-    """One entry per distinct kernel, in first-launch order across the programs, then `extra` (kernels the
+def _kernel_entries(kernels, binaries) -> dict[str, KernelEntry]:
+    """One entry per distinct kernel, in first-launch order across the programs (then the kernels the
     runtime launches itself: the fused step's scaling)."""
     launched: dict[str, list] = {}
-    for k in [k for p in progs for k in p.kernels.values()] + list(extra):
+    for k in kernels:
         launched.setdefault(k.name, []).append(k)
     out = {}
     for name, ks in launched.items():
@@ -237,10 +231,10 @@ def _kernel_entries(progs, binaries, extra=()) -> dict[str, KernelEntry]:
     return out
 
 
-def _pack(progs, programs, binaries, report: Report, targets, train_info, params: dict, call: dict | None = None,
-          extra=()):
-    kernels = _kernel_entries(progs, binaries, extra)
-    sources = {k.name: k.source for k in [k for p in progs for k in p.kernels.values()] + list(extra)}
+def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train_info, params: dict,
+          call: dict | None = None):
+    kernels = _kernel_entries(all_kernels, binaries)
+    sources = {k.name: k.source for k in all_kernels}
     weights = {}
     for p in progs:
         for buf, fqn in p.graph.weights:

@@ -24,23 +24,33 @@ from .calling import flatten, loss_tree, rebuild
 from .train_state import UpdatedBuffers, original_state_dict_names
 
 
+def _run_first(ctx, module, program: str, args) -> tuple:
+    """Run the forward (or fused step) program on (parameters, updated buffers, inputs), write the buffer
+    updates back, and return (loss, the outputs after the buffer updates)."""
+    n_p = len(module._param_list)
+    n_m = len(module._bufs.names)
+    outs = module._run(program, list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
+    module._bufs.write_back(outs[1:1 + n_m])  # after the program read them: as eager updates in place
+    ctx.module = module
+    ctx.n_inputs = len(args) - n_p
+    return outs[0], outs[1 + n_m:]
+
+
+def _handed_out(loss):
+    return loss.clone() if loss._base is not None else loss
+
+
 class _Packaged(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, *args):
-        n_p = len(module._param_list)
-        n_m = len(module._bufs.names)
-        outs = module._run("forward", list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
-        loss, saved = outs[0], outs[1 + n_m:]
-        module._bufs.write_back(outs[1:1 + n_m])  # after the program read them: as eager updates in place
-        ctx.module = module
-        ctx.n_inputs = len(args) - n_p
+        loss, saved = _run_first(ctx, module, "forward", args)
         for i, t in enumerate(saved):
             if not t.is_contiguous():  # the backward program reads each saved tensor as a row-major buffer
                 raise ArchiveError(f"saved tensor #{i} of the forward program is not row-major (strides "
                                    f"{tuple(t.stride())}): this archive was built by an aotfuse with a known bug",
                                    remedy="rebuild the archive with this aotfuse")
         ctx.save_for_backward(*saved)
-        return loss.clone() if loss._base is not None else loss
+        return _handed_out(loss)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -83,15 +93,8 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, module, *args):
-        n_p = len(module._param_list)
-        n_m = len(module._bufs.names)
-        outs = module._run("step", list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
-        loss = outs[0]
-        module._bufs.write_back(outs[1:1 + n_m])
-        ctx.module = module
-        ctx.n_inputs = len(args) - n_p
-        ctx.grads = outs[1 + n_m:]
-        return loss.clone() if loss._base is not None else loss
+        loss, ctx.grads = _run_first(ctx, module, "step", args)
+        return _handed_out(loss)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -138,13 +141,12 @@ class PackagedModule(nn.Module):
         if self._step:  # per gradient: its in-place scaling kernel's launcher and grid
             self._scalers = [(art.launchers[k], tuple(art.kernels[k].grid)) for k in info.scale_kernels]
         graphs = art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs)
+        n_p, n_m = len(self._names), len(self._bufs.names)
         if graphs and self._step:
             # the step reads parameters and updated buffers in place and copies the batch (a new tensor
             # every step) into static buffers; its outputs (the gradients) are fresh per held set
-            n_p, n_m = len(self._names), len(self._bufs.names)
             self._graphs = {"step": art.graphed("step", frozenset(range(n_p + n_m)), key=False)}
         elif graphs:
-            n_p, n_m = len(self._names), len(self._bufs.names)
             # the forward copies the batch (a new tensor every step) and reads parameters and updated
             # buffers in place; the backward reads the saved tensors where the forward's graph wrote
             # them (keyed by address), parameters passed through in place, and copies the batch tensors

@@ -592,47 +592,42 @@ def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list, 
     params = _state_specs(train["params"], weights, "manifest.train.params", "parameter")
     mutated = train.get("mutated_buffers", [])
     bufs = _state_specs(mutated, weights, "manifest.train.mutated_buffers", "buffer")
-    if train.get("mode") == "step":
-        return _check_step(train, sigs["step"], kernels, params, bufs, ins, outs)
-    fwd, bwd = sigs["forward"], sigs["backward"]
-    _same("the forward program's inputs", "train params + mutated buffers + manifest.inputs", params + bufs + ins,
+    step = train.get("mode") == "step"  # a fused step (partition/step.py): one program, nothing saved
+    first = "step" if step else "forward"
+    fwd = sigs[first]
+    _same(f"the {first} program's inputs", "train params + mutated buffers + manifest.inputs", params + bufs + ins,
           fwd.inputs)
     n_saved, n_mut = train["n_saved"], len(mutated)
-    if len(fwd.outputs) != 1 + n_mut + n_saved:
+    if step and n_saved != 0:
+        _fail("manifest.train.n_saved", f"a step archive saves nothing between programs, got {n_saved}")
+    if not step and len(fwd.outputs) != 1 + n_mut + n_saved:
         _fail("manifest.train.n_saved", f"the loss, {n_mut} buffer updates and {n_saved} saved tensors, "
                                         f"the forward returns {len(fwd.outputs)} outputs")
-    _same("manifest.outputs", "the forward program's loss", outs, fwd.outputs[:1])
+    _same("manifest.outputs", f"the {first} program's loss", outs, fwd.outputs[:1])
     # each buffer update has its buffer's dtype and shape (the runtime copies it into the buffer)
-    _same("manifest.train.mutated_buffers", "the forward program's buffer updates", bufs, fwd.outputs[1:1 + n_mut])
+    _same("manifest.train.mutated_buffers", f"the {first} program's buffer updates", bufs, fwd.outputs[1:1 + n_mut])
+    if step:
+        _check_grads(train, params, ins, fwd.outputs[1 + n_mut:], "the step")
+        _check_scale_kernels(train.get("scale_kernels", []), fwd.outputs[1 + n_mut:], kernels, outs[0][0])
+        return
+    bwd = sigs["backward"]
     # the backward takes the saved tensors, then the loss's gradient (a tensor like the loss)
     _same("the backward program's inputs", "the forward's saved tensors + the loss",
           list(fwd.outputs[1 + n_mut:]) + [fwd.outputs[0]], bwd.inputs)
     _check_grads(train, params, ins, bwd.outputs, "the backward")
 
 
-def _check_step(train: dict, step, kernels: dict, params: list, bufs: list, ins: list, outs: list) -> None:
-    """A fused step (partition/step.py): inputs as a forward's; the loss, the buffer updates, the gradients
-    out; per gradient a scaling kernel that writes exactly that gradient and reads one loss-like value."""
-    _same("the step program's inputs", "train params + mutated buffers + manifest.inputs", params + bufs + ins,
-          step.inputs)
-    if train["n_saved"] != 0:
-        _fail("manifest.train.n_saved", f"a step archive saves nothing between programs, got {train['n_saved']}")
-    _same("manifest.outputs", "the step program's loss", outs, step.outputs[:1])
-    n_mut = len(bufs)
-    _same("manifest.train.mutated_buffers", "the step program's buffer updates", bufs, step.outputs[1:1 + n_mut])
-    grads_out = step.outputs[1 + n_mut:]
-    _check_grads(train, params, ins, grads_out, "the step")
-    loss_dtype = outs[0][0]
-    for i, (name, (dtype, shape)) in enumerate(zip(train.get("scale_kernels", []), grads_out)):
+def _check_scale_kernels(names: list, grads: list, kernels: dict, loss_dtype: str) -> None:
+    """Per gradient of a fused step, the kernel that scales it in place writes exactly that gradient and
+    reads one loss-like value."""
+    for i, (name, (dtype, shape)) in enumerate(zip(names, grads)):
         where = f"manifest.train.scale_kernels[{i}]"
         k = kernels.get(name)
         if k is None:
             _fail(where, f"names kernel {_short(name)}, which the archive does not contain")
-        numel = 1
-        for d in shape:
-            numel *= d
         args = k["args"]
-        if (len(args) != 2 or args[0]["role"] != "out" or args[0]["dtype"] != dtype or args[0].get("numel") != numel
+        if (len(args) != 2 or args[0]["role"] != "out" or args[0]["dtype"] != dtype
+                or args[0].get("numel") != _numel(shape)
                 or args[1]["role"] != "in" or args[1]["dtype"] != loss_dtype or args[1].get("numel") != 1):
             _fail(where, f"kernel {name} does not scale a {dtype}{list(shape)} gradient by a {loss_dtype} value")
 
