@@ -5,7 +5,8 @@ RBLOCK >= R columns in registers and evaluates the row group level by level, exa
 reduction kernel does (row reductions, per-row and per-element values, their stores). The column
 partials are per-element values of the same step (their nodes mapped into the row space by
 `mix.column_space`), summed over the step's rows into one [1, RBLOCK] fp32 accumulator each; after
-the loop the accumulator is the partial's row s (`part[s*R + j]`).
+the loop the accumulator is the partial's row s (`part[s*R + j]`). What does not depend on the row
+(per-column parameters: a norm's weight, the tangent) is loaded and computed once, before the loop.
 
 For the archive it is a persistent_reduction kernel with XBLOCK = C rows per program over X x R
 (grid X / C = S), so the runtime launches and validates it as one; `pattern` "mix" and `why` say
@@ -17,7 +18,7 @@ import dataclasses
 import hashlib
 
 from ..errors import BuildError
-from ..ir.loop import ARG_REDUCTIONS, Pointwise, Reduction, expr_loads
+from ..ir.loop import ARG_REDUCTIONS, Cast, Const, Gather, IndexValue, Load, Op, Pointwise, Reduction, expr_loads
 from ..knobs import knobs
 from ..schedule import mix
 from ..schedule.fusion import FusionGroup
@@ -34,6 +35,58 @@ def step_rows(chunk: int, rblock: int) -> int:
     while xb * 2 <= min(chunk, max(1, STEP_ELEMS // rblock)):
         xb *= 2
     return xb
+
+
+class _MixEmitter(ks._Emitter):
+    # While `hoisting`, values are computed before the row loop: their loads are masked by column only.
+    hoisting = False
+
+    def mask(self) -> str:
+        return "rmask" if self.hoisting else super().mask()
+
+
+def _invariant(e, members: set, memo: dict) -> bool:
+    """Whether e is the same for every row: no row index, no value computed by the group."""
+    key = id(e)
+    if key not in memo:
+        if isinstance(e, Load):
+            memo[key] = e.buf not in members and ks.SX not in e.index.free_symbols
+        elif isinstance(e, IndexValue):
+            memo[key] = ks.SX not in e.expr.free_symbols
+        elif isinstance(e, Const):
+            memo[key] = True
+        elif isinstance(e, Op):
+            memo[key] = all([_invariant(a, members, memo) for a in e.args])
+        elif isinstance(e, Cast):
+            memo[key] = _invariant(e.arg, members, memo)
+        else:  # Gather: its offset is loaded per element
+            memo[key] = False
+    return memo[key]
+
+
+def _hoistable(knodes, x: int, members: set) -> list:
+    """The largest row-independent subexpressions (holding a load) of the per-element bodies, in order."""
+    memo: dict = {}
+    out: dict = {}
+
+    def walk(e):
+        if _invariant(e, members, memo):
+            if not isinstance(e, Const) and any(isinstance(v, Load) for v in _leaves(e)):
+                out.setdefault(e, None)
+            return
+        for a in (e.args if isinstance(e, Op) else (e.arg,) if isinstance(e, Cast) else ()):
+            walk(a)
+
+    for n in knodes:
+        if isinstance(n, Reduction) or n.numel != x:  # evaluated per element ("xr"), where hoisting applies
+            walk(n.body)
+    return list(out)
+
+
+def _leaves(e):
+    from ..ir.loop import expr_leaves
+
+    return expr_leaves(e)
 
 
 def _nodes(group: FusionGroup, graph):
@@ -85,7 +138,7 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
     args += [ks.KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", int(graph.buffer(b).numel))
              for i, b in enumerate(outs)]
     out_name = {a.buf: a.name for a in args if a.role == "out"}
-    em = ks._Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"},
+    em = _MixEmitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"},
                      "persistent_reduction")
     em.xnumel, em.rnumel, em.stores = x, r, stores
     partials = [n for n in knodes if n.name in cols and isinstance(n, Reduction)]
@@ -101,6 +154,9 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
     em.line(f"rindex = tl.arange(0, {rb})[None, :]")
     em.line(f"rmask = rindex < {r}")
     em.line(f"xstep = tl.arange(0, {xb})[:, None]")
+    em.ctx, em.hoisting = "xr", True
+    hoisted = [em.emit(e) for e in _hoistable(knodes, x, names)]
+    em.hoisting = False
     for p in partials:
         em.line(f"acc_{p.name} = tl.full([1, {rb}], 0, {TL_DTYPE[p.acc_dtype]})")
     em.line(f"for c0 in range(0, {c}, {xb}):")
@@ -119,11 +175,13 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
     head = ks._HEADER + (ks._PROD_COMBINE if "_prod_combine" in body else "")
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     name = f"aotf_mix_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    shared = ", ".join(dict.fromkeys(ld.buf for p in partials for ld in expr_loads(p.body) if ld.buf in ins))
+    shared = ", ".join(dict.fromkeys(ld.buf for p in partials for ld in expr_loads(p.body)
+                                     if ld.buf in ins and {ks.SX, ks.SR} <= ld.index.free_symbols))
     why = (f"mix-order: {s} programs, each looping over its {c} rows {xb} at a time, a row of {r} held in "
            f"registers (RBLOCK {rb}, {warps} warps); row reductions and column partials "
            f"({', '.join(p.name for p in partials)}: [1 x {rb}] fp32 accumulators, stored as row s of "
-           f"the partial) in one pass" + (f"; reads {shared} once" if shared else ""))
+           f"the partial) in one pass" + (f"; reads {shared} once" if shared else "") +
+           (f"; {len(hoisted)} row-independent values computed before the loop" if hoisted else ""))
     return ks.KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (s, 1, 1), warps, group.name,
                            "persistent_reduction", group.nodes, c, rb, int(x), int(r), "mix", why)
 

@@ -216,10 +216,11 @@ def _row_side_reads(graph: LoopGraph, x: int, r: int, planar: dict) -> list[str]
 # ---------------------------------------------------------------- fusion.py: may these two groups mix
 
 def candidate(nodes: dict, rows: list[str], cols: list[str], x: int, r: int) -> bool:
-    """Whether `cols` looks like a column side for a row group over x-by-r: reductions only over
-    other spaces of the same x*r elements (the pair is then judged, and the verdict recorded)."""
+    """Whether `cols` (a group sharing an x*r-element buffer with the row group) looks like a column
+    side for a row group over x-by-r: reductions only, over other spaces, with outputs for whole
+    rows of r columns (the pair is then judged, and the verdict recorded)."""
     reds = [nodes[n] for n in cols if isinstance(nodes[n], Reduction)]
-    return bool(reds) and all(m.numel * m.rnumel == x * r and (m.numel, m.rnumel) != (x, r) for m in reds)
+    return bool(reds) and all(m.numel % r == 0 and (m.numel, m.rnumel) != (x, r) for m in reds)
 
 
 def check(nodes: dict, bufs: dict, rows: list[str], cols: list[str], x: int, r: int,
