@@ -489,7 +489,8 @@ def fuse(graph: LoopGraph) -> Schedule:
 
 
 def _row_group(st: _State, g: str) -> tuple[int, int] | None:
-    """(X, R) when g is a row group (reductions over X rows of R > 1), else None."""
+    """(X, R) when g may be a row group (reductions over X >= 2 rows of R >= 2), else None; whether
+    its loads run along its rows (`mix.is_row_group`, sympy work) is asked only of groups with a partner."""
     if g in st.mix:
         return st.mix[g].x, st.mix[g].r
     if st.is_extern(g) or st.is_scan(g) or any(is_matmul(st.nodes[n]) for n in st.members[g]):
@@ -497,9 +498,7 @@ def _row_group(st: _State, g: str) -> tuple[int, int] | None:
     if not any(isinstance(st.nodes[n], Reduction) for n in st.members[g]):
         return None
     x, r = st.gspace(g)
-    if r < 2 or not mix.is_row_group(st.nodes, st.bufs, st.members[g], x, r):
-        return None
-    return x, r
+    return (x, r) if x >= 2 and r >= 2 else None
 
 
 def _mix_partners(st: _State, g: str, x: int, r: int) -> list[tuple[str, int]]:
@@ -523,6 +522,21 @@ def _mix_partners(st: _State, g: str, x: int, r: int) -> list[tuple[str, int]]:
     return list(out.items())
 
 
+def _mix_verdict(st: _State, g: str, p: str, rows: list[str], x: int, r: int, fuel: int):
+    """(Verdict, MixShape or None) for the column group p joining the row group g."""
+    if len(st.members[g]) + len(st.members[p]) > knobs.max_fusion_size:
+        return _refuse(FuseRefusal.SIZE_LIMIT, f"more than {knobs.max_fusion_size} nodes"), None
+    chk = mix.check(st.nodes, st.bufs, rows, st.members[p], x, r, st.mix.get(g))
+    if not chk.ok:
+        return _refuse(FuseRefusal.MIX_ORDER, chk.detail), None
+    path = st.cycle_through(g, p)
+    if path is not None:
+        return _refuse(FuseRefusal.CYCLE, f"through another group ({path})"), None
+    if fuel == 0:
+        return _refuse(FuseRefusal.OUT_OF_FUEL, f"AOTFUSE_FUSION_FUEL={knobs.fusion_fuel} fusions done"), None
+    return Verdict(True, None, chk.detail), chk.shape
+
+
 def _mix_order(st: _State, decisions: list, fuel: int) -> None:
     """Second phase: merge column partials into the row group whose rows they sum (schedule/mix.py);
     every pair judged is recorded, merged or refused with the condition that failed."""
@@ -530,6 +544,7 @@ def _mix_order(st: _State, decisions: list, fuel: int) -> None:
         if g not in st.members or (xr := _row_group(st, g)) is None:
             continue
         x, r = xr
+        row_group = None
         for p, score in _mix_partners(st, g, x, r):
             if p not in st.members or p == g:
                 continue
@@ -537,26 +552,18 @@ def _mix_order(st: _State, decisions: list, fuel: int) -> None:
             rows = [n for n in st.members[g] if n not in cols]
             if not mix.candidate(st.nodes, rows, st.members[p], x, r):
                 continue
-            if len(st.members[g]) + len(st.members[p]) > knobs.max_fusion_size:
-                verdict = _refuse(FuseRefusal.SIZE_LIMIT, f"more than {knobs.max_fusion_size} nodes")
-            else:
-                chk = mix.check(st.nodes, st.bufs, rows, st.members[p], x, r, st.mix.get(g))
-                path = st.cycle_through(g, p) if chk.ok else None
-                if not chk.ok:
-                    verdict = _refuse(FuseRefusal.MIX_ORDER, chk.detail)
-                elif path is not None:
-                    verdict = _refuse(FuseRefusal.CYCLE, f"through another group ({path})")
-                elif fuel == 0:
-                    verdict = _refuse(FuseRefusal.OUT_OF_FUEL, f"AOTFUSE_FUSION_FUEL={knobs.fusion_fuel} fusions done")
-                else:
-                    verdict = Verdict(True, None, chk.detail)
+            if row_group is None:
+                row_group = g in st.mix or mix.is_row_group(st.nodes, st.bufs, rows, x, r)
+            if not row_group:
+                break
+            verdict, shape = _mix_verdict(st, g, p, rows, x, r, fuel)
             decisions.append(FusionDecision(g, p, "mix-order", score, verdict.ok, verdict.refusal, verdict.detail))
             if not verdict.ok:
                 continue
             columns = st.columns.pop(g, []) + list(st.members[p])
             keep, _ = st.merge(g, p)
             st.mix.pop(g, None)
-            st.mix[keep] = chk.shape
+            st.mix[keep] = shape
             st.columns[keep] = sorted(columns, key=st.order.__getitem__)
             g = keep
             fuel -= 1
