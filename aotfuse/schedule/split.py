@@ -151,7 +151,8 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
 
     def yes(s: int, c: int, how: str, extra: str) -> SplitDecision:
         return SplitDecision(n.name, n.rtype, x, r, pattern, programs, True, s, c, how, "",
-                             f"{why}; {extra}; {layout}; {programs * s} partial programs")
+                             f"{why}; {extra}; {layout}; {programs * s} partial programs" +
+                             (f" alone, {s} with its row group (fusion's mix-order phase)" if how == "mix-order" else ""))
 
     mix_note = ""
     if knobs.mix_order and pattern == "outer" and x > 1:
