@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 
 from ..errors import BuildError
-from ..ir.loop import ARG_REDUCTIONS, Cast, Const, Gather, IndexValue, Load, Op, Pointwise, Reduction, expr_loads
+from ..ir.loop import ARG_REDUCTIONS, Cast, Const, IndexValue, Load, Op, Pointwise, Reduction, expr_leaves, expr_loads
 from ..knobs import knobs
 from ..schedule import mix
 from ..schedule.fusion import FusionGroup
@@ -56,7 +56,7 @@ def _invariant(e, members: set, memo: dict) -> bool:
         elif isinstance(e, Const):
             memo[key] = True
         elif isinstance(e, Op):
-            memo[key] = all([_invariant(a, members, memo) for a in e.args])
+            memo[key] = all(_invariant(a, members, memo) for a in e.args)
         elif isinstance(e, Cast):
             memo[key] = _invariant(e.arg, members, memo)
         else:  # Gather: its offset is loaded per element
@@ -71,7 +71,7 @@ def _hoistable(knodes, x: int, members: set) -> list:
 
     def walk(e):
         if _invariant(e, members, memo):
-            if not isinstance(e, Const) and any(isinstance(v, Load) for v in _leaves(e)):
+            if not isinstance(e, Const) and any(isinstance(v, Load) for v in expr_leaves(e)):
                 out.setdefault(e, None)
             return
         for a in (e.args if isinstance(e, Op) else (e.arg,) if isinstance(e, Cast) else ()):
@@ -81,12 +81,6 @@ def _hoistable(knodes, x: int, members: set) -> list:
         if isinstance(n, Reduction) or n.numel != x:  # evaluated per element ("xr"), where hoisting applies
             walk(n.body)
     return list(out)
-
-
-def _leaves(e):
-    from ..ir.loop import expr_leaves
-
-    return expr_leaves(e)
 
 
 def _nodes(group: FusionGroup, graph):

@@ -550,7 +550,7 @@ def _mix_order(st: _State, decisions: list, fuel: int) -> None:
                 continue
             cols = set(st.columns.get(g, ()))
             rows = [n for n in st.members[g] if n not in cols]
-            if not mix.candidate(st.nodes, rows, st.members[p], x, r):
+            if not mix.candidate(st.nodes, st.members[p], x, r):
                 continue
             if row_group is None:
                 row_group = g in st.mix or mix.is_row_group(st.nodes, st.bufs, rows, x, r)

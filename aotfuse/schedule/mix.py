@@ -83,7 +83,6 @@ class Check:
     ok: bool
     detail: str  # the failed condition, numbered; or what fusing saves
     shape: MixShape | None = None
-    shared_bytes: int = 0
 
 
 def row_space(node: Node, x: int, r: int):
@@ -215,7 +214,7 @@ def _row_side_reads(graph: LoopGraph, x: int, r: int, planar: dict) -> list[str]
 
 # ---------------------------------------------------------------- fusion.py: may these two groups mix
 
-def candidate(nodes: dict, rows: list[str], cols: list[str], x: int, r: int) -> bool:
+def candidate(nodes: dict, cols: list[str], x: int, r: int) -> bool:
     """Whether `cols` (a group sharing an x*r-element buffer with the row group) looks like a column
     side for a row group over x-by-r: reductions only, over other spaces, with outputs for whole
     rows of r columns (the pair is then judged, and the verdict recorded)."""
@@ -298,4 +297,4 @@ def check(nodes: dict, bufs: dict, rows: list[str], cols: list[str], x: int, r: 
         return Check(False, "(1) shares no read with the row group")
     what = ", ".join(shared + [f"{b} (row group's)" for b in from_rows])
     return Check(True, f"saves {saved} bytes: {what} read once; {s} programs of {c} rows, "
-                 f"R = {r} held in registers", MixShape(x, r, s, c), saved)
+                 f"R = {r} held in registers", MixShape(x, r, s, c))
