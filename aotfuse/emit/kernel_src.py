@@ -417,6 +417,10 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
                          remedy="split the batch; 64-bit indexing is not supported yet")
     if group.kind == "scan":
         return _generate_scan(group, graph, nodes_by[group.nodes[0]])
+    if group.kind == "mix_order":  # a row loop around a persistent row: emit/mix_kernel.py
+        from .mix_kernel import generate_mix
+
+        return generate_mix(group, graph, stored)
     kernelized = [_kernelize(nodes_by[n], x, r) for n in group.nodes]
     knodes = [k for k, _ in kernelized]
     stores = {k.name: st for k, st in kernelized}

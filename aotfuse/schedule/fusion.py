@@ -17,6 +17,10 @@ The driver does this without rescanning (the cost grows with the model, not with
 `can_fuse` returns a Verdict: ok, or a refusal kind (`FuseRefusal`) and a detail string.
 Everything iterates in graph order or by names, never in set order, so decisions do not depend on
 PYTHONHASHSEED.
+
+After the greedy loop, a second phase (schedule/mix.py) merges column partials into the row group
+whose rows they sum ("mix-order" groups: one kernel reads the rows once for both); each pair it
+judges is a decision of kind "mix-order".
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import heapq
 
 from ..contract.report import FusionRecord
 from ..knobs import knobs
+from . import mix
 from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
 from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, Scan, expr_loads
 from ..ir.matmul import is_matmul
@@ -46,6 +51,7 @@ class FuseRefusal(enum.Enum):
     COST_MODEL = "cost model"
     OUT_OF_FUEL = "out of fusion fuel"
     TEMPLATE = "matmul template"  # what may join a template group: schedule/templates.py
+    MIX_ORDER = "mix-order"  # a column partial and a row group: schedule/mix.py's numbered conditions
 
 
 def _reason(refusal: FuseRefusal | None, detail: str) -> str:
@@ -58,9 +64,13 @@ def _reason(refusal: FuseRefusal | None, detail: str) -> str:
 class FusionGroup:
     name: str
     nodes: tuple[str, ...]  # topological order
-    kind: str  # "pointwise" | "reduction" | "scan" | "extern" | "template" (a matmul and its epilogue)
+    kind: str  # "pointwise" | "reduction" | "scan" | "extern" | "template" (a matmul and its epilogue) | "mix_order"
     xnumel: int
     rnumel: int
+    # mix_order (schedule/mix.py): the members iterated in the column partials' space, and the rows
+    # each program loops over (C); the kernel launches xnumel / chunk programs
+    columns: tuple[str, ...] = ()
+    chunk: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +92,7 @@ def _refuse(kind: FuseRefusal, detail: str = "") -> Verdict:
 class FusionDecision:
     a: str
     b: str
-    kind: str  # "vertical" | "horizontal"
+    kind: str  # "vertical" | "horizontal" | "mix-order"
     score: int
     fused: bool
     refusal: FuseRefusal | None  # None when fused
@@ -139,6 +149,8 @@ class _State:
         self.slots: list[str | None] = [n.name for n in graph.nodes]
         self.pos = {n.name: i for i, n in enumerate(graph.nodes)}
         self._loads: dict[str, tuple[Load, ...]] = {}
+        self.mix: dict[str, mix.MixShape] = {}  # mix-order groups (second phase): their shape
+        self.columns: dict[str, list[str]] = {}  # ... and their column-side members
         self._align: dict[tuple[str, int], tuple[str, int] | None] = {}
 
     def gspace(self, g: str) -> tuple[int, int]:
@@ -471,7 +483,90 @@ def fuse(graph: LoopGraph) -> Schedule:
         decisions.append(FusionDecision(a, b, kind, score, True, None, verdict.detail))
         cands.merged(*st.merge(a, b))
         fuel -= 1
+    if knobs.mix_order:
+        _mix_order(st, decisions, fuel)
     return _finish(st, decisions)
+
+
+def _row_group(st: _State, g: str) -> tuple[int, int] | None:
+    """(X, R) when g may be a row group (reductions over X >= 2 rows of R >= 2), else None; whether
+    its loads run along its rows (`mix.is_row_group`, sympy work) is asked only of groups with a partner."""
+    if g in st.mix:
+        return st.mix[g].x, st.mix[g].r
+    if st.is_extern(g) or st.is_scan(g) or any(is_matmul(st.nodes[n]) for n in st.members[g]):
+        return None
+    if not any(isinstance(st.nodes[n], Reduction) for n in st.members[g]):
+        return None
+    x, r = st.gspace(g)
+    return (x, r) if x >= 2 and r >= 2 else None
+
+
+def _mix_partners(st: _State, g: str, x: int, r: int) -> list[tuple[str, int]]:
+    """Groups that read an x*r-element buffer the row group g reads or computes, with the bytes of
+    such buffers they share (graph order)."""
+    cols = set(st.columns.get(g, ()))
+    rows = [n for n in st.members[g] if n not in cols]
+    bufs: list[str] = []
+    for n in rows:
+        for d in st.deps.reads[n]:
+            if d.buf in st.bufs and st.bufs[d.buf].numel == x * r and d.buf not in bufs:
+                bufs.append(d.buf)
+        if st.bufs[n].numel == x * r and n not in bufs:
+            bufs.append(n)
+    out: dict[str, int] = {}
+    for b in bufs:
+        for c in st.deps.consumers.get(b, ()):
+            p = st.group_of[c]
+            if p != g and p not in st.mix and not st.is_extern(p) and not st.is_scan(p):
+                out[p] = out.get(p, 0) + st.bufs[b].nbytes
+    return list(out.items())
+
+
+def _mix_verdict(st: _State, g: str, p: str, rows: list[str], x: int, r: int, fuel: int):
+    """(Verdict, MixShape or None) for the column group p joining the row group g."""
+    if len(st.members[g]) + len(st.members[p]) > knobs.max_fusion_size:
+        return _refuse(FuseRefusal.SIZE_LIMIT, f"more than {knobs.max_fusion_size} nodes"), None
+    chk = mix.check(st.nodes, st.bufs, rows, st.members[p], x, r, st.mix.get(g))
+    if not chk.ok:
+        return _refuse(FuseRefusal.MIX_ORDER, chk.detail), None
+    path = st.cycle_through(g, p)
+    if path is not None:
+        return _refuse(FuseRefusal.CYCLE, f"through another group ({path})"), None
+    if fuel == 0:
+        return _refuse(FuseRefusal.OUT_OF_FUEL, f"AOTFUSE_FUSION_FUEL={knobs.fusion_fuel} fusions done"), None
+    return Verdict(True, None, chk.detail), chk.shape
+
+
+def _mix_order(st: _State, decisions: list, fuel: int) -> None:
+    """Second phase: merge column partials into the row group whose rows they sum (schedule/mix.py);
+    every pair judged is recorded, merged or refused with the condition that failed."""
+    for g in [s for s in st.slots if s is not None]:
+        if g not in st.members or (xr := _row_group(st, g)) is None:
+            continue
+        x, r = xr
+        row_group = None
+        for p, score in _mix_partners(st, g, x, r):
+            if p not in st.members or p == g:
+                continue
+            cols = set(st.columns.get(g, ()))
+            rows = [n for n in st.members[g] if n not in cols]
+            if not mix.candidate(st.nodes, st.members[p], x, r):
+                continue
+            if row_group is None:
+                row_group = g in st.mix or mix.is_row_group(st.nodes, st.bufs, rows, x, r)
+            if not row_group:
+                break
+            verdict, shape = _mix_verdict(st, g, p, rows, x, r, fuel)
+            decisions.append(FusionDecision(g, p, "mix-order", score, verdict.ok, verdict.refusal, verdict.detail))
+            if not verdict.ok:
+                continue
+            columns = st.columns.pop(g, []) + list(st.members[p])
+            keep, _ = st.merge(g, p)
+            st.mix.pop(g, None)
+            st.mix[keep] = shape
+            st.columns[keep] = sorted(columns, key=st.order.__getitem__)
+            g = keep
+            fuel -= 1
 
 
 def _finish(st: _State, decisions) -> Schedule:
@@ -496,11 +591,16 @@ def _finish(st: _State, decisions) -> Schedule:
     for i, g in enumerate(order):
         mem = st.members[g]
         mset = set(mem)
-        kind = "extern" if st.is_extern(g) else "scan" if st.is_scan(g) else "template" if any(
-            is_matmul(st.nodes[n]) for n in mem) else (
-            "reduction" if any(isinstance(st.nodes[n], Reduction) for n in mem) else "pointwise")
-        x, r = st.space[mem[0]] if kind == "scan" else st.gspace(g) if kind != "extern" else (0, 0)
-        groups.append(FusionGroup(f"g{i}", tuple(mem), kind, x, r))
+        if g in st.mix:
+            shape = st.mix[g]
+            groups.append(FusionGroup(f"g{i}", tuple(mem), "mix_order", shape.x, shape.r,
+                                      tuple(st.columns[g]), shape.chunk))
+        else:
+            kind = "extern" if st.is_extern(g) else "scan" if st.is_scan(g) else "template" if any(
+                is_matmul(st.nodes[n]) for n in mem) else (
+                "reduction" if any(isinstance(st.nodes[n], Reduction) for n in mem) else "pointwise")
+            x, r = st.space[mem[0]] if kind == "scan" else st.gspace(g) if kind != "extern" else (0, 0)
+            groups.append(FusionGroup(f"g{i}", tuple(mem), kind, x, r))
         for n in mem:
             if _is_stored(st, n, mset):
                 stored.add(n)

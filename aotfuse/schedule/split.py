@@ -15,6 +15,10 @@ shorter loop costs less than a second launch.
 
 How many chunks S: enough to reach `split_min_programs` (S >= ceil(min_programs / programs)), and
 chunks no shorter than `split_min_chunk` elements (flat chunks: nor than one loop step). Preferred, in order:
+  0. mix-order (schedule/mix.py): a column reduction whose rows a row reduction over the same elements
+     reads is split into S = the fewest chunks of rows that fill the GPU (S >= split_min_programs,
+     dividing the rows), so that one kernel computes the rows and the column partials (fusion's
+     second phase merges them; the partial's round trip must cost less than the read it saves);
   1. aligned: S = the product of the leading reduced dims (e.g. sum over [B*T, C] -> S = B*T rows,
      chunk C). The partial is then an ordinary reduction over the trailing dims, whose iteration
      space is that of the producers' rows, so fusion can put it in their kernel (the loss sum of a
@@ -49,6 +53,7 @@ from ..ir.matmul import is_matmul
 from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod,
                        rewrite_expr, subs_expr)
 from ..knobs import knobs
+from .mix import Chunks, choose_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +151,16 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
 
     def yes(s: int, c: int, how: str, extra: str) -> SplitDecision:
         return SplitDecision(n.name, n.rtype, x, r, pattern, programs, True, s, c, how, "",
-                             f"{why}; {extra}; {layout}; {programs * s} partial programs")
+                             f"{why}; {extra}; {layout}; {programs * s} partial programs" +
+                             (f" alone, {s} with its row group (fusion's mix-order phase)" if how == "mix-order" else ""))
 
+    mix_note = ""
+    if knobs.mix_order and pattern == "outer" and x > 1:
+        ch = choose_chunks(n, graph)
+        if isinstance(ch, Chunks):
+            return yes(ch.chunks, ch.chunk, "mix-order", ch.why)
+        mix_note = f" (no mix-order: {ch})"
+    why += mix_note
     acc = 1
     for k in range(1, len(n.rranges)):
         acc *= n.rranges[k - 1]
