@@ -208,3 +208,42 @@ def test_fused_step_grads_held_accumulated_and_scaled(demo_step):
     _check_grads(pm, ref, "two forwards, scaled")
     st = pm._graphs["step"].stats
     assert st["eager_calls"] == 0 and st["captures"] >= 2
+
+
+class _CrossEntropy(torch.nn.Module):
+    def forward(self, logits, target):
+        return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+@pytest.mark.parametrize("step", ["split", "step"])
+def test_a_large_batch_over_few_kernels_runs_without_graphs_and_copies_nothing(step):
+    """A loss over 2048 x 8192 bf16 logits: a graph would copy the 32 MiB batch into its static buffer
+    on every call (runtime/graphs.graphs_pay), more than the host time of the few launches it saves, so
+    the module runs its programs without graphs: no device-to-device copy, gradients as eager's."""
+    L = torch.randn(2048, 8192, dtype=torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 8192, (2048,))
+    data = aotfuse.build(_CrossEntropy(), (L, t), train=True, targets=_arch(), step=step).data
+    pm = aotfuse.load(data, device="cuda").as_module()
+    assert pm._graphs is None and pm.graphs_why.startswith("no CUDA graphs: copying"), pm.graphs_why
+    forced = aotfuse.load(data, device="cuda").as_module(cuda_graphs=True)
+    assert forced._graphs is not None and "asked for" in forced.graphs_why
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(2048, 8192, dtype=torch.bfloat16, device="cuda").requires_grad_()
+        tc = torch.randint(0, 8192, (2048,), device="cuda")
+        ref = torch.nn.functional.cross_entropy(x.float(), tc)
+        (gref,) = torch.autograd.grad(ref, x)
+        for m in (pm, forced):
+            xs = x.detach().requires_grad_()
+            loss = m(xs, tc)
+            loss.backward()
+            assert rel(loss, ref) < 1e-5 and rel(xs.grad, gref) < 1e-2
+    from torch.profiler import ProfilerActivity, profile
+
+    xs = x.detach().requires_grad_()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pm(xs, tc).backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not any("Memcpy" in n for n in names), names

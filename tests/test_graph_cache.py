@@ -233,6 +233,25 @@ def _data(seed):
     return [torch.randn(N, K, generator=g), torch.randn(K, K, generator=g), torch.randn(K, generator=g)]
 
 
+def test_graphs_pay_weighs_the_copy_of_large_inputs_against_the_launches_saved():
+    """Per call a graph copies each large input it does not key into a static buffer (read + write) and
+    saves each launch's host time: a few launches over a large batch run without graphs."""
+    ex = Executor(_program(), {}, {}, torch.device("cpu"))
+    gp = graphs.GraphedProgram(ex, torch.device("cpu"), frozenset({1}), key=False)
+    assert gp.copied == [0, 2] and gp.copied_large_bytes == N * K * 4  # b (K floats) is small: not counted
+    assert graphs.launches(_program()) == 3
+    with override(bandwidth_gbs=2000.0, launch_overhead_us=4.0):
+        use, why = graphs.graphs_pay([gp])  # 8 KiB copied (~0 us) vs 3 launches (~12 us)
+        assert use and why.startswith("CUDA graphs: 3 launches")
+    with override(bandwidth_gbs=0.001, launch_overhead_us=4.0):  # the same copy at 1 MB/s: ~16 ms
+        use, why = graphs.graphs_pay([gp])
+        assert not use and f"copying {N * K * 4} input bytes" in why and "3 launches" in why
+    keyed = graphs.GraphedProgram(ex, torch.device("cpu"), frozenset({1}), key=True)
+    assert keyed.copied_large_bytes == 0  # read in place: nothing to weigh
+    with override(bandwidth_gbs=0.001):
+        assert graphs.graphs_pay([keyed])[0]
+
+
 def test_outputs_alias_the_graph_stay_valid_while_held_and_a_held_set_takes_another_graph(cpu_graphs):
     gp = _gp()
     x, w, b = _data(0)

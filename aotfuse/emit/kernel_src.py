@@ -117,6 +117,8 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
             xb //= 2
         elems = xb * rb
         w = max(1, min(8, elems // 256))
+        if elems > 4096:  # a long row in registers: enough warps that no thread holds more than ~EPT elements
+            w = max(8, min(32, elems // (32 * max(1, knobs.persistent_row_elems))))
         rows = f"{xb} rows" if xb > 1 else "one row"
         return Blocks("persistent_reduction", xb, rb, w, f"row reduction held in registers: {rows} of {rb} per "
                       f"program ({elems // (32 * w)} elements per thread at {w} warps)")

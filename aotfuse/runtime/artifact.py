@@ -54,6 +54,7 @@ class Artifact:
         self.weights = {k: v.to(self.device, non_blocking=True) for k, v in archive.weights.items()}
         self.executors = {name: Executor(p, self.weights, launchers, self.device) for name, p in self.programs.items()}
         self.use_graphs = (knobs.cuda_graphs if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda"
+        self.graphs_asked = cuda_graphs  # None: decided per program set (runtime/graphs.graphs_pay)
         self._graphs: list = []  # every GraphedProgram made from this artifact (released by close())
         self._forward_graph = self.graphed("forward") if self.use_graphs and self.manifest.train is None else None
         self.load_seconds = time.perf_counter() - t0
@@ -131,7 +132,9 @@ class Artifact:
 
     def as_module(self, cuda_graphs: bool | None = None):
         """An nn.Module whose forward/backward run the packaged programs (train archives).
-        On CUDA both programs are captured into CUDA graphs unless cuda_graphs=False."""
+        On CUDA the programs are captured into CUDA graphs unless cuda_graphs=False; left None (here and
+        at load), graphs are skipped where copying a large batch into their static buffers would cost more
+        than the launches they save (runtime/graphs.graphs_pay; the module's `graphs_why` says which)."""
         from .training import PackagedModule
 
         return PackagedModule(self, cuda_graphs)

@@ -69,7 +69,7 @@ import weakref
 
 import torch
 
-from ..contract.program import Alloc, Extern, Program
+from ..contract.program import Alloc, Extern, Launch, Program
 from ..errors import AotfuseError
 from ..knobs import knobs
 from .executor import Executor, current_stream, new_seed, torch_dtype
@@ -114,6 +114,29 @@ def keyed_inputs(program: Program, bound: frozenset[int], copy_bytes: int,
     return tuple(large) if key else ()
 
 
+def launches(program: Program) -> int:
+    """Kernel launches and library calls one run of the program makes."""
+    return sum(isinstance(i, (Launch, Extern)) for i in program.instructions)
+
+
+def graphs_pay(graphed: "list[GraphedProgram]") -> tuple[bool, str]:
+    """Whether CUDA graphs pay for a set of programs that run together (a training step): a graph
+    removes the host cost of each launch (`knobs.launch_overhead_us`) but copies each large input it
+    does not key by address into a static buffer on every call (read + write at `knobs.bandwidth_gbs`).
+    A step whose batch is one large tensor and few kernels (a loss over 8192 x 32000 logits: 3 launches
+    against a 0.5 GB copy) runs faster without graphs; a model's step (hundreds of launches, a batch of
+    token ids) with them. The reason names both costs."""
+    copy_bytes = sum(g.copied_large_bytes for g in graphed)
+    n = sum(launches(g.ex.program) for g in graphed)
+    copy_us = 2 * copy_bytes / (knobs.bandwidth_gbs * 1e3)
+    launch_us = n * knobs.launch_overhead_us
+    if copy_us > launch_us:
+        return False, (f"no CUDA graphs: copying {copy_bytes} input bytes into static buffers per call "
+                       f"(~{copy_us:.0f} us) costs more than the host time of {n} launches (~{launch_us:.0f} us)")
+    return True, (f"CUDA graphs: {n} launches (~{launch_us:.0f} us of host time) outweigh copying "
+                  f"{copy_bytes} input bytes per call (~{copy_us:.0f} us)")
+
+
 class GraphedProgram:
     """One program replayed as CUDA graphs: per caller stream, graphs keyed by input addresses."""
 
@@ -141,6 +164,13 @@ class GraphedProgram:
         self._retired: collections.Counter = collections.Counter()  # stats of dropped families
         self._lock = threading.Lock()
         self._released = False
+
+    @property
+    def copied_large_bytes(self) -> int:
+        """Bytes a call copies into static buffers beyond the small inputs (`knobs.graph_copy_bytes`)."""
+        ins = self.ex.program.inputs
+        sizes = [_nbytes(ins[i].shape, ins[i].dtype) for i in self.copied]
+        return sum(b for b in sizes if b > self.copy_bytes)
 
     @property
     def stats(self) -> dict:

@@ -161,6 +161,15 @@ class PackagedModule(nn.Module):
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
             bwd = art.graphed("backward", params, frozenset(through) - params, key=True, arenas=arenas)
             self._graphs = {"forward": fwd, "backward": bwd}
+        self.graphs_why = "no CUDA graphs: " + ("not on a GPU" if art.device.type != "cuda" else "turned off")
+        if self._graphs is not None:
+            from .graphs import graphs_pay
+
+            use, self.graphs_why = graphs_pay(list(self._graphs.values()))
+            if (art.graphs_asked if cuda_graphs is None else cuda_graphs):  # asked for explicitly: kept whatever they cost
+                self.graphs_why = "CUDA graphs: asked for (cuda_graphs=True); " + self.graphs_why
+            elif not use:
+                self._graphs = None
         loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
