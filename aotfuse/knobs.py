@@ -9,6 +9,8 @@
 | fusion_fuel | AOTFUSE_FUSION_FUEL | -1 | stop fusing after N fusions (bisect a bad fusion); -1 = no cap |
 | inline_max_ops | AOTFUSE_INLINE_MAX_OPS | 24 | a pointwise node is inlined into its consumers when its body has at most this many ops |
 | persistent_rblock_max | AOTFUSE_PERSISTENT_RBLOCK | 4096 | largest reduction kept in registers (persistent); beyond it loops |
+| persistent_tile | AOTFUSE_PERSISTENT_TILE | 4096 | persistent row reductions: elements per program (rows packed up to this many) |
+| persistent_warp_elems | AOTFUSE_PERSISTENT_WARP_ELEMS | 256 | persistent row reductions: one warp per this many elements of the tile (1 to 8 warps) |
 | persistent_row_elems | AOTFUSE_PERSISTENT_EPT | 32 | rows held in registers beyond 4096 elements (when persistent_rblock_max allows): warps chosen so each thread holds about this many elements (8 to 32 warps) |
 | split_min_programs | AOTFUSE_SPLIT_PROGRAMS | 264 | a reduction whose kernel would launch fewer programs (2 per SM of an H100) is split in two stages (schedule/split.py) |
 | split_min_elems | AOTFUSE_SPLIT_ELEMS | 32768 | ... only when one of its programs would reduce at least this many elements (r; 64*r for a column tile) |
@@ -59,6 +61,8 @@ class Knobs:
     fusion_fuel: int = _env_int("AOTFUSE_FUSION_FUEL", -1)
     inline_max_ops: int = _env_int("AOTFUSE_INLINE_MAX_OPS", 24)
     persistent_rblock_max: int = _env_int("AOTFUSE_PERSISTENT_RBLOCK", 4096)
+    persistent_tile: int = _env_int("AOTFUSE_PERSISTENT_TILE", 4096)
+    persistent_warp_elems: int = _env_int("AOTFUSE_PERSISTENT_WARP_ELEMS", 256)
     persistent_row_elems: int = _env_int("AOTFUSE_PERSISTENT_EPT", 32)
     split_min_programs: int = _env_int("AOTFUSE_SPLIT_PROGRAMS", 264)
     split_min_elems: int = _env_int("AOTFUSE_SPLIT_ELEMS", 32768)

@@ -48,6 +48,11 @@ def _fwd(model, shape, extra=0):
 CASES = {"ln": _ln, "ce": _ce,
          "softmax50257": _fwd(Softmax, (1024, 50257)),
          "softmax32000": _fwd(Softmax, (8192, 32000)),
+         "softmax4096": _fwd(Softmax, (16384, 4096)),
+         "ln4096": _fwd(lambda: LayerNorm(4096), (16384, 4096), 4 * 4096),
+         "softmax1000": _fwd(Softmax, (65536, 1000)),
+         "ln50257": _fwd(lambda: LayerNorm(50257), (1024, 50257), 4 * 50257),
+         "softmax197": _fwd(Softmax, (327680, 197)),
          "ln197": _fwd(lambda: LayerNorm(197), (327680, 197), 4 * 197),
          "ln1000": _fwd(lambda: LayerNorm(1000), (65536, 1000), 4 * 1000)}
 

@@ -112,11 +112,11 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
                       f"[{xb} x {rb}] tiles, x vectorized, {w} warps" + (", looped over r" if r > rb else ""))
     if r <= knobs.persistent_rblock_max:
         rb = _next_pow2(r)
-        xb = max(1, min(_next_pow2(x), 4096 // rb))
+        xb = max(1, min(_next_pow2(x), knobs.persistent_tile // rb))
         while xb > 1 and -(-x // xb) < 256:  # keep enough programs to fill the SMs
             xb //= 2
         elems = xb * rb
-        w = max(1, min(8, elems // 256))
+        w = max(1, min(8, elems // max(1, knobs.persistent_warp_elems)))
         if elems > 4096:  # a long row in registers: enough warps that no thread holds more than ~EPT elements
             w = max(8, min(32, elems // (32 * max(1, knobs.persistent_row_elems))))
         rows = f"{xb} rows" if xb > 1 else "one row"
@@ -268,6 +268,10 @@ class _Emitter:
                 # row as [XBLOCK, 1], so what is computed from it alone stays per row (a division by a
                 # row count once per row, not once per element) and broadcasts where it meets the row
                 return f"tl.load({self.args[e.buf]} + {idx}, xmask, other=0)"
+            if self.ctx == "xr" and SX not in e.index.free_symbols:
+                # a per-column value (a norm's weight and bias): loaded once per column as [1, RBLOCK] and
+                # broadcast over the block's rows, not once per element of an [XBLOCK, RBLOCK] tile
+                return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0)"
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0)"
         if isinstance(e, Const):
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"

@@ -120,7 +120,7 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
     names, cols = set(group.nodes), set(group.columns)
     rb = ks._next_pow2(r)
     xb = step_rows(c, rb)
-    warps = max(1, min(8, xb * rb // 256))
+    warps = max(1, min(8, xb * rb // max(1, knobs.persistent_warp_elems)))
     ins: list[str] = []
     for n in knodes:
         for ld in expr_loads(n.body):
