@@ -76,6 +76,8 @@ def _next_pow2(n: int) -> int:
 
 OUTER_XBLOCK = 64  # column tiles: 64 contiguous outputs per program (128 B of bf16, 256 B of fp32 per row)
 OUTER_RBLOCK = 64  # ... times 64 rows per loop step: 4096 elements, 16 per thread at 8 warps
+SHORT_ROW = 256  # persistent rows of at most this many (padded) elements: one warp per program ...
+SHORT_ROW_TILE = 1024  # ... holding rows up to this many elements (32 per thread)
 INNER_LOOP_RBLOCK = 1024  # looped rows: elements of the row per loop step (2048 for long rows)
 
 
@@ -112,11 +114,17 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
                       f"[{xb} x {rb}] tiles, x vectorized, {w} warps" + (", looped over r" if r > rb else ""))
     if r <= knobs.persistent_rblock_max:
         rb = _next_pow2(r)
-        xb = max(1, min(_next_pow2(x), knobs.persistent_tile // rb))
+        # Short rows (<= SHORT_ROW): a few rows per program, one warp, so each row is reduced by shuffles
+        # inside one warp, never across warps through shared memory (scripts/knob_ab.py, H100: LayerNorm
+        # and softmax over 327680 x 197 bf16 took 196 / 249 us as 16 rows at 8 warps, 104 / 102 us as 4 rows
+        # at 1 warp, torch.compile 102 / 103 us).
+        tile, per_warp = (SHORT_ROW_TILE, SHORT_ROW_TILE) if rb <= SHORT_ROW else \
+            (knobs.persistent_tile, knobs.persistent_warp_elems)
+        xb = max(1, min(_next_pow2(x), tile // rb))
         while xb > 1 and -(-x // xb) < 256:  # keep enough programs to fill the SMs
             xb //= 2
         elems = xb * rb
-        w = max(1, min(8, elems // max(1, knobs.persistent_warp_elems)))
+        w = max(1, min(8, elems // max(1, per_warp)))
         if elems > 4096:  # a long row in registers: enough warps that no thread holds more than ~EPT elements
             w = max(8, min(32, elems // (32 * max(1, knobs.persistent_row_elems))))
         rows = f"{xb} rows" if xb > 1 else "one row"
