@@ -20,7 +20,7 @@ from aotfuse.runtime.explain import explain_report
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 TARGETS = ("sm_90",)  # a normal build: the mix kernel's cubin is compiled (ptxas), no GPU needed
-SMALL = dict(split_min_elems=1024, split_min_chunk=16)
+SMALL = dict(split_min_elems=1024, split_min_chunk=16, mix_min_r=0)  # short rows: the kernel under test
 
 
 class LayerNormLoss(nn.Module):
@@ -73,7 +73,7 @@ def _rel(a, b) -> float:
 
 
 def _build(model, inputs, programs, train=True, **kn):
-    with override(**SMALL, split_min_programs=programs, **kn):
+    with override(**{**SMALL, **kn}, split_min_programs=programs):
         return aotfuse.build(model, inputs, train=train, targets=TARGETS)
 
 
@@ -221,6 +221,21 @@ def test_row_too_long_for_persistent_is_refused():
     assert len(split) == 1 and "no mix-order: (2)" in split[0]["reason"]
     refused = [d for d in _mix_records(bwd) if not d.fused]
     assert len(refused) == 1 and refused[0].detail.startswith("(2) rows of R = 384 > persistent_rblock_max = 256")
+    _check_grads(model, inputs, res, torch.float32)
+
+
+def test_short_rows_are_refused():
+    """Rows shorter than knobs.mix_min_r keep a row kernel and a column partial (measured faster)."""
+    torch.manual_seed(5)
+    model = LayerNormLoss(384, torch.float32)
+    inputs = (torch.randn(256, 384, requires_grad=True),)
+    res = _build(model, inputs, 8, mix_min_r=512)
+    bwd = res.report.backward
+    assert all(g.kind != "mix_order" for g in bwd.groups)
+    split = [d for d in bwd.splits if d["split"]]
+    assert len(split) == 1 and "no mix-order: (2)" in split[0]["reason"] and "mix_min_r = 512" in split[0]["reason"]
+    refused = [d for d in _mix_records(bwd) if not d.fused]
+    assert len(refused) == 1 and refused[0].detail.startswith("(2) rows of R = 384 < mix_min_r = 512")
     _check_grads(model, inputs, res, torch.float32)
 
 

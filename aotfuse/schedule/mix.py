@@ -22,6 +22,9 @@ Conditions (numbered as in docs/architecture.md, "Mix-order reduction"):
      and its loads that move along both rows and columns, mapped to the row space (row = s*C + c,
      column j), read the same buffers at the same elements as the row group;
  (2) R <= persistent_rblock_max: the row, and one fp32 accumulator per column partial, in registers;
+     and R >= mix_min_r: shorter rows lose (H100, scripts/knob_ab.py, 2026-11-23: the anchor GPT's
+     LayerNorm backward over 8192 x 768 took 54 us per mix kernel against ~29 us as a row kernel and a
+     column partial, +180 us per step; over 16384 x 4096 the mix kernel took 144 us against 207 us);
  (3) the column side reads of the row group only per-element values at its own element and per-row
      values of its own row (a row's reductions are finished before its contribution is added), holds
      nothing but the partials and per-element values, and the row group reads nothing of it;
@@ -163,6 +166,8 @@ def choose_chunks(n: Reduction, graph: LoopGraph) -> Chunks | str:
         return f"(1) a {n.rtype}: only sums accumulate across a program's rows"
     if r > knobs.persistent_rblock_max:
         return f"(2) rows of R = {r} > persistent_rblock_max = {knobs.persistent_rblock_max}"
+    if r < knobs.mix_min_r:
+        return f"(2) rows of R = {r} < mix_min_r = {knobs.mix_min_r}: a mix kernel over short rows loses"
     cn, _ = column_space(n, x, r, x)
     planar = {}
     for ld in expr_loads(cn.body):
@@ -246,6 +251,9 @@ def check(nodes: dict, bufs: dict, rows: list[str], cols: list[str], x: int, r: 
     if r > knobs.persistent_rblock_max:
         return Check(False, f"(2) rows of R = {r} > persistent_rblock_max = {knobs.persistent_rblock_max}: "
                      f"a row loop around a looped row would read each row twice")
+    if r < knobs.mix_min_r:
+        return Check(False, f"(2) rows of R = {r} < mix_min_r = {knobs.mix_min_r}: over short rows the mix kernel "
+                     f"measured slower than a row kernel and a column partial")
     rset, cset = set(rows), set(cols)
     krow = {n: row_space(nodes[n], x, r) for n in rows}
     kcol = {n: column_space(nodes[n], x, r, c) for n in cols}
