@@ -216,7 +216,7 @@ class BuildProgress:
 
 
 def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, memory_budget: float,
-              step: str | None = None):
+              step: str | None = None, backward_stages: int | None = None):
     model, example = _specs.load_spec(spec)
     console = _stderr()
     console.print(f"building {spec} for {','.join(targets)}" + (" (train)" if train else ""),
@@ -224,7 +224,7 @@ def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, m
     build_fn = _core("build")
     t0 = time.perf_counter()
     with BuildProgress(console) as progress:
-        kw = {"step": step} if train else {}
+        kw = {"step": step, "backward_stages": backward_stages} if train else {}
         res = build_fn(model, example, targets=targets, train=train, memory_budget=memory_budget, progress=progress,
                        **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,6 +243,10 @@ def build(
     fused_step: bool = typer.Option(False, "--fused-step",
                                     help="With --train and a scalar loss: one program for forward and backward "
                                          "(docs/architecture.md, Fused training step)."),
+    backward_stages: Optional[int] = typer.Option(None, "--backward-stages", min=1, max=7,
+                                                  help="With --train: cut the backward into up to N programs that "
+                                                       "hand gradients to autograd in turn, so DDP's all-reduce "
+                                                       "overlaps the backward [default: AOTFUSE_BACKWARD_STAGES or 1]."),
 ):
     """Compile a model into one .aotf file (no GPU needed)."""
     path = out or Path(_specs.default_artifact_name(spec))
@@ -251,8 +255,11 @@ def build(
         typer.echo("note: --memory-budget only matters with --train", err=True)
     if fused_step and not train:
         typer.echo("note: --fused-step only matters with --train", err=True)
+    if backward_stages is not None and (not train or fused_step):
+        raise typer.BadParameter("--backward-stages needs --train without --fused-step (a fused step has no "
+                                 "backward program to cut)", param_hint="--backward-stages")
     res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget,
-                                   step="auto" if fused_step else None)
+                                   step="auto" if fused_step else None, backward_stages=backward_stages)
     typer.echo(f"wrote {path} ({_bytes(size, exact=False)}, {res.compiled_kernels} kernels, "
                f"targets {','.join(targets)}) in {seconds:.1f} s")
 

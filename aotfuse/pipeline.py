@@ -119,14 +119,16 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
 
 def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
           train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None,
-          step: str | None = None) -> BuildResult:
+          step: str | None = None, backward_stages: int | None = None) -> BuildResult:
     """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
     train=True: the model's forward returns the loss. step (default knobs.train_step, "split"): "split"
     packages a forward program (loss and the tensors saved for the backward) and a backward program
     (gradients), split by our min-cut; "auto" (a scalar loss; else split) or "step" packages one program,
     "step": the forward and the backward for a loss gradient of 1 (partition/step.py); the runtime's
-    backward scales the gradients by the actual one.
+    backward scales the gradients by the actual one. backward_stages (default knobs.backward_stages, 1):
+    with "split", cut the backward into up to this many programs that hand their gradients to autograd
+    in turn (partition/stages.py), so DistributedDataParallel's all-reduce overlaps the rest of the backward.
 
     example_kwargs: keyword arguments of the example call, `model(*example_inputs, **example_kwargs)`,
     as users call it (`input_ids=`, `labels=`). Tensor values become program inputs named by their
@@ -147,15 +149,23 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
         joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs)
         call = {"inputs": joint.call, "outputs": joint.outputs_tree, "loss_leaf": joint.loss_leaf}
         mode, mode_why = step_mode(joint, step or knobs.train_step)
+        stage_why = None
         part = st.run("partition", partition, joint, memory_budget)
+        if mode == "step" and backward_stages is not None and backward_stages > 1:
+            raise BuildError(f"backward_stages={backward_stages} with a fused step ({mode_why}): one program "
+                             f"computes forward and backward, there is no backward to cut",
+                             remedy="build with step='split' to stage the backward")
         if mode == "step":
             step_cg, train_info = st.run("stitch", step_graphs, joint, part)
             progs = [_schedule_program(st, "step", step_cg)]
             scales = _scale_kernels(progs[0], train_info)
             train_info = dataclasses.replace(train_info, scale_kernels=tuple(k.name for k in scales))
         else:
-            fwd_cg, bwd_cg, train_info = _train_graphs(joint, part)
-            progs = [_schedule_program(st, "forward", fwd_cg), _schedule_program(st, "backward", bwd_cg)]
+            fwd_cg, bwd_cgs, train_info, staging = st.run(
+                "stage", _train_graphs, joint, part, knobs.backward_stages if backward_stages is None else backward_stages)
+            stage_why = staging.why
+            progs = [_schedule_program(st, "forward", fwd_cg)]
+            progs += [_schedule_program(st, name, cg) for name, cg in zip(train_info.programs[1:], bwd_cgs)]
     else:
         cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs)
         call = {"inputs": cg.call, "outputs": cg.outputs_tree}
@@ -170,6 +180,8 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
         # the joint trace's attention choices (fused or math, and why) go with the partition's record
         part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions],
                     "step": {"mode": mode, "why": mode_why}}
+        if stage_why is not None:
+            part_rec["stages"] = {"programs": list(train_info.programs[1:]), "why": stage_why}
         report = dataclasses.replace(report, backward=_report(progs[1]) if len(progs) > 1 else None,
                                      partition=part_rec)
         # parameters and the buffers the forward updates are program inputs: the archive holds their initial values

@@ -89,6 +89,11 @@ class OutputSpec:
         return cls(ints(d["shape"]), d["dtype"])
 
 
+def backward_programs(n: int) -> tuple[str, ...]:
+    """The backward's program names: "backward", then "backward_1" ... for a staged backward."""
+    return ("backward",) + tuple(f"backward_{k}" for k in range(1, n))
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainInfo:
     """What a train archive's programs mean (aotfuse/partition/programs.py, aotfuse/partition/step.py).
@@ -102,7 +107,12 @@ class TrainInfo:
     mode "step" (a scalar loss): one program, "step", takes the forward's inputs and returns the loss, the
     buffer updates, then one gradient per `grads` entry computed for a loss gradient of 1; the runtime's
     backward multiplies each gradient in place by the actual loss gradient with kernel `scale_kernels[i]`
-    (args: the gradient, written; the loss gradient, read), which does nothing when it is 1. n_saved is 0."""
+    (args: the gradient, written; the loss gradient, read), which does nothing when it is 1. n_saved is 0.
+
+    A staged backward (mode "split", `stages` non-empty; partition/stages.py): programs "backward",
+    "backward_1", ... run in order; stage k takes the saved tensors and the loss's gradient, then the
+    `carries[k-1]` values stage k-1 returned after its gradients; it returns the gradients `stages[k]`
+    (indices into `grads`, in order), then `carries[k]` values for stage k+1."""
 
     params: tuple[str, ...]
     buffers: tuple[str, ...]  # buffers the forward only reads, baked in as weights
@@ -115,10 +125,14 @@ class TrainInfo:
     mutated_buffers: tuple[str, ...] = ()
     mode: str = "split"  # "split" | "step"; written only when "step"
     scale_kernels: tuple[str, ...] = ()  # mode "step": per gradient, the kernel that scales it in place
+    stages: tuple[tuple[int, ...], ...] = ()  # a staged backward: per stage, its gradients (indices into grads)
+    carries: tuple[int, ...] = ()  # ... and the values it carries on to the next stage
 
     @property
     def programs(self) -> tuple[str, ...]:
-        return ("step",) if self.mode == "step" else ("forward", "backward")
+        if self.mode == "step":
+            return ("step",)
+        return ("forward",) + backward_programs(len(self.stages) or 1)
 
     @property
     def state_inputs(self) -> tuple[str, ...]:
@@ -131,16 +145,21 @@ class TrainInfo:
                "n_saved": self.n_saved, "saved_bytes": self.saved_bytes}
         out = put_optional(out, "mutated_buffers", list(self.mutated_buffers), [])
         out = put_optional(out, "mode", self.mode, "split")
+        out = put_optional(out, "stages", [list(st) for st in self.stages], [])
+        out = put_optional(out, "carries", list(self.carries), [])
         return put_optional(out, "scale_kernels", list(self.scale_kernels), [])
 
     @classmethod
     def from_dict(cls, d: Any) -> "TrainInfo":
         d = fields(d, "manifest.train", ("params", "grads", "n_saved"),
-                   ("buffers", "user_inputs", "saved_bytes", "mutated_buffers", "mode", "scale_kernels"))
+                   ("buffers", "user_inputs", "saved_bytes", "mutated_buffers", "mode", "scale_kernels", "stages",
+                    "carries"))
         return cls(strs(d["params"]), strs(d.get("buffers", ())),
                    tuple(InputSpec.from_dict(s) for s in d.get("user_inputs", ())),
                    tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0),
-                   strs(d.get("mutated_buffers", ())), d.get("mode", "split"), strs(d.get("scale_kernels", ())))
+                   strs(d.get("mutated_buffers", ())), d.get("mode", "split"), strs(d.get("scale_kernels", ())),
+                   tuple(tuple(int(i) for i in st) for st in d.get("stages", ())),
+                   tuple(int(c) for c in d.get("carries", ())))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ next call.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..contract.manifest import TrainInfo
 from ..errors import BuildError
 from ..export import CapturedGraph, InputSpec
@@ -154,17 +156,28 @@ def _train_info(joint, buffers, n_saved: int, saved_bytes: int, mode: str = "spl
                      saved_bytes=int(saved_bytes), mutated_buffers=tuple(joint.mutated_buffers), mode=mode)
 
 
-def train_graphs(joint, part):
+def train_graphs(joint, part, stages: int = 1):
+    """(forward, [backward stage, ...], train info, staging): one backward graph, or `stages` of them
+    (partition/stages.py) for a data-parallel wrapper to get gradients while the backward runs."""
+    from .stages import stage_backward
+
     placeholders, fwd_specs, buffers, by_input = _forward_inputs(joint, part.fwd_gm)
     first_user = len(joint.param_names) + len(joint.mutated_buffers)
     strided = frozenset(by_input[first_user + j].name for j, spec in enumerate(joint.inputs) if spec.stride is not None)
     _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs, strided)
     fwd = CapturedGraph(part.fwd_gm, placeholders, buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
-    bph = _placeholders(part.bwd_gm)
-    bwd_specs = tuple(_spec(n, n.name) for n in bph)
-    bwd = CapturedGraph(part.bwd_gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, bwd_specs,
-                        False, 0.0, contiguous_outputs=True)
-    return fwd, bwd, _train_info(joint, buffers, len(bph) - 1, part.saved_bytes)
+    n_saved = len(_placeholders(part.bwd_gm)) - 1
+    staging = stage_backward(part.bwd_gm, min(stages, 7))  # manifest: at most 8 programs
+    bwds = []
+    for gm in staging.graphs:
+        bph = _placeholders(gm)
+        specs = tuple(_spec(n, n.name) for n in bph)
+        bwds.append(CapturedGraph(gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, specs,
+                                  False, 0.0, contiguous_outputs=True))
+    info = _train_info(joint, buffers, n_saved, part.saved_bytes)
+    if len(bwds) > 1:
+        info = dataclasses.replace(info, stages=staging.stages, carries=staging.carries)
+    return fwd, bwds, info, staging
 
 
 def step_graphs(joint, part):

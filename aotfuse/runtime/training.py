@@ -88,6 +88,87 @@ def _unshared(grads: list) -> list:
     return out
 
 
+class _Run:
+    """One forward of a staged backward: what its stages share (saved tensors, carried values, the input
+    gradients the last stage hands over)."""
+    __slots__ = ("module", "saved", "carry", "input_grads", "next")
+
+    def __init__(self, module):
+        self.module, self.saved, self.carry, self.input_grads, self.next = module, None, [], {}, 0
+
+    def stage(self, k: int, grad_loss) -> list:
+        """Run backward stage k; returns its gradients (in the stage's order)."""
+        module = self.module
+        name, idx = module._stages[k]
+        if self.saved is None:
+            raise AotfuseError("a second backward through one forward of a staged backward after its saved "
+                               "tensors were freed", remedy="run the forward again for each backward")
+        if k != self.next:
+            raise AotfuseError(f"internal: backward stage {k} ran before stage {self.next}")
+        tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
+        outs = module._run(name, list(self.saved) + [tangent] + self.carry)
+        n = len(idx)
+        self.carry = list(outs[n:])
+        self.next = (k + 1) % len(module._stages)
+        grads = _unshared(list(outs[:n]))
+        for i, g in zip(idx, grads):
+            kind, ref = module._grad_map[i]
+            if kind == "input":
+                self.input_grads[int(ref)] = g
+        if self.next == 0:  # the last stage ran: the graph's nodes may outlive this backward
+            self.carry = []
+        return [g for i, g in zip(idx, grads) if module._grad_map[i][0] == "param"]
+
+
+class _StagedForward(torch.autograd.Function):
+    """The forward program of a staged backward; its backward is the LAST stage (it runs last). It takes as
+    autograd inputs only the last stage's parameters (and the user inputs): a parameter that were an input
+    of two nodes would get its gradient hook only after both ran, at the end of the backward."""
+
+    @staticmethod
+    def forward(ctx, module, run, n_last, *args):
+        params = list(module._param_list)
+        loss, saved = _run_first(ctx, module, "forward", (*params, *args[n_last:]))
+        ctx.n_inputs = len(args) - n_last
+        run.saved = saved
+        ctx.run = run
+        return _handed_out(loss)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        run = ctx.run
+        grads = run.stage(len(run.module._stages) - 1, grad_loss)
+        inputs = [run.input_grads.pop(i, None) for i in range(ctx.n_inputs)]
+        return (None, None, None, *grads, *inputs)
+
+
+class _Stage(torch.autograd.Function):
+    """Identity on the loss; its backward runs backward stage k and hands that stage's parameter gradients
+    to autograd (DDP's hooks fire, its bucket's all-reduce is queued) before the next stage is queued."""
+
+    @staticmethod
+    def forward(ctx, loss, run, k, *params):
+        ctx.run, ctx.k = run, k
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = ctx.run.stage(ctx.k, grad_loss)
+        return (grad_loss, None, None, *grads)
+
+
+def _staged(module, inputs: tuple):
+    """loss = Stage_0(Stage_1(... StagedForward(params of the last stage, inputs))): autograd runs Stage_0's
+    backward first (stage 0 of the backward), the forward node's last."""
+    run = _Run(module)
+    params = module._param_list
+    last = [params[i] for i in module._stage_params[-1]]
+    loss = _StagedForward.apply(module, run, len(last), *last, *inputs)
+    for k in reversed(range(len(module._stages) - 1)):
+        loss = _Stage.apply(loss, run, k, *[params[i] for i in module._stage_params[k]])
+    return loss
+
+
 class _Step(torch.autograd.Function):
     """A fused-step archive: the program computes loss and gradients (for loss gradient 1) in the forward."""
 
@@ -138,6 +219,11 @@ class PackagedModule(nn.Module):
         self._grad_map = list(info.grads)
         self._graphs = None
         self._step = info.mode == "step"
+        # a staged backward (partition/stages.py): per stage, its programs' name and gradient indices, and the
+        # parameters whose gradients it returns (each parameter an input of exactly one autograd node)
+        self._stages = [(name, tuple(st)) for name, st in zip(info.programs[1:], info.stages)]
+        self._stage_params = [[self._param_index[ref] for i in st for kind, ref in [info.grads[i]] if kind == "param"]
+                              for _, st in self._stages]
         if self._step:  # per gradient: its in-place scaling kernel's launcher and grid
             self._scalers = [(art.launchers[k], tuple(art.kernels[k].grid)) for k in info.scale_kernels]
         graphs = art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs)
@@ -153,14 +239,14 @@ class PackagedModule(nn.Module):
             # passed through. One arena per stream for both programs (graphs.ArenaPool): max, not sum.
             from .graphs import ArenaPool
 
-            arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in ("forward", "backward")),
-                               art.device)
+            arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in info.programs), art.device)
             fwd = art.graphed("forward", frozenset(range(n_p + n_m)), key=False, arenas=arenas)
             # forward outputs: loss, n_m buffer updates, then the saved tensors (the backward's inputs)
             through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
-            bwd = art.graphed("backward", params, frozenset(through) - params, key=True, arenas=arenas)
-            self._graphs = {"forward": fwd, "backward": bwd}
+            self._graphs = {"forward": fwd}
+            for name in info.programs[1:]:  # a staged backward's programs read what the previous one carried, keyed
+                self._graphs[name] = art.graphed(name, params, frozenset(through) - params, key=True, arenas=arenas)
         self.graphs_why = "no CUDA graphs: " + ("not on a GPU" if art.device.type != "cuda" else "turned off")
         if self._graphs is not None:
             from .graphs import graphs_pay
@@ -247,4 +333,6 @@ class PackagedModule(nn.Module):
                 name = self._art.input_specs[i].name
                 raise GuardError(f"input {name!r} (#{i}) requires grad, but the archive has no gradient for it",
                                  remedy="build with an example input that requires grad (x.requires_grad_())")
+        if self._stages:
+            return _staged(self, inputs)
         return (_Step if self._step else _Packaged).apply(self, *self._param_list, *inputs)

@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from ..contract.manifest import backward_programs
 from ..contract.program import check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
@@ -75,7 +76,9 @@ def _train_info(t, progs: list) -> None:
     mode = t.get("mode", "split")
     if mode not in ("split", "step"):
         _fail("manifest.train.mode", f"is not 'split' or 'step': {_short(mode)}")
-    want = ["step"] if mode == "step" else ["forward", "backward"]
+    stages = _list(t.get("stages", []), "manifest.train.stages", 0, 7)
+    carries = _list(t.get("carries", []), "manifest.train.carries", 0, 7)
+    want = ["step"] if mode == "step" else ["forward", *backward_programs(len(stages) or 1)]
     if progs != want:
         _fail("manifest.programs", f"a {mode} train archive has programs {want}, got {_short(progs)}")
     scales = _list(t.get("scale_kernels", []), "manifest.train.scale_kernels", 0, 1 << 16)
@@ -107,6 +110,17 @@ def _train_info(t, progs: list) -> None:
             _fail(where, f"expected kind 'param' or 'input', got {_short(g[0])}")
     if mode == "step" and len(scales) != len(t["grads"]):
         _fail("manifest.train.scale_kernels", f"{len(scales)} kernels for {len(t['grads'])} gradients")
+    if stages and mode == "step":
+        _fail("manifest.train.stages", "a fused step has no backward to stage")
+    if len(carries) != len(stages):
+        _fail("manifest.train.carries", f"{len(carries)} entries for {len(stages)} stages")
+    seen = []
+    for k, st in enumerate(stages):
+        for i, g in enumerate(_list(st, f"manifest.train.stages[{k}]", 0, 1 << 16)):
+            seen.append(_int(g, f"manifest.train.stages[{k}][{i}]", 0, len(t["grads"]) - 1))
+        _int(carries[k], f"manifest.train.carries[{k}]", 0, 0 if k == len(stages) - 1 else 1 << 16)
+    if stages and sorted(seen) != list(range(len(t["grads"]))):
+        _fail("manifest.train.stages", "do not name each gradient exactly once")
 
 
 # ---------------------------------------------------------------- kernels part
@@ -610,11 +624,29 @@ def _check_train(train: dict, sigs: dict, weights: dict, ins: list, outs: list, 
         _check_grads(train, params, ins, fwd.outputs[1 + n_mut:], "the step")
         _check_scale_kernels(train.get("scale_kernels", []), fwd.outputs[1 + n_mut:], kernels, outs[0][0])
         return
-    bwd = sigs["backward"]
-    # the backward takes the saved tensors, then the loss's gradient (a tensor like the loss)
-    _same("the backward program's inputs", "the forward's saved tensors + the loss",
-          list(fwd.outputs[1 + n_mut:]) + [fwd.outputs[0]], bwd.inputs)
-    _check_grads(train, params, ins, bwd.outputs, "the backward")
+    # the backward takes the saved tensors, then the loss's gradient (a tensor like the loss); a staged
+    # backward's stage k also what stage k-1 carried on, and returns its gradients, then what it carries on
+    base = list(fwd.outputs[1 + n_mut:]) + [fwd.outputs[0]]
+    stages, carries = train.get("stages", []), train.get("carries", [])
+    if not stages:
+        bwd = sigs["backward"]
+        _same("the backward program's inputs", "the forward's saved tensors + the loss", base, bwd.inputs)
+        _check_grads(train, params, ins, bwd.outputs, "the backward")
+        return
+    got = [None] * len(train["grads"])
+    carried = []
+    for k, name in enumerate(backward_programs(len(stages))):
+        sig = sigs[name]
+        _same(f"the {name} program's inputs", "the forward's saved tensors + the loss + the values carried "
+              "into it", base + carried, sig.inputs)
+        n = len(stages[k])
+        if len(sig.outputs) != n + carries[k]:
+            _fail("manifest.train.carries", f"program {name} returns {len(sig.outputs)} outputs, not "
+                                            f"{n} gradients + {carries[k]} carried values")
+        for i, out in zip(stages[k], sig.outputs[:n]):
+            got[i] = out
+        carried = list(sig.outputs[n:])
+    _check_grads(train, params, ins, got, "the staged backward")
 
 
 def _check_scale_kernels(names: list, grads: list, kernels: dict, loss_dtype: str) -> None:
