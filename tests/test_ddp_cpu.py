@@ -32,15 +32,25 @@ def _rel(a, b) -> float:
 
 
 def _worker(rank: int, path: str, port: int, model, batches, results):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     try:
-        ours = torch.nn.parallel.DistributedDataParallel(aotfuse.load(path, device="cpu").as_module())
+        pm = aotfuse.load(path, device="cpu").as_module()
+        events = []  # the packaged programs run and DDP's bucket all-reduces, in order
+        run = pm._run
+        pm._run = lambda name, ins: (events.append(name), run(name, ins))[1]
+        # small buckets: each a few parameters, all-reduced as soon as DDP has their gradients
+        ours = torch.nn.parallel.DistributedDataParallel(pm, bucket_cap_mb=0.05)
+        ours.register_comm_hook(None, lambda state, bucket: (events.append("all-reduce"),
+                                                               allreduce_hook(state, bucket))[1])
         ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref)]
         worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         for step in range(2):
+            events.clear()
             tokens, targets = batches[step][rank]  # each rank its own shard
             for m, opt in zip((ours, ref), opts):
                 opt.zero_grad(set_to_none=True)
@@ -61,15 +71,20 @@ def _worker(rank: int, path: str, port: int, model, batches, results):
         others = [torch.empty_like(g) for _ in range(WORLD)]
         dist.all_gather(others, g)
         worst["ranks_agree"] = max(_rel(o, g) for o in others)
+        worst["events"] = list(events)  # the last step's (DDP rebuilt its buckets by arrival after the first)
         results[rank] = worst
     finally:
         dist.destroy_process_group()
 
 
-def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
+@pytest.mark.parametrize("stages", [1, 3])
+def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path, stages):
+    """stages=3: a staged backward (partition/stages.py) hands each stage's gradients to DDP before the next
+    stage runs, so bucket all-reduces are queued between the backward's programs, not all after them."""
     model, (tokens, targets) = demo_train(dropout=0.0)
     path = tmp_path / "train.aotf"
-    aotfuse.build(model, (tokens, targets), train=True, targets=("sm_90",)).save(path)
+    aotfuse.build(model, (tokens, targets), train=True, targets=("sm_90",), step="split",
+                  backward_stages=stages).save(path)
     g = torch.Generator().manual_seed(3)
     vocab = int(tokens.max()) + 1
 
@@ -83,6 +98,16 @@ def test_ddp_gloo_two_processes_matches_eager_ddp(tmp_path):
     for rank, w in results.items():
         assert w["loss"] < 1e-5 and w["grad"] < 1e-4 and w["param"] < 1e-5, (rank, w)
         assert w["ranks_agree"] == 0.0, (rank, w)
+        ev = w["events"]
+        programs = [e for e in ev if e != "all-reduce"]
+        assert programs == ["forward", "backward"] + [f"backward_{k}" for k in range(1, stages)], ev
+        last = ev.index(programs[-1])
+        if stages == 1:  # every all-reduce waits for the one backward program
+            assert ev.index("all-reduce") > last, ev
+        else:  # each stage's buckets are queued before the next stage runs
+            for k in range(stages - 1):
+                between = ev[ev.index(programs[1 + k]) + 1:ev.index(programs[2 + k])]
+                assert "all-reduce" in between, (k, ev)
 
 
 def _fsdp_worker(rank: int, path: str, port: int, tokens, targets, results):

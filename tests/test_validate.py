@@ -38,13 +38,13 @@ def _fake_compile(kernels, targets, workers, progress=None):
     return {k.name: {"sm_90": Binary("sm_90", b"not-a-cubin", k.name, k.num_warps, 0, 0, 0)} for k in kernels}
 
 
-def _build(train: bool, step: str = "split") -> bytes:
+def _build(train: bool, step: str = "split", stages: int = 1) -> bytes:
     from aotfuse.examples.gpt import GPT, GPTConfig, GPTWithLoss, _init
 
     cfg = GPTConfig(vocab=32, seq=4, dim=16, heads=2, layers=1, dropout=0.1 if train else 0.0)
     model = _init((GPTWithLoss if train else GPT)(cfg), seed=0)
     ids = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(0))
-    kw = {"step": step} if train else {}
+    kw = {"step": step, "backward_stages": stages} if train else {}
     return aotfuse.build(model.train(train), (ids, ids) if train else (ids,), train=train, targets=("sm_90",),
                          **kw).data
 
@@ -84,7 +84,7 @@ def bases(monkeypatch_module):
     monkeypatch_module.setattr("aotfuse.pipeline.compile_all", _fake_compile)
     monkeypatch_module.setattr("aotfuse.knobs.knobs.mm", "extern")  # the extern cases need cuBLAS calls
     return {"gpt": decode(_build(False)), "train": decode(_build(True)), "step": decode(_build(True, "step")),
-            "golden_v1": decode(GOLDEN.read_bytes())}
+            "staged": decode(_build(True, "split", 2)), "golden_v1": decode(GOLDEN.read_bytes())}
 
 
 @pytest.fixture(scope="module")
@@ -882,6 +882,31 @@ def test_step_archive_cross_checks(bases):
     d = bases["train"].copy()
     d.manifest["train"]["scale_kernels"] = bases["step"].manifest["train"]["scale_kernels"]
     _refused(d, r"a split train archive has no scaling kernels")
+
+
+def test_staged_backward_cross_checks(bases):
+    """A staged backward: programs named by the stage count, each gradient in exactly one stage, and each
+    stage's inputs = the saved tensors + the loss + what the previous stage carried on."""
+    d = bases["staged"].copy()
+    t = d.manifest["train"]
+    assert d.manifest["programs"] == ["forward", "backward", "backward_1"] and len(t["stages"]) == 2
+    assert t["carries"][0] > 0 and t["carries"][1] == 0
+    d = bases["staged"].copy()
+    d.manifest["programs"] = ["forward", "backward"]
+    _refused(d, r"a split train archive has programs \['forward', 'backward', 'backward_1'\]")
+    d = bases["staged"].copy()
+    d.manifest["train"]["stages"][1].append(d.manifest["train"]["stages"][0][0])
+    _refused(d, r"manifest.train.stages: do not name each gradient exactly once")
+    d = bases["staged"].copy()
+    d.manifest["train"]["carries"][0] -= 1
+    _refused(d, r"manifest.train.carries")
+    d = bases["staged"].copy()
+    d.manifest["train"]["carries"] = [0, 0]  # the last stage's inputs no longer match what is carried
+    _refused(d, r"(inputs|carried)")
+    d = bases["staged"].copy()
+    s0, s1 = d.manifest["train"]["stages"]
+    d.manifest["train"]["stages"] = [s1, s0]  # gradients said to come from the wrong program
+    _refused(d, r"manifest.train")
 
 
 def test_validate_program_is_pure_and_names_the_instruction(bases):

@@ -102,6 +102,9 @@ def _partition_lines(part: dict) -> list[str]:
                f"saved {part['saved_bytes']} B for the backward; budget {part.get('memory_budget')}"]
         if isinstance(step, dict):
             out.append(f"two programs: {step.get('why')}")
+        stages = part.get("stages")
+        if isinstance(stages, dict):
+            out.append(f"backward programs {', '.join(map(str, stages.get('programs', [])))}: {stages.get('why')}")
     for s in part["saved"]:
         packed = " (bit-packed)" if s.get("packed") else ""
         out.append(f"  saved {s['name']}: {s['nbytes']} B from {s['producer_op']}{packed}: {s['why']}")

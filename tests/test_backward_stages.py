@@ -1,0 +1,135 @@
+"""A staged backward (partition/stages.py, runtime/training.py): the backward cut into programs that hand
+their gradients to autograd in turn. CPU path: gradients and buffer updates as eager's, each stage's
+parameter gradients reach autograd (hooks, hence DDP's buckets) before the next stage runs, a
+retain_graph second backward, the build's record, and the refusals."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import aotfuse
+from aotfuse.errors import BuildError
+from aotfuse.runtime.explain import explain_report
+from aotfuse.specs import load_spec, random_inputs
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, inputs = load_spec("aotfuse.examples.gpt:demo_train(dropout=0.0)")
+    res = aotfuse.build(model, inputs, train=True, targets=("sm_90",), step="split", backward_stages=3)
+    return model, res
+
+
+def test_stages_cover_the_gradients_and_the_build_says_why(gpt):
+    _, res = gpt
+    info = res.manifest.train
+    assert res.manifest.programs == ("forward", "backward", "backward_1", "backward_2") == info.programs
+    assert sorted(i for st in info.stages for i in st) == list(range(len(info.grads)))
+    assert all(info.stages) and info.carries[-1] == 0 and all(c > 0 for c in info.carries[:-1])
+    rec = res.report.partition["stages"]
+    assert rec["programs"] == ["backward", "backward_1", "backward_2"] and "3 backward stages" in rec["why"]
+    assert "backward programs backward, backward_1, backward_2: 3 backward stages" in explain_report(res.report)
+
+
+def test_gradients_match_eager_and_reach_autograd_stage_by_stage(gpt):
+    model, res = gpt
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    events = []
+    run = pm._run
+    pm._run = lambda name, ins: (events.append(name), run(name, ins))[1]
+    for n, p in pm.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, n=n: events.append(n))
+    info = res.manifest.train
+    for seed in (1, 2):
+        events.clear()
+        for m in (pm, ref):
+            m.zero_grad(set_to_none=True)
+        batch = random_inputs(pm._art.input_specs, device="cpu", seed=seed)
+        lo, lr = pm(*batch), ref(*batch)
+        lo.backward()
+        lr.backward()
+        assert _rel(lo, lr) < 1e-6
+        want = dict(ref.named_parameters())
+        for n, p in pm.named_parameters():
+            assert _rel(p.grad, want[n].grad) < 1e-4, n
+        # each stage's parameters: their hooks ran after that stage's program and before the next one
+        assert [e for e in events if e.startswith(("forward", "backward"))] == list(info.programs)
+        for k, (name, st) in enumerate(zip(info.programs[1:], info.stages)):
+            after = events.index(name)
+            before = events.index(info.programs[2 + k]) if 2 + k < len(info.programs) else len(events)
+            names = {info.grads[i][1] for i in st if info.grads[i][0] == "param"}
+            assert names == set(events[after + 1:before]), (name, events)
+
+
+def test_retain_graph_runs_the_stages_again(gpt):
+    model, res = gpt
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    batch = random_inputs(pm._art.input_specs, device="cpu", seed=5)
+    for m in (pm, ref):
+        loss = m(*batch)
+        loss.backward(retain_graph=True)
+        (0.5 * loss).backward()
+    want = dict(ref.named_parameters())
+    for n, p in pm.named_parameters():
+        assert _rel(p.grad, want[n].grad) < 1e-4, n
+
+
+class _BNStack(torch.nn.Module):
+    """Four Linear + GELU + train-mode BatchNorm1d layers (running statistics updated by the forward), MSE loss."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.GELU(),
+                                                              torch.nn.BatchNorm1d(d)) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_buffer_updates_and_input_gradients_with_stages():
+    """Updated buffers (BatchNorm's running statistics) and an input that requires grad: the input's
+    gradient comes from whichever stage computes it and is handed over with the last one."""
+    torch.manual_seed(0)
+    model = _BNStack().train()
+    x, y = torch.randn(16, 32).requires_grad_(), torch.randn(16, 32)
+    res = aotfuse.build(model, (x, y), train=True, targets=("sm_90",), step="split", backward_stages=2)
+    assert len(res.manifest.train.stages) == 2 and res.manifest.train.mutated_buffers
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        xs, ys = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+        xa, xb = xs.clone().requires_grad_(), xs.clone().requires_grad_()
+        for m in (pm, ref):
+            m.zero_grad(set_to_none=True)
+        lo, lr = pm(xa, ys), ref(xb, ys)
+        lo.backward()
+        lr.backward()
+        assert _rel(lo, lr) < 1e-5 and _rel(xa.grad, xb.grad) < 1e-4
+        want = dict(ref.named_parameters())
+        for n, p in pm.named_parameters():
+            assert _rel(p.grad, want[n].grad) < 1e-4, n
+        bufs = dict(ref.named_buffers())
+        for n, b in pm.named_buffers():
+            assert _rel(b.float(), bufs[n].float()) < 1e-5, n
+
+
+def test_one_stage_is_the_plain_backward_and_a_fused_step_is_refused():
+    model, inputs = load_spec("aotfuse.examples.gpt:demo_train(dropout=0.0)")
+    res = aotfuse.build(model, inputs, train=True, targets=("sm_90",), step="split", backward_stages=1)
+    assert res.manifest.programs == ("forward", "backward") and res.manifest.train.stages == ()
+    with pytest.raises(BuildError, match="backward_stages=2 with a fused step"):
+        aotfuse.build(model, inputs, train=True, targets=("sm_90",), step="step", backward_stages=2)
