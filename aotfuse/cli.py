@@ -322,6 +322,9 @@ def render_inspect(info: dict, path: Path) -> str:
                  f"  saved for the backward: {t['n_saved']} tensors, {_bytes(t['saved_bytes'], exact=False)}"),
                 "  buffers updated by the forward (written back by the runtime): "
                 + (", ".join(t.get("mutated_buffers", [])) or "none")]
+        if t.get("stages"):
+            out.append(f"  staged backward: {len(t['stages'])} programs handing over "
+                       f"{' + '.join(map(str, t['stages']))} gradients in turn")
     return "\n".join(out)
 
 

@@ -3,6 +3,12 @@
     python3 -m aotfuse build aotfuse.examples.gpt:anchor_train --train -o /tmp/anchor_train.aotf --arch sm_90
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node=N scripts/ddp_gpu.py /tmp/anchor_train.aotf \
         [--spec aotfuse.examples.gpt:anchor_train] [--steps 50] [--modes eager,compile,aotfuse] [--json OUT]
+        [--overlap]
+
+A mode `aotfuse:PATH` runs another archive of the same model (e.g. one built with --backward-stages 4:
+partition/stages.py). `--overlap`: after the timed steps, rank 0 profiles 5 steps and reports the NCCL
+kernels' time per step and the share of it that ran while a compute kernel ran (the all-reduce hidden
+behind the backward).
 
 Each mode wraps its module in DistributedDataParallel (NCCL; gloo on the CPU) and runs `--steps` AdamW
 steps on the same per-rank batches (fresh random tokens, seeded by step and rank): eager (the model),
@@ -31,12 +37,56 @@ def _batch(specs, device, step: int, rank: int):
     return random_inputs(specs, device=device, seed=1000 * step + rank)
 
 
-def run_mode(mode: str, spec: str, path: str, device, steps: int, warmup: int, lr: float):
+def _step(step_fn, opt, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = step_fn(*batch)
+    getattr(loss, "loss", loss).backward()
+    opt.step()
+
+
+def _union(iv):
+    out = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _overlap(step, n: int = 5) -> dict:
+    """NCCL kernel time per step and the share of it during which a compute kernel ran (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    comm, comp = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or "Memcpy" in e.name or "Memset" in e.name:
+            continue
+        (comm if "nccl" in e.name.lower() else comp).append((e.time_range.start, e.time_range.end))
+    compute = _union(comp)
+    total = sum(b - a for a, b in comm)
+    hidden = 0.0
+    for a, b in comm:
+        for c, d in compute:
+            if c < b and d > a:
+                hidden += min(b, d) - max(a, c)
+    return {"comm_us": total / n, "comm_hidden": hidden / total if total else 0.0}
+
+
+def run_mode(mode: str, spec: str, path: str, device, steps: int, warmup: int, lr: float,
+             want_overlap: bool = False):
     rank = dist.get_rank()
     model, _ = load_spec(spec)  # the same initial weights on every rank (the spec seeds its init)
     model = model.to(device).train()
-    if mode == "aotfuse":
-        art = aotfuse.load(path, device=device)
+    if mode.startswith("aotfuse"):
+        art = aotfuse.load(mode.partition(":")[2] or path, device=device)
         mod = art.as_module()
         with torch.no_grad():  # the archive's weights are the spec's; copy anyway: one source of truth
             for n, p in mod.named_parameters():
@@ -69,7 +119,8 @@ def run_mode(mode: str, spec: str, path: str, device, steps: int, warmup: int, l
         lt = loss.detach().float().reshape(1)
         dist.all_reduce(lt)
         losses.append(float(lt) / dist.get_world_size())
-    return {"mode": mode, "losses": losses, "step_ms": statistics.median(times[warmup:]),
+    overlap = _overlap(lambda: _step(step_fn, opt, _batch(specs, device, 0, rank))) if want_overlap else {}
+    return {"mode": mode, **overlap, "losses": losses, "step_ms": statistics.median(times[warmup:]),
             "first_step_s": first, "peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20
                                                if device.type == "cuda" else 0.0)}
 
@@ -83,6 +134,7 @@ def main():
     ap.add_argument("--modes", default="eager,compile,aotfuse")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--overlap", action="store_true")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -95,7 +147,7 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        r = run_mode(mode, a.spec, a.archive, device, a.steps, a.warmup, a.lr)
+        r = run_mode(mode, a.spec, a.archive, device, a.steps, a.warmup, a.lr, a.overlap and cuda)
         rows.append(r)
         if rank == 0:
             print(f"{mode}: world {world}, step {r['step_ms']:.3f} ms, first step {r['first_step_s']:.1f} s, "
@@ -105,8 +157,8 @@ def main():
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"\n{name} x {world}, torch {torch.__version__}, {a.spec}, {a.steps} AdamW steps")
         print("| GPUs | mode | step ms (median) | first step s | peak MiB (rank 0) | loss first -> last | "
-              "worst step loss diff vs eager | last-10 mean diff |")
-        print("|---|---|---|---|---|---|---|---|")
+              "worst step loss diff vs eager | last-10 mean diff | NCCL us per step | of it hidden behind compute |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if ref is not None:
                 d = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], ref["losses"])]
@@ -115,7 +167,8 @@ def main():
                     abs(statistics.mean(ref["losses"][-10:]))
             print(f"| {world} | {r['mode']} | {r['step_ms']:.3f} | {r['first_step_s']:.1f} | {r['peak_mb']:.0f} | "
                   f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {r.get('worst_rel', 0):.1e} | "
-                  f"{r.get('last10_rel', 0):.1e} |")
+                  f"{r.get('last10_rel', 0):.1e} | {r.get('comm_us', float('nan')):.0f} | "
+                  f"{100 * r.get('comm_hidden', float('nan')):.0f}% |")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": name, "world": world, "spec": a.spec, "rows": rows}, f, indent=1)

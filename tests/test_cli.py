@@ -446,6 +446,26 @@ def test_fused_step_build_inspect_explain_verify(tiny, tmp_path):
     assert r.exit_code == 0 and "--fused-step only matters with --train" in r.stderr
 
 
+def test_backward_stages_build_inspect_explain_verify(tiny, tmp_path):
+    """--backward-stages: the backward as programs handing gradients over in turn; inspect and explain say so;
+    verify checks loss and gradients; with --fused-step it is a usage error before anything is built."""
+    out = tmp_path / "staged.aotf"
+    spec = "aotfuse.examples.gpt:demo_train(dropout=0.0)"
+    r = invoke("build", spec, "--train", "--backward-stages", "2", "--arch", "sm_90", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    info = json.loads(invoke("inspect", str(out), "--json").stdout)
+    stages = info["train"]["stages"]
+    assert len(stages) == 2 and sum(stages) == len(info["train"]["params"])
+    assert "staged backward: 2 programs" in invoke("inspect", str(out)).stdout
+    assert "backward programs backward, backward_1: 2 backward stages" in invoke("explain", str(out)).stdout
+    r = invoke("verify", spec, str(out), "--device", "cpu", "--train")
+    assert r.exit_code == 0, r.output
+    r = invoke("build", f"{TINY}:mlp_train", "--train", "--fused-step", "--backward-stages", "2", "-o",
+               str(tmp_path / "x.aotf"))
+    assert r.exit_code != 0 and "--backward-stages needs --train without --fused-step" in r.output
+    assert not (tmp_path / "x.aotf").exists()
+
+
 def test_explain(tiny):
     r = invoke("explain", str(tiny["infer"]))
     assert r.exit_code == 0, r.output

@@ -45,7 +45,9 @@ def describe(archive: Archive) -> dict:
         out["train"] = {"params": list(m.train.params), "mode": m.train.mode, "n_saved": m.train.n_saved,
                         "saved_bytes": m.train.saved_bytes,
                         # buffers the forward updates (train-mode BatchNorm); the runtime writes them back
-                        "mutated_buffers": list(m.train.mutated_buffers)}
+                        "mutated_buffers": list(m.train.mutated_buffers),
+                        # a staged backward: per stage, how many gradients it hands to autograd
+                        "stages": [len(st) for st in m.train.stages]}
     return out
 
 
