@@ -7,10 +7,12 @@ nothing left to hide the communication behind. Cut into stages, the runtime's au
 (runtime/training.py) runs stage 0 and hands its gradients to autograd (DDP's hooks fire and its bucket's
 all-reduce is queued on its own stream) before it queues stage 1, and so on.
 
-Where the cuts go: the gradients in the order the graph completes them (the node that produces each),
-cut where the running sum of gradient bytes crosses k/K of the total, so the stages hand over about equal
-bytes (DDP's buckets fill in that order: the first iteration rebuilds them by arrival). A cut is moved
-later while a value crossing it is not a tensor (a multi-output op's tuple is read through getitem).
+Where the cuts go: each gradient gets a stage by the order the graph completes them (the node that
+produces each), so that the stages hand over about equal bytes (DDP's buckets fill in that order: its
+first iteration rebuilds them by arrival); every other node runs as late as its readers allow (the
+earliest stage that reads it), so a stage computes only what its gradients need and only values read
+by two stages cross a cut (computed in the first, carried to the second). A multi-output op's tuple never
+crosses: its getitems run where it runs.
 
 Stage programs (TrainInfo.stages, .carries): stage k takes the backward's inputs (the saved tensors, then
 the loss's gradient), then the `carries[k-1]` values the previous stage carries over; it returns its
@@ -54,51 +56,44 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int) -> Staging:
         return Staging((bwd_gm,), (tuple(range(len(grads))),), (0,), (0,), "one backward program")
     sizes = [_nbytes(g.meta.get("val")) if isinstance(g, fx.Node) else 0 for g in grads]
     total = sum(sizes) or 1
-    order = sorted(range(len(grads)), key=lambda i: ready[i])
-    cuts, acc, target = [], 0, 1
-    for i in order:
+    # each gradient's stage: by completion order, about equal bytes per stage
+    anchor, acc = {}, 0
+    for i in sorted(range(len(grads)), key=lambda i: ready[i]):
+        st = min(k - 1, int(k * (acc + sizes[i] / 2) / total))
         acc += sizes[i]
-        while target < k and acc * k >= target * total:
-            cuts.append(ready[i])
-            target += 1
-    last_use = {}  # node -> position of its last reader in the body (len(body) for the output)
-    for n in body:
-        for a in n.all_input_nodes:
-            last_use[a] = pos[n]
-    for g in grads:
-        if isinstance(g, fx.Node):
-            last_use[g] = max(last_use.get(g, -1), len(body))
-
-    def movable(c: int) -> int:  # the first cut at or after c that no non-tensor value crosses
-        while c < len(body) - 1:
-            crossing = [last_use[n] for n in body[:c + 1]
-                        if last_use.get(n, -1) > c and not isinstance(n.meta.get("val"), torch.Tensor)]
-            if not crossing:
-                break
-            c = max(crossing)
-        return c
-
-    bounds = sorted({movable(c) for c in cuts if 0 <= c < len(body) - 1})
-    bounds = [b for b in bounds if b < len(body) - 1]
-    if not bounds:
-        return Staging((bwd_gm,), (tuple(range(len(grads))),), (0,), (0,),
-                       "one backward program: no cut between gradients")
-    ranges = []
-    lo = 0
-    for b in bounds:
-        ranges.append((lo, b))
-        lo = b + 1
-    ranges.append((lo, len(body) - 1))
+        anchor[i] = st
+    node_anchor = {}
+    for i, g in enumerate(grads):
+        if isinstance(g, fx.Node) and g.op != "placeholder":
+            node_anchor[g] = min(node_anchor.get(g, k), anchor[i])
+    # every other node as late as its readers allow: a stage computes only what its gradients need, so
+    # little crosses a cut (a node read by two stages: computed in the first, carried to the second)
     stage_of = {}
-    for s, (a, b) in enumerate(ranges):
-        for n in body[a:b + 1]:
-            stage_of[n] = s
+    for n in reversed(body):
+        users = [stage_of[u] for u in n.users if u in stage_of]
+        st = min(users) if users else k - 1
+        stage_of[n] = min(st, node_anchor.get(n, k))
+    for n in body:  # a multi-output op's tuple never crosses a cut: its getitems run where it runs
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            for u in n.users:
+                if u in stage_of:
+                    stage_of[u] = stage_of[n]
+    grad_stage = [node_anchor.get(g, anchor[i]) if isinstance(g, fx.Node) else anchor[i]
+                  for i, g in enumerate(grads)]
+    grad_stage = [min(gs, stage_of.get(g, gs)) if isinstance(g, fx.Node) else gs for g, gs in zip(grads, grad_stage)]
+    used = sorted(set(grad_stage) | set(stage_of.values()))
+    renum = {st: j for j, st in enumerate(used)}
+    stage_of = {n: renum[st] for n, st in stage_of.items()}
+    grad_stage = [renum[st] for st in grad_stage]
+    n_stages = len(used)
+    if n_stages < 2:
+        return Staging((bwd_gm,), (tuple(range(len(grads))),), (0,), (0,),
+                       "one backward program: every gradient needs the whole backward")
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    grad_stage = [stage_of.get(g, 0) if isinstance(g, fx.Node) else 0 for g in grads]
-    stages = tuple(tuple(i for i in range(len(grads)) if grad_stage[i] == s) for s in range(len(ranges)))
+    stages = tuple(tuple(i for i in range(len(grads)) if grad_stage[i] == s) for s in range(n_stages))
     # carried after stage s: values of stages <= s read by a later stage, or returned as a later stage's gradient
     carried = []
-    for s in range(len(ranges)):
+    for s in range(n_stages):
         later_reads = {a for n in body if stage_of[n] > s for a in n.all_input_nodes}
         later_reads |= {grads[i] for i in range(len(grads)) if grad_stage[i] > s and isinstance(grads[i], fx.Node)}
         carried.append([n for n in body if stage_of[n] <= s and n in later_reads])
@@ -107,7 +102,7 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int) -> Staging:
         if bad:
             raise BuildError(f"internal: backward stage {s} would carry non-tensor values {bad}")
     graphs = []
-    for s, (a, b) in enumerate(ranges):
+    for s in range(n_stages):
         g = fx.Graph()
         env = {}
         for ph in placeholders:
@@ -117,18 +112,20 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int) -> Staging:
             for n in carried[s - 1]:
                 env[n] = g.placeholder(f"carry_{n.name}")
                 env[n].meta = dict(n.meta)
-        for n in body[a:b + 1]:
-            env[n] = g.node_copy(n, lambda x: env[x])
+        for n in body:
+            if stage_of[n] == s:
+                env[n] = g.node_copy(n, lambda x: env[x])
         outs = [env[grads[i]] if isinstance(grads[i], fx.Node) else grads[i] for i in stages[s]]
-        outs += [env[n] for n in carried[s]] if s < len(ranges) - 1 else []
+        outs += [env[n] for n in carried[s]] if s < n_stages - 1 else []
         g.output(tuple(outs))
         g.lint()
         graphs.append(fx.GraphModule(bwd_gm, g))
-    carries = tuple(len(carried[s]) if s < len(ranges) - 1 else 0 for s in range(len(ranges)))
-    cbytes = tuple(sum(_nbytes(n.meta.get("val")) for n in carried[s]) if s < len(ranges) - 1 else 0
-                   for s in range(len(ranges)))
+    carries = tuple(len(carried[s]) if s < n_stages - 1 else 0 for s in range(n_stages))
+    cbytes = tuple(sum(_nbytes(n.meta.get("val")) for n in carried[s]) if s < n_stages - 1 else 0
+                   for s in range(n_stages))
     gb = [sum(sizes[i] for i in st) for st in stages]
-    why = (f"{len(ranges)} backward stages (asked {k}): gradients cut by completion order into about equal bytes "
+    why = (f"{n_stages} backward stages (asked {k}): gradients by completion order, about equal bytes per stage, "
+           f"each node in the first stage that reads it "
            f"({', '.join(f'{len(st)} grads {b / 2**20:.1f} MiB' for st, b in zip(stages, gb))}); carried between "
            f"stages: {', '.join(f'{c} values {b / 2**20:.1f} MiB' for c, b in zip(carries[:-1], cbytes[:-1]))}")
     return Staging(tuple(graphs), stages, carries, cbytes, why)
