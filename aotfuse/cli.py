@@ -349,7 +349,7 @@ def inspect_cmd(
 @app.command("explain")
 def explain_cmd(
     artifact: Path = typer.Argument(..., help="An .aotf file."),
-    program: Optional[str] = typer.Option(None, "--program", help="forward or backward [default: all]."),
+    program: Optional[str] = typer.Option(None, "--program", help="forward, backward (backward_1 ... of a staged backward) or step [default: all]."),
     refused_only: bool = typer.Option(False, "--refused", help="Only fusion refusals."),
 ):
     """Every decision the build made: lowering, inlining, fusion verdicts with reasons, partition."""

@@ -183,7 +183,7 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
         if stage_why is not None:
             part_rec["stages"] = {"programs": list(train_info.programs[1:]), "why": stage_why}
         report = dataclasses.replace(report, backward=_report(progs[1]) if len(progs) > 1 else None,
-                                     partition=part_rec)
+                                     stages=tuple(_report(p) for p in progs[2:]), partition=part_rec)
         # parameters and the buffers the forward updates are program inputs: the archive holds their initial values
         params = {name: joint.weights[name] for name in joint.param_names + joint.mutated_buffers}
     manifest, parts, weights = st.run("archive", _pack, progs, all_kernels, programs, binaries, report, targets,

@@ -38,6 +38,12 @@ def test_stages_cover_the_gradients_and_the_build_says_why(gpt):
     rec = res.report.partition["stages"]
     assert rec["programs"] == ["backward", "backward_1", "backward_2"] and "3 backward stages" in rec["why"]
     assert "backward programs backward, backward_1, backward_2: 3 backward stages" in explain_report(res.report)
+    # every program's decisions are in the report, and survive the archive
+    assert len(res.report.stages) == 2
+    from aotfuse.runtime.explain import explain
+    text = explain(res.data, program="backward_2")
+    assert text.startswith("== backward_2 program ==") and "kernel launches" in text
+    assert "== backward_1 program ==" in explain(res.data)
 
 
 def test_gradients_match_eager_and_reach_autograd_stage_by_stage(gpt):

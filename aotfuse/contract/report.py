@@ -162,6 +162,8 @@ class Report:
     # each reduction's split decision (schedule/split.py SplitDecision.to_report: node, rtype, pattern,
     # x, r, split, chunks, chunk, how, partial, reason); free-form like `lowering`; () when none
     splits: tuple[dict, ...] = ()
+    # a staged backward (partition/stages.py): the reports of programs backward_1, backward_2, ...
+    stages: tuple["Report", ...] = ()
 
     def to_dict(self) -> dict:
         out = {"fusion_summary": self.fusion_summary.to_dict(), "fusion": [f.to_dict() for f in self.fusion],
@@ -172,6 +174,8 @@ class Report:
                     "memory": self.memory.to_dict()})
         if self.backward is not None:
             out["backward"] = self.backward.to_dict()
+        if self.stages:
+            out["stages"] = [r.to_dict() for r in self.stages]
         if self.partition is not None:
             out["partition"] = self.partition
         return out
@@ -180,7 +184,7 @@ class Report:
     def from_dict(cls, d: Any) -> "Report":
         with decoding("part 'report'"):
             d = fields(d, "part 'report'", ("fusion_summary", "fusion", "inline", "lowering", "groups", "memory"),
-                       ("backward", "partition", "splits"))
+                       ("backward", "partition", "splits", "stages"))
             for x in list(d["lowering"]) + list(d.get("splits", ())):
                 fields(x, "report lowering record", (), tuple(x) if type(x) is dict else ())
             back, part = d.get("backward"), d.get("partition")
@@ -191,4 +195,5 @@ class Report:
                        tuple(InlineRecord.from_dict(x) for x in d["inline"]), tuple(dict(x) for x in d["lowering"]),
                        tuple(GroupRecord.from_dict(x) for x in d["groups"]), MemorySummary.from_dict(d["memory"]),
                        None if back is None else Report.from_dict(back), part,
-                       tuple(dict(x) for x in d.get("splits", ())))
+                       tuple(dict(x) for x in d.get("splits", ())),
+                       tuple(Report.from_dict(x) for x in d.get("stages", ())))

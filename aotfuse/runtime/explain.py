@@ -125,6 +125,9 @@ def explain_report(report: Report, *, program: str | None = None, refused_only: 
         sections.append(_program_lines(first, report, refused_only))
     if program in (None, "backward") and report.backward is not None:
         sections.append(_program_lines("backward", report.backward, refused_only))
+    for k, rep in enumerate(report.stages, start=1):  # a staged backward's later programs
+        if program in (None, f"backward_{k}"):
+            sections.append(_program_lines(f"backward_{k}", rep, refused_only))
     if report.partition is not None and program is None:
         with decoding("part 'report': partition"):  # a free-form section: a slip in it is an ArchiveError
             sections.append(_partition_lines(report.partition))
