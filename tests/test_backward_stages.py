@@ -139,3 +139,82 @@ def test_one_stage_is_the_plain_backward_and_a_fused_step_is_refused():
     assert res.manifest.programs == ("forward", "backward") and res.manifest.train.stages == ()
     with pytest.raises(BuildError, match="backward_stages=2 with a fused step"):
         aotfuse.build(model, inputs, train=True, targets=("sm_90",), step="step", backward_stages=2)
+
+
+def _sgd_in_backward(model, lr: float = 0.1):
+    """An optimizer step in each parameter's gradient hook (ZeRO-style overlap): the parameter changes
+    as soon as its gradient is out, while the rest of the backward still runs."""
+    def step(p):
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-lr)
+        p.grad = None
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_an_optimizer_step_in_a_gradient_hook_never_changes_what_a_later_stage_reads(stages):
+    """dX = dY @ W reads W: no stage after the one that hands W's gradient over may read it."""
+    torch.manual_seed(0)
+    model = _BNStack().train()
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    res = aotfuse.build(model, (x, y), train=True, targets=("sm_90",), step="split", backward_stages=stages)
+    assert len(res.manifest.train.stages) > 1
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    for m in (pm, ref):
+        _sgd_in_backward(m)
+    for seed in (1, 2, 3):
+        g = torch.Generator().manual_seed(seed)
+        xs, ys = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+        lo, lr = pm(xs, ys), ref(xs, ys)
+        lo.backward()
+        lr.backward()
+        assert _rel(lo, lr) < 1e-5
+    want = dict(ref.named_parameters())
+    for n, p in pm.named_parameters():
+        assert _rel(p, want[n]) < 1e-5, n
+
+
+def test_loss_changed_in_place_then_backward(gpt):
+    model, res = gpt
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    batch = random_inputs(pm._art.input_specs, device="cpu", seed=7)
+    for m in (pm, ref):
+        loss = m(*batch)
+        loss /= 4  # gradient accumulation's scaling, in place
+        loss.backward()
+    want = dict(ref.named_parameters())
+    for n, p in pm.named_parameters():
+        assert _rel(p.grad, want[n].grad) < 1e-4, n
+
+
+def test_a_second_backward_without_retain_graph_is_torchs_error_not_doubled_gradients(gpt):
+    _, res = gpt
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    loss = pm(*random_inputs(pm._art.input_specs, device="cpu", seed=8))
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+def test_a_partial_backward_then_a_full_one(gpt):
+    """autograd.grad of the first stage's parameters runs stage 0 alone; the full backward after it starts over."""
+    model, res = gpt
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    info = res.manifest.train
+    first = [info.grads[i][1] for i in info.stages[0] if info.grads[i][0] == "param"]
+    batch = random_inputs(pm._art.input_specs, device="cpu", seed=9)
+    got = {}
+    for tag, m in (("pm", pm), ("ref", ref)):
+        params = dict(m.named_parameters())
+        loss = m(*batch)
+        got[tag] = torch.autograd.grad(loss, [params[n] for n in first], retain_graph=True)
+        loss.backward()
+    for a, b in zip(got["pm"], got["ref"]):
+        assert _rel(a, b) < 1e-4
+    want = dict(ref.named_parameters())
+    for n, p in pm.named_parameters():
+        assert _rel(p.grad, want[n].grad) < 1e-4, n

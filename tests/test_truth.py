@@ -50,7 +50,7 @@ def emitted() -> dict[str, set[str]]:
         for dt in case.dtypes:
             model, example = case.make(dt)
             joint = trace_joint(model, example)
-            fwd, bwd, _ = train_graphs(joint, partition(joint, 1.0))
+            fwd, (bwd,), _, _ = train_graphs(joint, partition(joint, 1.0))
             for cg, program in ((fwd, "forward"), (bwd, "backward")):
                 for t in _externs(cg, program):
                     out.setdefault(t, set()).add(case.name)

@@ -907,6 +907,10 @@ def test_staged_backward_cross_checks(bases):
     s0, s1 = d.manifest["train"]["stages"]
     d.manifest["train"]["stages"] = [s1, s0]  # gradients said to come from the wrong program
     _refused(d, r"manifest.train")
+    d = bases["staged"].copy()
+    g = d.manifest["train"]["grads"]
+    g[1] = list(g[0])  # one parameter owns two gradients: the runtime would hand over one of them
+    _refused(d, r"manifest.train.grads\[1\]: names 'param' .* a second time")
 
 
 def test_validate_program_is_pure_and_names_the_instruction(bases):

@@ -156,6 +156,32 @@ def _train_info(joint, buffers, n_saved: int, saved_bytes: int, mode: str = "spl
                      saved_bytes=int(saved_bytes), mutated_buffers=tuple(joint.mutated_buffers), mode=mode)
 
 
+_VIEWS = ("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze", "squeeze",
+          "alias", "slice", "select", "as_strided", "detach", "narrow", "unflatten", "flatten", "split",
+          "split_with_sizes", "unbind", "chunk", "view_as", "expand_as", "contiguous")
+
+
+def _saved_params(joint, fwd_gm, by_input) -> dict[int, int]:
+    """Saved index -> index into `joint.grads` of the parameter that saved tensor is (or is a view of: the
+    backward reads the parameter's own storage). A staged backward hands that gradient over only after every
+    read of the saved tensor, so an optimizer step in a gradient hook never changes what a later stage reads."""
+    import operator
+
+    grad_of = {ref: i for i, (kind, ref) in enumerate(joint.grads) if str(kind) == "param"}
+    param_of = {by_input[i]: name for i, name in enumerate(joint.param_names)}
+    out_node = next(n for n in reversed(fwd_gm.graph.nodes) if n.op == "output")
+    saved = list(out_node.args[0])[joint.num_forward_outputs:]
+    pinned = {}
+    for i, node in enumerate(saved):
+        while getattr(node, "op", None) == "call_function" and (
+                node.target is operator.getitem or getattr(node.target, "__name__", "").split(".")[0] in _VIEWS):
+            node = node.args[0]
+        name = param_of.get(node)
+        if name is not None and name in grad_of:
+            pinned[i] = grad_of[name]
+    return pinned
+
+
 def train_graphs(joint, part, stages: int = 1):
     """(forward, [backward stage, ...], train info, staging): one backward graph, or `stages` of them
     (partition/stages.py) for a data-parallel wrapper to get gradients while the backward runs."""
@@ -167,7 +193,8 @@ def train_graphs(joint, part, stages: int = 1):
     _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs, strided)
     fwd = CapturedGraph(part.fwd_gm, placeholders, buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
     n_saved = len(_placeholders(part.bwd_gm)) - 1
-    staging = stage_backward(part.bwd_gm, min(stages, 7))  # manifest: at most 8 programs
+    pinned = _saved_params(joint, part.fwd_gm, by_input) if stages > 1 else {}
+    staging = stage_backward(part.bwd_gm, min(stages, 7), pinned)  # manifest: at most 8 programs
     bwds = []
     for gm in staging.graphs:
         bph = _placeholders(gm)

@@ -43,9 +43,50 @@ def _nbytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def stage_backward(bwd_gm: fx.GraphModule, k: int) -> Staging:
+_VIEW_NAMES = frozenset(("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze",
+                         "squeeze", "alias", "slice", "select", "as_strided", "detach", "narrow", "unflatten",
+                         "view_as", "expand_as"))
+
+
+def _readers(ph: fx.Node) -> list:
+    """The nodes that read a placeholder's storage: its users, and through views of it, theirs."""
+    import operator
+
+    out, todo, seen = [], [ph], {ph}
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output" or u in seen:
+                continue
+            seen.add(u)
+            out.append(u)
+            name = getattr(u.target, "__name__", "").split(".")[0]
+            if u.target is operator.getitem or name in _VIEW_NAMES:
+                todo.append(u)
+    return out
+
+
+def _assign(body, grads, anchor, cap, k):
+    """(node -> stage, gradient -> stage): every node as late as its readers and its cap allow."""
+    stage_of = {}
+    for n in reversed(body):
+        users = [stage_of[u] for u in n.users if u in stage_of]
+        st = min(users) if users else k - 1
+        stage_of[n] = min(st, cap.get(n, k))
+    for n in body:  # a multi-output op's tuple never crosses a cut: its getitems run where it runs
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            for u in n.users:
+                if u in stage_of:
+                    stage_of[u] = stage_of[n]
+    grad_stage = [cap.get(g, anchor[i]) if isinstance(g, fx.Node) else anchor[i] for i, g in enumerate(grads)]
+    grad_stage = [min(gs, stage_of.get(g, gs)) if isinstance(g, fx.Node) else gs for g, gs in zip(grads, grad_stage)]
+    return stage_of, grad_stage
+
+
+def stage_backward(bwd_gm: fx.GraphModule, k: int, pinned: dict[int, int] | None = None) -> Staging:
     """Cut `bwd_gm` (placeholders: saved tensors then the tangent; output: the gradients) into at most k
-    stages. k <= 1, or a graph with fewer than 2 gradients, gives one stage: the graph itself."""
+    stages. k <= 1, or a graph with fewer than 2 gradients, gives one stage: the graph itself. `pinned`:
+    saved index -> gradient index of a parameter the backward reads; no stage after that gradient's reads it."""
     nodes = list(bwd_gm.graph.nodes)
     out = next(n for n in reversed(nodes) if n.op == "output")
     grads = list(out.args[0])
@@ -66,21 +107,21 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int) -> Staging:
     for i, g in enumerate(grads):
         if isinstance(g, fx.Node) and g.op != "placeholder":
             node_anchor[g] = min(node_anchor.get(g, k), anchor[i])
-    # every other node as late as its readers allow: a stage computes only what its gradients need, so
-    # little crosses a cut (a node read by two stages: computed in the first, carried to the second)
-    stage_of = {}
-    for n in reversed(body):
-        users = [stage_of[u] for u in n.users if u in stage_of]
-        st = min(users) if users else k - 1
-        stage_of[n] = min(st, node_anchor.get(n, k))
-    for n in body:  # a multi-output op's tuple never crosses a cut: its getitems run where it runs
-        if not isinstance(n.meta.get("val"), torch.Tensor):
-            for u in n.users:
-                if u in stage_of:
-                    stage_of[u] = stage_of[n]
-    grad_stage = [node_anchor.get(g, anchor[i]) if isinstance(g, fx.Node) else anchor[i]
-                  for i, g in enumerate(grads)]
-    grad_stage = [min(gs, stage_of.get(g, gs)) if isinstance(g, fx.Node) else gs for g, gs in zip(grads, grad_stage)]
+    # a saved parameter (or a view of it) is read only up to the stage that hands its gradient over: an
+    # optimizer step in a gradient hook (ZeRO-style overlap) may change it as soon as the gradient is out
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    readers = {gi: _readers(placeholders[i]) for i, gi in (pinned or {}).items() if i < len(placeholders)}
+    cap = dict(node_anchor)
+    while True:
+        stage_of, grad_stage = _assign(body, grads, anchor, cap, k)
+        moved = False
+        for gi, rs in readers.items():
+            for r in rs:
+                if stage_of.get(r, -1) > grad_stage[gi]:
+                    cap[r] = min(cap.get(r, k), grad_stage[gi])
+                    moved = True
+        if not moved:
+            break
     used = sorted(set(grad_stage) | set(stage_of.values()))
     renum = {st: j for j, st in enumerate(used)}
     stage_of = {n: renum[st] for n, st in stage_of.items()}
@@ -89,7 +130,6 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int) -> Staging:
     if n_stages < 2:
         return Staging((bwd_gm,), (tuple(range(len(grads))),), (0,), (0,),
                        "one backward program: every gradient needs the whole backward")
-    placeholders = [n for n in nodes if n.op == "placeholder"]
     stages = tuple(tuple(i for i in range(len(grads)) if grad_stage[i] == s) for s in range(n_stages))
     # carried after stage s: values of stages <= s read by a later stage, or returned as a later stage's gradient
     carried = []

@@ -15,6 +15,8 @@ when it is 1) and hands them over, once: a second backward through the same forw
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -89,28 +91,39 @@ def _unshared(grads: list) -> list:
 
 
 class _Run:
-    """One forward of a staged backward: what its stages share (saved tensors, carried values, the input
-    gradients the last stage hands over)."""
-    __slots__ = ("module", "saved", "carry", "input_grads", "next")
+    """One forward of a staged backward: what its stages share (the forward node's context, whose saved
+    tensors every stage reads; carried values; the input gradients the last stage hands over)."""
+    __slots__ = ("module", "ctx", "aliased", "carry", "input_grads", "next")
 
     def __init__(self, module):
-        self.module, self.saved, self.carry, self.input_grads, self.next = module, None, [], {}, 0
+        self.module, self.ctx, self.aliased, self.carry, self.input_grads, self.next = module, None, (), [], {}, 0
+
+    def saved(self, ctx) -> list:
+        """The saved tensors: those on the context, with the parameters (and views of them) put back."""
+        on_ctx = iter(ctx.saved_tensors)  # torch's own error for a second backward without retain_graph=True
+        return [next(on_ctx) if t is None else t for t in self.aliased]
 
     def stage(self, k: int, grad_loss) -> list:
         """Run backward stage k; returns its gradients (in the stage's order)."""
         module = self.module
         name, idx = module._stages[k]
-        if self.saved is None:
-            raise AotfuseError("a second backward through one forward of a staged backward after its saved "
-                               "tensors were freed", remedy="run the forward again for each backward")
-        if k != self.next:
-            raise AotfuseError(f"internal: backward stage {k} ran before stage {self.next}")
+        ctx = self.ctx() if self.ctx is not None else None
+        if ctx is None:
+            raise AotfuseError("a backward through a staged forward whose graph was freed",
+                               remedy="run the forward again for each backward")
+        saved = self.saved(ctx)
+        if k == 0:  # a new backward: a partial one before (autograd.grad of early stages) or one that raised
+            self.next, self.carry = 0, []
+        elif k != self.next:
+            raise AotfuseError(f"backward stage {k} of a staged backward ran before stage {self.next}: the "
+                               "stages run in order, within one backward call",
+                               remedy="call backward (or autograd.grad) on the loss the packaged module returned")
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
-        outs = module._run(name, list(self.saved) + [tangent] + self.carry)
+        outs = _unshared(list(module._run(name, list(saved) + [tangent] + self.carry)))
         n = len(idx)
         self.carry = list(outs[n:])
         self.next = (k + 1) % len(module._stages)
-        grads = _unshared(list(outs[:n]))
+        grads = outs[:n]
         for i, g in zip(idx, grads):
             kind, ref = module._grad_map[i]
             if kind == "input":
@@ -123,14 +136,23 @@ class _Run:
 class _StagedForward(torch.autograd.Function):
     """The forward program of a staged backward; its backward is the LAST stage (it runs last). It takes as
     autograd inputs only the last stage's parameters (and the user inputs): a parameter that were an input
-    of two nodes would get its gradient hook only after both ran, at the end of the backward."""
+    of two nodes would get its gradient hook only after both ran, at the end of the backward. The saved
+    tensors are saved on its context (freed with the graph; saved-tensor hooks see them; a second backward
+    without retain_graph is torch's error), but for parameters; the stages reach them through the run's
+    weak reference."""
 
     @staticmethod
     def forward(ctx, module, run, n_last, *args):
         params = list(module._param_list)
         loss, saved = _run_first(ctx, module, "forward", (*params, *args[n_last:]))
         ctx.n_inputs = len(args) - n_last
-        run.saved = saved
+        # a parameter the forward returns as a saved tensor (or a view of it) is held as it is, not saved on the
+        # context: an optimizer step in a gradient hook changes it in place once no later stage reads it
+        # (partition/stages.py), and the context's version check would refuse it at the next stage
+        params = {p.untyped_storage().data_ptr() for p in module._param_list if p.numel()}
+        run.aliased = [t if t.numel() and t.untyped_storage().data_ptr() in params else None for t in saved]
+        ctx.save_for_backward(*[t for t, a in zip(saved, run.aliased) if a is None])
+        run.ctx = weakref.ref(ctx)
         ctx.run = run
         return _handed_out(loss)
 
@@ -149,7 +171,7 @@ class _Stage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, run, k, *params):
         ctx.run, ctx.k = run, k
-        return loss.view_as(loss)
+        return loss.clone()  # not a view of the input: the caller may change the loss in place (loss /= n)
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -97,9 +97,14 @@ def _train_info(t, progs: list) -> None:
     if len(set(mutated)) != len(mutated) or set(mutated) & set(params):
         _fail("manifest.train.mutated_buffers", "names a buffer twice, or a parameter")
     _int(t["n_saved"], "manifest.train.n_saved", 0, 1 << 20)
+    owners = set()
     for i, g in enumerate(_list(t["grads"], "manifest.train.grads", 0, 1 << 16)):
         where = f"manifest.train.grads[{i}]"
         _list(g, where, 2, 2)
+        owner = (str(g[0]), str(g[1]))
+        if owner in owners:  # two gradients for one owner: the runtime would hand over only one of them
+            _fail(where, f"names {_short(g[0])} {_short(g[1])} a second time")
+        owners.add(owner)
         if g[0] == "param":
             if g[1] not in params:
                 _fail(where, f"names parameter {_short(g[1])}, which is not in manifest.train.params")
