@@ -16,6 +16,7 @@
 | split_min_elems | AOTFUSE_SPLIT_ELEMS | 32768 | ... only when one of its programs would reduce at least this many elements (r; 64*r for a column tile) |
 | split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
 | mix_order | AOTFUSE_MIX_ORDER | 1 | a column reduction over the rows of a row reduction's input is split for, and fused into, one mix-order kernel (schedule/mix.py); 0: off |
+| eviction_hints | AOTFUSE_EVICTION_HINTS | 1 | looped row kernels that read an input in two loops keep it in L2 for the second (evict_last) and stream the rest (evict_first); 0: no hints |
 | mix_min_r | AOTFUSE_MIX_MIN_R | 2048 | mix-order only for rows of at least this many elements (H100: 8192 x 768 lost, 16384 x 4096 won; schedule/mix.py condition 2) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
@@ -71,6 +72,7 @@ class Knobs:
     split_min_chunk: int = _env_int("AOTFUSE_SPLIT_CHUNK", 128)
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)
+    eviction_hints: bool = bool(_env_int("AOTFUSE_EVICTION_HINTS", 1))
     launch_overhead_us: float = _env_float("AOTFUSE_LAUNCH_US", 4.0)
     bandwidth_gbs: float = _env_float("AOTFUSE_BANDWIDTH_GBS", 2000.0)
     cuda_graphs: bool = bool(_env_int("AOTFUSE_CUDA_GRAPHS", 1))

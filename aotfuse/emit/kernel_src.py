@@ -233,6 +233,23 @@ class _Emitter:
         self.n = 0
         self.red_vars: dict[str, str] = {}
         self.ctx = "x"  # "x": per-row context (mask xmask); "xr": per-element context
+        # looped rows: the loop (level) each input is read in, and, on the second writing, the hints
+        self.level = 0
+        self.looped = False
+        self.load_levels: dict[str, set[int]] = {}
+        self.evict: dict[str, set[int]] | None = None
+
+    def policy(self, buf: str) -> str:
+        """An L2 eviction hint for a load along a looped row: a buffer a later loop of this kernel reads
+        again is kept (evict_last: the second read hits L2, not DRAM); every other load streams
+        (evict_first), leaving L2 to those. Hints only in kernels with such a re-read."""
+        if not self.looped or self.ctx != "xr":
+            return ""
+        self.load_levels.setdefault(buf, set()).add(self.level)
+        if self.evict is None:
+            return ""
+        return ", eviction_policy='evict_last'" if max(self.evict.get(buf, {0})) > self.level else \
+            ", eviction_policy='evict_first'"
 
     def line(self, text: str):
         self.lines.append("    " * self.depth + text)
@@ -280,7 +297,7 @@ class _Emitter:
                 # a per-column value (a norm's weight and bias): loaded once per column as [1, RBLOCK] and
                 # broadcast over the block's rows, not once per element of an [XBLOCK, RBLOCK] tile
                 return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0)"
-            return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0)"
+            return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0{self.policy(e.buf)})"
         if isinstance(e, Const):
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         if isinstance(e, IndexValue):
@@ -419,7 +436,10 @@ def _combine(rtype: str, acc: str, v: str, dtype: str = "") -> str:
             "prod": f"{acc} * {v}", "any": f"{acc} | {v}"}[rtype]
 
 
-def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
+def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
+             evict: dict[str, set[int]] | None = None) -> KernelSource:
+    """`evict`: a looped kernel's second writing, with the loop levels each input is read in (first writing's
+    record), so its loads carry L2 eviction hints (_Emitter.policy)."""
     if group.kind == "template":  # a matmul and its epilogue: emit/template_mm.py
         from .template_mm import generate_mm
 
@@ -459,6 +479,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
     em.xnumel, em.rnumel = x, r
     em.stores = stores
+    em.evict = evict
 
     def store(n, value: str, ctx: str):
         idx = print_index(stores[n.name], {SX: "xindex", SR: "rindex"})
@@ -477,6 +498,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
         em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
         em.line(f"xmask = xindex < {x}")
         looped = kind == "looped_reduction"
+        em.looped = looped
         # {second: (first, kind)}: two reductions of a row computed in one pass (emit/online.py)
         online = online_pairs(knodes, stores) if looped else {}
         paired = {m: (sm, kind) for sm, (m, kind) in online.items()}
@@ -489,6 +511,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")
             em.line(f"rmask = rindex < {r}")
         for lv in range(max(levels.values()) + 1):
+            em.level = lv
             at = [n for n in knodes if levels[n.name] == lv]
             epi = [n for n in at if isinstance(n, Pointwise) and n.numel == x]
             elem = [n for n in at if n not in epi]
@@ -566,6 +589,12 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelS
             for n in reds:
                 if n.name in out_name:
                     store(n, em.red_vars[n.name], "x")
+    if evict is None and knobs.eviction_hints and any(len(v) > 1 for v in em.load_levels.values()):
+        return generate(group, graph, stored, evict=em.load_levels)
+    if evict is not None:
+        reread = sorted(b for b, v in evict.items() if len(v) > 1)
+        blocks = dataclasses.replace(blocks, why=blocks.why + f"; L2 hints: {', '.join(reread)} kept for the "
+                                                               f"next loop (evict_last), other loads stream")
     body = "\n".join(em.lines)
     params = ", ".join(a.name for a in args)
     head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
