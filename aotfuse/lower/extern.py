@@ -51,16 +51,42 @@ def _addmm(ctx, node, args, kwargs):
     if (t := try_template(ctx, node, a, b, "addmm", bias=bias, alpha=alpha, beta=beta)) is not None:  # template
         return t
     consumers_fusible = _feeds_fusible(node)
+    stored = _stored(node)
     ta, tb = _targ(ctx, a, node, "lhs"), _targ(ctx, b, node, "rhs")
     shape = out_shape(node)
     dt = out_dtype(node)
-    if not consumers_fusible and beta == 1 and alpha == 1:
+    if (not consumers_fusible or stored) and beta == 1 and alpha == 1:
         tbias = _targ(ctx, bias, node, "bias")
-        ctx.decisions.append({"addmm": node.name, "kept": True, "why": "no fusible consumer: cuBLAS adds the bias"})
+        why = f"the biased result is stored anyway ({stored}): cuBLAS adds the bias as it writes it, a consumer " \
+              f"kernel reads it once" if stored else "no fusible consumer: cuBLAS adds the bias"
+        ctx.decisions.append({"addmm": node.name, "kept": True, "why": why})
         return ctx.extern("aten.addmm.out", (tbias, ta, tb), {}, shape, dt, True)
     ctx.decisions.append({"addmm": node.name, "kept": False, "why": "bias add fuses into the consumer"})
     mm = ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True)
     return add_bias(ctx, mm, bias, shape, dt, alpha, beta)
+
+
+def _stored(node) -> str | None:
+    """Why the addmm's result (or a view of it) is written to memory whatever fuses with it: a program
+    output (a training forward saves it for the backward), or an extern's operand. Then splitting off
+    the bias would write the unbiased product and read it back to write the biased one too."""
+    import operator
+
+    from .registry import registry
+
+    for user in node.users:
+        if user.op == "output":
+            return "a program output"
+        if user.target is operator.getitem:  # a piece of a split view
+            if (why := _stored(user)) is not None:
+                return why
+            continue
+        info = registry().get(user.target)
+        if info is None or info.category == "extern":
+            return f"read by {user.name}"
+        if info.category == "view" and (why := _stored(user)) is not None:
+            return why
+    return None
 
 
 def _feeds_fusible(node) -> bool:
@@ -170,10 +196,15 @@ def _attention_backward(ctx, node, args, kwargs):
                               tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD) for x in vals))
 
 
-@rule(aten.embedding_dense_backward.default, category="extern")
+@rule(aten.embedding_dense_backward.default, category="extern",
+      note="atomic adds into an fp32 accumulator (aotfuse::embedding_backward); aten's sorted kernel for "
+           "scale_grad_by_freq")
 def _embedding_backward(ctx, node, args, kwargs):
     grad, idx, num_weights, padding_idx, scale = args[:5]
     tg, ti = _targ(ctx, grad, node, "grad"), _targ(ctx, idx, node, "indices")
+    if not scale:
+        return ctx.extern("aotfuse.embedding_backward.default", (tg, ti, int(num_weights), int(padding_idx)), {},
+                          out_shape(node), out_dtype(node), False)
     return ctx.extern("aten.embedding_dense_backward.out", (tg, ti, num_weights, padding_idx, scale), {},
                       out_shape(node), out_dtype(node), True)
 

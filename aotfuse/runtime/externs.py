@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ArchiveError
 from . import attention as _attention  # defines aotfuse::attention and aotfuse::attention_backward
+from . import embedding_grad as _embedding_grad  # defines aotfuse::embedding_backward
 
 aten = torch.ops.aten
 
@@ -51,7 +52,10 @@ EXTERNS: tuple[ExternOp, ...] = (
     # addmm with a bias that is not a broadcast row lowers to mm + a pointwise add
     ExternOp(aten.addmm.default, (aten.addmm.out, aten.mm.out)),
     ExternOp(aten.bmm.default, (aten.bmm.out,)),
-    ExternOp(aten.embedding_dense_backward.default, (aten.embedding_dense_backward.out,), inference=False),
+    # an embedding's weight gradient by atomic adds (runtime/embedding_grad.py); aten's sorted kernel for
+    # scale_grad_by_freq
+    ExternOp(aten.embedding_dense_backward.default,
+             (_embedding_grad.embedding_backward, aten.embedding_dense_backward.out), inference=False),
     # the gradient of a convolution: cuDNN's dgrad / wgrad; a multi-result extern whose results are the
     # outputs its output_mask asks for (in order; the others are None and bind nothing)
     ExternOp(aten.convolution_backward.default, (aten.convolution_backward.default,), inference=False),

@@ -401,9 +401,12 @@ fn_case("sdpa_output_permuted", lambda q: F.scaled_dot_product_attention(q, q, q
 # Train builds: ops only a backward graph holds (the op tier builds inference archives only; the
 # extern check in tests/test_truth.py lowers these too, so every allow-listed extern is emitted).
 class _EmbeddingLoss(nn.Module):
-    def __init__(self):
+    """An embedding's gradient: atomic adds (aotfuse::embedding_backward), with a padding row; aten's sorted
+    kernel for scale_grad_by_freq."""
+
+    def __init__(self, padding_idx=None, scale_grad_by_freq=False):
         super().__init__()
-        self.emb = nn.Embedding(11, 6)
+        self.emb = nn.Embedding(11, 6, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
 
     def forward(self, idx):
         return (self.emb(idx) ** 2).sum()
@@ -438,6 +441,12 @@ class _AttentionLoss(nn.Module):
 
 TRAIN_CASES: list[OpCase] = [
     OpCase("embedding_backward", lambda dt: (_EmbeddingLoss().to(dt).train(), (torch.randint(0, 11, (3, 4)),)),
+           ("aten.embedding_dense_backward.default",)),
+    OpCase("embedding_backward_padding", lambda dt: (_EmbeddingLoss(padding_idx=2).to(dt).train(),
+                                                     (torch.randint(0, 11, (5, 7)),)),
+           ("aten.embedding_dense_backward.default",)),
+    OpCase("embedding_backward_freq", lambda dt: (_EmbeddingLoss(3, scale_grad_by_freq=True).to(dt).train(),
+                                                  (torch.randint(0, 11, (5, 7)),)),
            ("aten.embedding_dense_backward.default",)),
     OpCase("convolution_train", lambda dt: (_ConvLoss().to(dt).train(), (randn(2, 3, 9, 8, dtype=dt),)),
            ("aten.convolution_backward.default",)),
