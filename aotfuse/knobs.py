@@ -17,6 +17,10 @@
 | split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
 | mix_order | AOTFUSE_MIX_ORDER | 1 | a column reduction over the rows of a row reduction's input is split for, and fused into, one mix-order kernel (schedule/mix.py); 0: off |
 | eviction_hints | AOTFUSE_EVICTION_HINTS | 1 | looped row kernels that read an input in two loops keep it in L2 for the second (evict_last) and stream the rest (evict_first); 0: no hints |
+| mix_programs | AOTFUSE_MIX_PROGRAMS | 256 | mix-order kernels: S, the programs (chunks of rows), is the fewest power-of-two chunking with at least this many (schedule/mix.py condition 4) |
+| mix_warps | AOTFUSE_MIX_WARPS | 0 | mix-order kernels: warps per program; 0: one per 1024 elements of a step (emit/mix_kernel.MIX_WARP_ELEMS), 1 to 8 |
+| mix_stages | AOTFUSE_MIX_STAGES | 3 | the mix-order kernel's row loop as `tl.range(..., num_stages=N)`: Triton copies the next rows' loads into shared memory (cp.async) while this row computes; 0 or 1: plain `range`, one row in flight per program (H100, 2026-11-25, LayerNorm fwd+bwd 16384x4096: mix kernel 145 us plain, 145 at 2 stages, 110 at 3, 112 at 4) |
+| loop_stages | AOTFUSE_LOOP_STAGES | 0 | the same for looped reductions' loops over r; 0: plain `range` (H100, 2026-11-25, cross-entropy fwd+bwd 8192x32000: 575 us plain, 727 / 686 / 677 at 2 / 3 / 4 stages) |
 | mix_min_r | AOTFUSE_MIX_MIN_R | 2048 | mix-order only for rows of at least this many elements (H100: 8192 x 768 lost, 16384 x 4096 won; schedule/mix.py condition 2) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
@@ -72,6 +76,10 @@ class Knobs:
     split_min_chunk: int = _env_int("AOTFUSE_SPLIT_CHUNK", 128)
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)
+    mix_programs: int = _env_int("AOTFUSE_MIX_PROGRAMS", 256)
+    mix_warps: int = _env_int("AOTFUSE_MIX_WARPS", 0)
+    mix_stages: int = _env_int("AOTFUSE_MIX_STAGES", 3)
+    loop_stages: int = _env_int("AOTFUSE_LOOP_STAGES", 0)
     eviction_hints: bool = bool(_env_int("AOTFUSE_EVICTION_HINTS", 1))
     launch_overhead_us: float = _env_float("AOTFUSE_LAUNCH_US", 4.0)
     bandwidth_gbs: float = _env_float("AOTFUSE_BANDWIDTH_GBS", 2000.0)

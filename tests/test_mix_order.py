@@ -73,7 +73,7 @@ def _rel(a, b) -> float:
 
 
 def _build(model, inputs, programs, train=True, **kn):
-    with override(**{**SMALL, **kn}, split_min_programs=programs):
+    with override(**{**SMALL, **kn}, split_min_programs=programs, mix_programs=programs):
         return aotfuse.build(model, inputs, train=train, targets=TARGETS)
 
 
@@ -192,7 +192,7 @@ def test_forward_statistics_and_both_column_sums_in_one_kernel():
 # ---------------------------------------------------------------- refusals, with their condition
 
 def test_rows_not_a_multiple_is_refused_with_its_condition():
-    """211 rows (prime): no chunking into S >= split_min_programs programs of a power of two rows; the
+    """211 rows (prime): no chunking into S >= mix_programs programs of a power of two rows; the
     split falls back to its masked chunks, and fusion refuses the pair under condition (1)."""
     torch.manual_seed(4)
     model = LayerNormLoss(384, torch.float32)

@@ -102,7 +102,13 @@ def test_zoo_matches_eager(entry, mode, dtype):
     loss.backward()
     ref = loss_of(ex.call(ref_model, inputs))
     ref.backward()
-    assert _rel(loss, ref) < TOL[dtype], (float(loss), float(ref))
+    if _rel(loss, ref) >= TOL[dtype]:
+        # The loss of a deep train-mode network (hf_resnet: BatchNorm statistics over few values per channel)
+        # amplifies summation-order differences: judge both against float64, no further than twice eager's
+        # own error (as the gradients below are).
+        loss64 = _float64_loss(ex, inputs)
+        ours_err, eager_err = _rel(loss, loss64), _rel(ref, loss64)
+        assert ours_err <= max(TOL[dtype], 2 * eager_err), (float(loss), float(ref), float(loss64))
     ours = dict(mod.named_parameters())
     grads = {n: p.grad for n, p in ref_model.named_parameters() if p.grad is not None}
     assert set(ours) == {n for n, _ in ref_model.named_parameters()}
@@ -129,6 +135,14 @@ def test_zoo_matches_eager(entry, mode, dtype):
             assert _rel(b, ref_bufs[n]) < TOL[dtype], f"{entry.name}: buffer {n}"
         else:
             assert torch.equal(b, ref_bufs[n]), f"{entry.name}: buffer {n}"
+
+
+def _float64_loss(ex, inputs) -> torch.Tensor:
+    model = copy.deepcopy(ex.model).double()
+    args, kw = inputs
+    d = lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    with torch.no_grad():
+        return loss_of(ex.call(model, (tuple(d(a) for a in args), {k: d(v) for k, v in kw.items()})))
 
 
 def _float64_grads(ex, inputs) -> dict:

@@ -70,6 +70,20 @@ class KernelSource:
         return {a.name: PTR_TYPE[a.dtype] for a in self.args}
 
 
+def loop_range(start: int, stop: int, step: int, stages: int) -> str:
+    """A kernel's loop header: `tl.range(..., num_stages=N)` lets Triton's pipeliner copy the next
+    steps' loads into shared memory (cp.async) while this step computes, so a program keeps more than
+    one load in flight; plain `range` for stages <= 1 (one load in flight per program)."""
+    if stages > 1 and (stop - start) // step > 1:
+        return f"tl.range({start}, {stop}, {step}, num_stages={stages})"
+    return f"range({start}, {stop}, {step})"
+
+
+def loop_note(stages: int) -> str:
+    """What explain says about loop pipelining."""
+    return f"; loads pipelined {stages} stages (tl.range, cp.async into shared memory)"
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -536,7 +550,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                         continue
                     em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
                              f"{TL_DTYPE[n.acc_dtype]})")
-                em.line(f"for roffset in range(0, {r}, {rb}):")
+                em.line(f"for roffset in {loop_range(0, r, rb, knobs.loop_stages)}:")
                 em.depth += 1
                 em.scopes.append({})
                 em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")
@@ -596,6 +610,8 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; L2 hints: {', '.join(reread)} kept for the "
                                                                f"next loop (evict_last), other loads stream")
     body = "\n".join(em.lines)
+    if "tl.range(" in body:
+        blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(knobs.loop_stages))
     params = ", ".join(a.name for a in args)
     head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
