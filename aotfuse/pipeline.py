@@ -1,6 +1,6 @@
 """aotfuse.build: the one function that lists the pipeline's stages in order.
 
-export -> lower -> inline -> uniform reductions -> split reductions -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
+export -> lower -> inline -> trivial reductions -> split reductions -> fuse -> plan memory -> generate kernels -> compile cubins -> program -> archive.
 Each stage is a function from one value to the next; the pipeline records what each decided and
 how long it took, in the report stored in the archive.
 """
@@ -29,7 +29,7 @@ from .errors import BuildError
 from .knobs import knobs
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
-from .schedule.uniform import uniform_reductions
+from .schedule.trivial import trivial_reductions
 from .schedule.split import split_reductions
 from .lower import lower
 from .schedule.memplan import plan_memory
@@ -109,9 +109,9 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     graph, lctx = st.run("lower" + sfx, lower, cg, name)
     n_lowered = len(graph.nodes)
     graph, inlined = st.run("inline" + sfx, inline_pointwise, graph)
-    graph, uniform = st.run("uniform" + sfx, uniform_reductions, graph)
-    if uniform:  # the pointwise nodes they became may inline into their consumers
-        lctx.decisions.extend(uniform)
+    graph, trivial = st.run("trivial" + sfx, trivial_reductions, graph)
+    if trivial:  # the pointwise nodes they became may inline into their consumers
+        lctx.decisions.extend(trivial)
         graph, more = st.run("inline" + sfx, inline_pointwise, graph)
         inlined = tuple(inlined) + tuple(more)
     # after inlining (a reduction's body holds its real loads), before fusion (the partial fuses)

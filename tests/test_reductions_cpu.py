@@ -123,7 +123,7 @@ def test_block_choice_patterns():
     row = block_choice(327680, 197, "inner")
     assert row.kind == "persistent_reduction" and row.xblock > 1 and row.rblock == 256
     long = block_choice(1024, 50257, "inner")
-    assert (long.kind, long.rblock, long.num_warps) == ("looped_reduction", 2048, 8)
+    assert (long.kind, long.rblock, long.num_warps) == ("looped_reduction", 4096, 16)
 
 
 # ---------------------------------------------------------------- numerics vs eager (interpreter)

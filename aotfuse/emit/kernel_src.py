@@ -144,11 +144,14 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
         rows = f"{xb} rows" if xb > 1 else "one row"
         return Blocks("persistent_reduction", xb, rb, w, f"row reduction held in registers: {rows} of {rb} per "
                       f"program ({elems // (32 * w)} elements per thread at {w} warps)")
-    # Rows longer than the persistent limit loop over r. Long rows (>= 16384) take 2048 per step:
-    # 8 elements per thread at 8 warps, a 16-byte load of bf16, and half the loop trips.
-    rb = 2 * INNER_LOOP_RBLOCK if r >= 16384 else INNER_LOOP_RBLOCK
-    return Blocks("looped_reduction", 1, rb, 8, f"row reduction looped over r (r = {r} > persistent limit "
-                  f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, 8 warps")
+    # Rows longer than the persistent limit loop over r. Long rows (>= 16384) take 4096 per step at 16
+    # warps: 8 elements per thread, a 16-byte load of bf16, a quarter of the loop trips, and twice the
+    # bytes in flight per program (H100, 2026-11-25, scripts/looped_ab.py: cross-entropy step 8192 x
+    # 32000 544 -> 482 us, softmax 1024 x 50257 156 -> 139 us against 2048 at 8 warps; 4096 at 8 warps
+    # 474 / 226 us, 8192 at 16: 494 / 175 us).
+    rb, w = (4 * INNER_LOOP_RBLOCK, 16) if r >= 16384 else (INNER_LOOP_RBLOCK, 8)
+    return Blocks("looped_reduction", 1, rb, w, f"row reduction looped over r (r = {r} > persistent limit "
+                  f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, {w} warps")
 
 
 def _blocks(x: int, r: int, pattern: str = "inner") -> tuple[str, int, int, int]:
@@ -325,12 +328,53 @@ class _Emitter:
                 return f"({inner} != 0)"
             return f"{inner}.to({TL_DTYPE[e.dtype]})"
         if isinstance(e, Op):
+            narrow = self.narrow_compare(e) if e.op in ("eq", "ne") else None
+            if narrow is not None:
+                return narrow
             return op_source(e.op, [self.emit(a) for a in e.args], e.dtype)
         if isinstance(e, Gather):  # the lowering bounded the offset: the address stays in the buffer
             off = self.emit(e.offset)
             base = print_index(e.base, {SX: "xindex", SR: "rindex"})
             return f"tl.load({self.args[e.buf]} + {base} + {off}, {self.mask()}, other=0)"
         raise BuildError(f"internal: cannot emit {type(e).__name__}")
+
+    def narrow_compare(self, e: Op) -> str | None:
+        """`index == v` (or !=) with an int64 index value that fits int32 and an int64 v: compared in
+        int32, v narrowed where it is computed (per row, for a target index read inside the row loop) to
+        -1 when outside the index's range [0, hi], so no match is made or lost. The cross-entropy's
+        gradient compares every logit's position with its row's target: a sign extension and a 64-bit
+        compare per element otherwise."""
+        a, b = e.args
+        if isinstance(b, IndexValue):
+            a, b = b, a
+        if not isinstance(a, IndexValue) or isinstance(b, IndexValue) or a.dtype != "int64" or b.dtype != "int64":
+            return None
+        hi = self._index_max(a.expr)
+        if hi is None or hi >= 2**31 - 1:
+            return None
+        v = self.emit(b)
+        v32 = self.tmp(f"tl.where(({v} >= 0) & ({v} <= {hi}), {v}, -1).to(tl.int32)")
+        iv = index_value(a.expr, {SX: "xindex", SR: "rindex"}, "int32")
+        return f"({iv} {'==' if e.op == 'eq' else '!='} {v32})"
+
+    def _index_max(self, expr) -> int | None:
+        """The largest value of an index expression linear in the kernel's x and r with non-negative
+        coefficients (None when it is not one)."""
+        expr = sympy.expand(expr)
+        if not expr.free_symbols or not expr.free_symbols <= {SX, SR}:
+            return None
+        top = {SX: max(0, int(getattr(self, "xnumel", 0)) - 1), SR: max(0, int(getattr(self, "rnumel", 1)) - 1)}
+        total = 0
+        for term, coef in expr.as_coefficients_dict().items():
+            if not coef.is_Integer or coef < 0:
+                return None
+            if term == 1:
+                total += int(coef)
+            elif term in top:
+                total += int(coef) * top[term]
+            else:
+                return None
+        return total
 
     def node_value(self, name: str, index) -> str:
         node = self.members[name]

@@ -23,7 +23,9 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
     if "attention" in d:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
-    if "uniform" in d:  # schedule/uniform.py
+    if "onehot" in d:  # schedule/trivial.py
+        return f"  {d['onehot']}: a one-hot sum over {d['n']} (where(r == t, v, 0)) is v at r = t: one indirect load"
+    if "uniform" in d:  # schedule/trivial.py
         how = f"{d['n']} x the value" if d["rtype"] == "sum" else "the value"
         return f"  {d['uniform']}: a {d['rtype']} over {d['n']} equal values (reads no reduced index) is {how}"
     if "folded" in d:

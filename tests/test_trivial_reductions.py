@@ -1,4 +1,4 @@
-"""A reduction that reads no reduced index (schedule/uniform.py) becomes a pointwise node: n * v for a
+"""A reduction that reads no reduced index (schedule/trivial.py) becomes a pointwise node: n * v for a
 sum, v for max/min/any; the report says so, and results match eager (forward and gradients)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import aotfuse
 from aotfuse.ir.loop import Const, Load, LoopGraph, Buffer, Pointwise, Reduction
 from aotfuse.ir.indexing import syms
-from aotfuse.schedule.uniform import pointwise_of, uniform_reductions
+from aotfuse.schedule.trivial import pointwise_of, trivial_reductions
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -32,7 +32,7 @@ def test_pass_rewrites_only_reductions_that_read_no_reduced_index():
     assert pointwise_of(_red(p0, rranges=(0,)), (4,)) is None  # an empty sum is 0, not 0 * v
     g = LoopGraph(buffers=(Buffer("a", (4,), "float32", "input"), Buffer("red", (4,), "float32", "node")),
                   nodes=(uni, moving), inputs=("a",), weights=(), outputs=())
-    g2, dec = uniform_reductions(g)
+    g2, dec = trivial_reductions(g)
     assert isinstance(g2.nodes[0], Pointwise) and g2.nodes[1] is moving
     assert dec == ({"uniform": "red", "rtype": "sum", "n": 3},)
 
@@ -94,3 +94,56 @@ def test_layernorm_loss_bias_gradient_of_a_broadcast_tangent():
     got = dict(pm.named_parameters())
     torch.testing.assert_close(got["ln.bias"].grad, m.ln.bias.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["ln.weight"].grad, m.ln.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+class _Pick(torch.nn.Module):
+    """sum_r where(r == t, f(x), 0), as nll_loss's one-hot pick, with an ignored (-100) and an
+    out-of-range target: at most one term, or none."""
+
+    def forward(self, x, t):
+        onehot = torch.arange(x.shape[1])[None, :] == t[:, None]
+        return torch.where(onehot, torch.exp(x) * 2.0, 0.0).sum(1)
+
+
+def test_onehot_pick_is_one_indirect_load_and_matches_eager():
+    x = torch.randn(6, 50)
+    t = torch.tensor([0, 49, 7, -100, 50, 3])
+    res = aotfuse.build(_Pick(), (x, t), targets=("sm_90",))
+    dec = [d for d in _lowering(res.report) if "onehot" in d]
+    assert dec == [{"onehot": dec[0]["onehot"], "n": 50}]
+    assert all(g.kind != "reduction" for g in res.report.groups)  # no row loop left
+    art = aotfuse.load(res.data, device="cpu")
+    for seed in (1, 2):
+        xs = torch.randn(6, 50, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(art(xs, t), _Pick()(xs, t), rtol=1e-6, atol=0)
+
+
+def test_cross_entropy_target_pick_and_int32_compare():
+    """The fused cross-entropy step: the target logit is a gather, the gradient's one-hot compares int32,
+    and loss and gradient match eager with ignored targets."""
+    L = torch.randn(16, 300, requires_grad=True)
+    t = torch.randint(0, 300, (16,))
+    t[3] = -100
+
+    class CE(torch.nn.Module):
+        def forward(self, logits, target):
+            return torch.nn.functional.cross_entropy(logits.float(), target)
+
+    res = aotfuse.build(CE(), (L, t), train=True, targets=("sm_90",), step="auto")
+    assert any("onehot" in d for d in _lowering(res.report))
+    art = aotfuse.load(res.data, device="cpu")
+    from aotfuse.runtime.payload import read_sources
+    src = "\n".join(read_sources(art.archive, art.kernels).values())
+    assert ".to(tl.int32) ==" in src or ".to(tl.int32)) ==" in src
+    pm = art.as_module()
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        a = torch.randn(16, 300, generator=g).requires_grad_()
+        b = a.detach().clone().requires_grad_()
+        tt = torch.randint(0, 300, (16,), generator=g)
+        tt[5] = -100
+        la, lb = pm(a, tt), CE()(b, tt)
+        la.backward()
+        lb.backward()
+        torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
