@@ -7,7 +7,9 @@ is replayed (CUDA events, median of 7 rounds of N replays), so launch gaps and p
 are out of the numbers. aotfuse runs its program through the executor, on a state of its own (no
 input copy, no output clone). Training cases (loss.backward() of a scalar-loss module, the grads
 of the inputs that require grad) are timed the same way for every backend, as whole steps with
-events and no graph (the packaged module's own graphs are off, and so are torch.compile's).
+events and no graph (the packaged module's own graphs are off, and so are torch.compile's), and again
+as GPU kernel time per step (the sum of the device kernels' durations, torch.profiler): the row marked
+"[GPU kernel time per step]" is the kernels' own bandwidth (the training issue's 9.4 figures).
 
 Bandwidth: the fewest bytes each case must move (each input read once, each output written once),
 over the time, as percent of the measured device copy (a 1 GiB device-to-device copy; read + write
@@ -30,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import aotfuse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_ab import kernel_time  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -267,12 +272,13 @@ def run_train_case(c, iters):
     grads_of(compiled)
     got_c = [t.grad for t in x if t.requires_grad] + [p.grad for p in params]
     errs += (max(rel_err(g, w) for g, w in zip(got_c, want)),)
-    times = {
-        "eager": time_steps(step_of(model, params_all[0]), iters),
-        "compile": time_steps(step_of(compiled, params_all[0]), iters),
-        "aotfuse": time_steps(step_of(mod, params_all[1]), iters),
-    }
-    return times, errs
+    steps = {"eager": step_of(model, params_all[0]), "compile": step_of(compiled, params_all[0]),
+             "aotfuse": step_of(mod, params_all[1])}
+    times = {k: time_steps(f, iters) for k, f in steps.items()}
+    # The same steps' GPU kernel time (the sum of the device kernels' durations, torch.profiler, median
+    # of 3 profiles of 5 steps): the kernels' own bandwidth, without the step's host work and gaps.
+    kernels = {k: statistics.median(kernel_time(f)[0] for _ in range(3)) / 1e3 for k, f in steps.items()}
+    return times, errs, kernels
 
 
 def main():
@@ -288,16 +294,17 @@ def main():
         if a.only and not any(s in c["name"] for s in a.only.split(",")):
             continue
         try:
-            times, errs = (run_train_case if c["train"] else run_forward_case)(c, a.iters)
+            times, errs, *kern = (run_train_case if c["train"] else run_forward_case)(c, a.iters)
         except Exception as e:  # one broken case must not hide the others' numbers
             traceback.print_exc()
             rows.append((c["name"], "-", "-", "-", "-", "-", f"error: {type(e).__name__}: {str(e)[:80]}"))
             continue
-        pct = {k: 100 * c["bytes"] / (v * 1e-3) / bw for k, v in times.items()}
-        rows.append((c["name"], f"{times['eager'] * 1e3:.0f}", f"{times['compile'] * 1e3:.0f}",
-                     f"{times['aotfuse'] * 1e3:.0f}", f"{pct['compile']:.0f}%", f"{pct['aotfuse']:.0f}%",
-                     f"{times['compile'] / times['aotfuse']:.2f}x; err {errs[-2]:.1e}"))
-        print(rows[-1], flush=True)
+        for label, ts in [("", times)] + [(" [GPU kernel time per step]", k) for k in kern]:
+            pct = {k: 100 * c["bytes"] / (v * 1e-3) / bw for k, v in ts.items()}
+            rows.append((c["name"] + label, f"{ts['eager'] * 1e3:.0f}", f"{ts['compile'] * 1e3:.0f}",
+                         f"{ts['aotfuse'] * 1e3:.0f}", f"{pct['compile']:.0f}%", f"{pct['aotfuse']:.0f}%",
+                         f"{ts['compile'] / ts['aotfuse']:.2f}x; err {errs[-2]:.1e}"))
+            print(rows[-1], flush=True)
     head = ("case", "eager us", "compile us", "aotfuse us", "compile % copy", "aotfuse % copy",
             "aotfuse vs compile; rel err")
     dev = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy {bw / 1e12:.2f} TB/s"
