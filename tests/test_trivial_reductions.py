@@ -147,3 +147,25 @@ def test_cross_entropy_target_pick_and_int32_compare():
         lb.backward()
         torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+class _Mask(torch.nn.Module):
+    """`position == target` inside a row reduction (not a one-hot: the other branch is not 0):
+    compared in int32, the target narrowed per row."""
+
+    def forward(self, x, t):
+        return torch.where(torch.arange(x.shape[1])[None, :] == t[:, None], x, -x).sum(1)
+
+
+def test_index_compare_in_int32_never_matches_a_value_outside_the_index_range():
+    x = torch.randn(5, 40)
+    # 2**32 + 3 would equal position 3 if it were truncated to int32; -1 and 40 are outside [0, 39]
+    t = torch.tensor([0, 39, 2**32 + 3, -1, 40])
+    res = aotfuse.build(_Mask(), (x, t), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    from aotfuse.runtime.payload import read_sources
+    src = "\n".join(read_sources(art.archive, art.kernels).values())
+    assert "<= 39), " in src and ".to(tl.int32)" in src  # the narrowed target
+    for seed in (1, 2):
+        xs = torch.randn(5, 40, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(art(xs, t), _Mask()(xs, t), rtol=1e-6, atol=1e-6)

@@ -363,7 +363,13 @@ class _Emitter:
         expr = sympy.expand(expr)
         if not expr.free_symbols or not expr.free_symbols <= {SX, SR}:
             return None
-        top = {SX: max(0, int(getattr(self, "xnumel", 0)) - 1), SR: max(0, int(getattr(self, "rnumel", 1)) - 1)}
+        top = {}
+        for sym, attr in ((SX, "xnumel"), (SR, "rnumel")):
+            if sym in expr.free_symbols:
+                n = getattr(self, attr, None)
+                if not n:  # no extent known for this emitter: no bound, no narrowing
+                    return None
+                top[sym] = int(n) - 1
         total = 0
         for term, coef in expr.as_coefficients_dict().items():
             if not coef.is_Integer or coef < 0:
