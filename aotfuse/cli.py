@@ -351,11 +351,12 @@ def explain_cmd(
     artifact: Path = typer.Argument(..., help="An .aotf file."),
     program: Optional[str] = typer.Option(None, "--program", help="forward, backward (backward_1 ... of a staged backward) or step [default: all]."),
     refused_only: bool = typer.Option(False, "--refused", help="Only fusion refusals."),
+    resources: Optional[str] = typer.Option(None, "--resources", help="Per kernel: registers, spills, shared memory and programs per SM, read off the cubins of this target (sm_90; 'auto': the newest); no GPU needed."),
 ):
     """Every decision the build made: lowering, inlining, fusion verdicts with reasons, partition."""
     from .runtime.explain import explain
 
-    typer.echo(explain(str(_existing(artifact)), program=program, refused_only=refused_only))
+    typer.echo(explain(str(_existing(artifact)), program=program, refused_only=refused_only, resources=resources))
 
 
 # ---------------------------------------------------------------------------------------------

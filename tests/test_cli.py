@@ -483,6 +483,26 @@ def test_explain(tiny):
     assert r.exit_code == 0 and "-- fusion refusals by reason" in r.stdout and "FUSED" not in r.stdout
 
 
+def test_explain_resources(tiny):
+    """--resources: every kernel's registers, spills, shared memory and programs per SM, read off its
+    cubins with no GPU; a target the archive lacks is a one-line error."""
+    from aotfuse.runtime.resources import occupancy, parse_res_usage
+
+    info = aotfuse.inspect_archive(tiny["infer"])
+    r = invoke("explain", str(tiny["infer"]), "--resources", "auto")
+    assert r.exit_code == 0, r.output
+    lines = [ln.strip() for ln in r.stdout.splitlines() if "registers a thread" in ln]
+    kernel_groups = [ln for ln in r.stdout.splitlines() if re.match(r"\s+g\d+\s", ln) and " aotf_" in ln]
+    assert len(lines) == len(kernel_groups) > 0 and len(info["kernels"]) > 0
+    assert all(ln.startswith("sm_90: ") and "programs of" in ln and "(bound by " in ln for ln in lines)
+    bad = invoke("explain", str(tiny["infer"]), "--resources", "sm_86")
+    assert bad.exit_code == 2 and "no cubins for 'sm_86'" in bad.output
+    # the arithmetic: 128 registers at 8 warps -> 2 programs an SM on an H100 (65536 registers)
+    assert occupancy("sm_90", 128, 0, 17440, 8).by_registers == 2
+    assert occupancy("sm_90", 30, 0, 0, 8).programs_per_sm == 8  # bound by warps: 64 / 8
+    assert parse_res_usage(" Function k:\n  REG:40 STACK:16 SHARED:0 LOCAL:0 CONSTANT[0]:0") == (40, 16, 0)
+
+
 def test_explain_train(tiny):
     r = invoke("explain", str(tiny["train"]))
     assert r.exit_code == 0, r.output

@@ -39,7 +39,7 @@ def _lowering(d: dict) -> str | None:
     return None
 
 
-def _program_lines(name: str, rep: Report, refused_only: bool) -> list[str]:
+def _program_lines(name: str, rep: Report, refused_only: bool, res: tuple | None = None) -> list[str]:
     out = [f"== {name} program =="]
     s = rep.fusion_summary
     out.append(f"{s.loop_ir_nodes} loop-IR nodes, {s.inlined} inlined, {s.groups} groups "
@@ -83,6 +83,8 @@ def _program_lines(name: str, rep: Report, refused_only: bool) -> list[str]:
             b = g.blocks
             out.append(f"        {b['kind']} XBLOCK={b['xblock']} RBLOCK={b['rblock']} num_warps={b['num_warps']} "
                        f"grid={b['grid'][0]}: {b['why']}")
+        if res is not None and isinstance(res[1], dict) and g.kernel in res[1]:
+            out.append(f"        {res[1][g.kernel].line(res[0])}")
     m = rep.memory
     out.append(f"-- memory: arena {m.arena_bytes} B for {m.buffers} buffers (no reuse: {m.naive_bytes} B); "
                f"{m.bound_extern_results} extern results bound as returned")
@@ -123,23 +125,43 @@ def _partition_lines(part: dict) -> list[str]:
     return out
 
 
-def explain_report(report: Report, *, program: str | None = None, refused_only: bool = False) -> str:
+def explain_report(report: Report, *, program: str | None = None, refused_only: bool = False,
+                   resources: tuple | None = None) -> str:
+    """resources: (arch, {kernel: runtime.resources.Resources} or why there are none) to show per kernel."""
     sections = []
+    if resources is not None and isinstance(resources[1], str):
+        sections.append([f"-- resources: {resources[1]}"])
     first = "step" if _step_mode(report.partition) == "step" else "forward"
     if program in (None, first):
-        sections.append(_program_lines(first, report, refused_only))
+        sections.append(_program_lines(first, report, refused_only, resources))
     if program in (None, "backward") and report.backward is not None:
-        sections.append(_program_lines("backward", report.backward, refused_only))
+        sections.append(_program_lines("backward", report.backward, refused_only, resources))
     for k, rep in enumerate(report.stages, start=1):  # a staged backward's later programs
         if program in (None, f"backward_{k}"):
-            sections.append(_program_lines(f"backward_{k}", rep, refused_only))
+            sections.append(_program_lines(f"backward_{k}", rep, refused_only, resources))
     if report.partition is not None and program is None:
         with decoding("part 'report': partition"):  # a free-form section: a slip in it is an ArchiveError
             sections.append(_partition_lines(report.partition))
     return "\n\n".join("\n".join(lines) for lines in sections)
 
 
-def explain(src, *, program: str | None = None, refused_only: bool = False) -> str:
+def explain(src, *, program: str | None = None, refused_only: bool = False, resources: str | None = None) -> str:
+    """resources: a target ("sm_90") whose cubins to read registers, spills and shared memory off
+    (runtime/resources.py), shown under each kernel; "auto": the archive's newest target."""
     with read_archive(src) as ar:
         report = read_report(ar)
-    return explain_report(report, program=program, refused_only=refused_only)
+        res = None
+        if resources is not None:
+            from .payload import read_payload
+            from .resources import kernel_resources
+
+            kernels = read_payload(ar).kernels
+            targets = sorted({t for k in kernels.values() for t in k.binaries}, key=lambda t: int(t[3:]))
+            arch = targets[-1] if resources == "auto" and targets else resources
+            if arch not in targets:
+                from ..errors import AotfuseError
+
+                raise AotfuseError(f"the archive has no cubins for {arch!r}",
+                                   remedy=f"pass one of: {', '.join(targets) or '(none)'}")
+            res = (arch, kernel_resources(kernels, arch))
+    return explain_report(report, program=program, refused_only=refused_only, resources=res)
