@@ -486,7 +486,7 @@ def test_explain(tiny):
 def test_explain_resources(tiny):
     """--resources: every kernel's registers, spills, shared memory and programs per SM, read off its
     cubins with no GPU; a target the archive lacks is a one-line error."""
-    from aotfuse.runtime.resources import occupancy, parse_res_usage
+    from aotfuse.runtime.resources import access_widths, occupancy, parse_res_usage
 
     info = aotfuse.inspect_archive(tiny["infer"])
     r = invoke("explain", str(tiny["infer"]), "--resources", "auto")
@@ -501,6 +501,10 @@ def test_explain_resources(tiny):
     assert occupancy("sm_90", 128, 0, 17440, 8).by_registers == 2
     assert occupancy("sm_90", 30, 0, 0, 8).programs_per_sm == 8  # bound by warps: 64 / 8
     assert parse_res_usage(" Function k:\n  REG:40 STACK:16 SHARED:0 LOCAL:0 CONSTANT[0]:0") == (40, 16, 0)
+    assert all("global loads " in ln and "; stores " in ln for ln in lines)
+    sass = "@P0 LDG.E.EL.128 R8, desc[UR6][R26.64] ;\n LDG.E R20, desc[UR10][R10.64] ;\n LDG.E.U16 R1, [R2] ;\n" \
+           "@P0 STG.E.128 desc[UR10][R2.64], R12 ;\n BAR.RED.POPC R1 ;"
+    assert access_widths(sass) == (((16, 1), (4, 1), (2, 1)), ((16, 1),))
 
 
 def test_explain_train(tiny):

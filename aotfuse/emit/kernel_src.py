@@ -25,12 +25,13 @@ from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from ..ir.indexing import simplify, unravel
 from ..ir.loop import (ARG_REDUCTIONS, FLOATS, ITEMSIZE, Cast, Const, Gather, IndexValue, Load, LoopGraph, Op,
-                       Pointwise, Reduction, Scan, subs_expr)
+                       Pointwise, Reduction, Scan, expr_leaves, subs_expr)
 from ..ir.indexing import flat_index
 from .argreduce import finish as arg_finish, init as arg_init, persistent as arg_persistent
 from .argreduce import update as arg_update
 from .online import finish as online_finish, init as online_init, pairs as online_pairs
 from .online import update as online_update
+from .predicate import condition_bounds, index_only, merge, resolve_clamps
 from .printer import PTR_TYPE, TL_DTYPE, index_value, literal, op_source, print_index
 
 SX = sympy.Symbol("sx", integer=True, nonnegative=True)
@@ -255,6 +256,10 @@ class _Emitter:
         self.looped = False
         self.load_levels: dict[str, set[int]] = {}
         self.evict: dict[str, set[int]] | None = None
+        # structural selects (emit/predicate.py): the predicates the current expression is under, each
+        # (mask variable, what it bounds); loads under them are masked and their clamps resolved
+        self.preds: list[tuple[str, dict]] = []
+        self.predicated = 0  # structural selects emitted with predicated branches
 
     def policy(self, buf: str) -> str:
         """An L2 eviction hint for a load along a looped row: a buffer a later loop of this kernel reads
@@ -289,7 +294,8 @@ class _Emitter:
         return "xmask & rmask" if self.ctx == "xr" else "xmask"
 
     def emit(self, e) -> str:
-        key = (self.ctx, e)
+        # under predicates a value may hold masked loads; what reads no load is the same everywhere
+        key = (self.ctx, tuple(p[0] for p in self.preds) if self.preds and not index_only(e) else (), e)
         hit = self.lookup(key)
         if hit is not None:
             return hit
@@ -314,6 +320,11 @@ class _Emitter:
                 # a per-column value (a norm's weight and bias): loaded once per column as [1, RBLOCK] and
                 # broadcast over the block's rows, not once per element of an [XBLOCK, RBLOCK] tile
                 return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0)"
+            if self.preds:  # a branch of a structural select: masked by its predicates, clamps resolved
+                bounds = self.preds[-1][1]
+                idx = print_index(resolve_clamps(e.index, bounds, self._extents()), {SX: "xindex", SR: "rindex"})
+                mask = " & ".join([self.mask()] + [p[0] for p in self.preds])
+                return f"tl.load({self.args[e.buf]} + {idx}, {mask}, other=0{self.policy(e.buf)})"
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0{self.policy(e.buf)})"
         if isinstance(e, Const):
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
@@ -331,12 +342,53 @@ class _Emitter:
             narrow = self.narrow_compare(e) if e.op in ("eq", "ne") else None
             if narrow is not None:
                 return narrow
+            if e.op == "where" and index_only(e.args[0]) and self.predication_pays(e):
+                return self.predicated_where(e)
             return op_source(e.op, [self.emit(a) for a in e.args], e.dtype)
         if isinstance(e, Gather):  # the lowering bounded the offset: the address stays in the buffer
             off = self.emit(e.offset)
             base = print_index(e.base, {SX: "xindex", SR: "rindex"})
             return f"tl.load({self.args[e.buf]} + {base} + {off}, {self.mask()}, other=0)"
         raise BuildError(f"internal: cannot emit {type(e).__name__}")
+
+    def predicated_where(self, e: Op) -> str:
+        """where(c, a, b) with c on index values only: a evaluated under c, b under not c (their loads
+        masked, the clamps the predicate decides dropped: emit/predicate.py)."""
+        c, a, b = e.args
+        self.predicated += 1
+        cv = self.emit(c)
+        outer = self.preds[-1][1] if self.preds else {}
+        self.preds.append((cv, merge(outer, condition_bounds(c, True))))
+        try:
+            av = self.emit(a)
+        finally:
+            self.preds.pop()
+        nc = self.emit(Op("not", (c,), "bool"))
+        self.preds.append((nc, merge(outer, condition_bounds(c, False))))
+        try:
+            bv = self.emit(b)
+        finally:
+            self.preds.pop()
+        return f"tl.where({cv}, {av}, {bv})"
+
+    def predication_pays(self, e: Op) -> bool:
+        """Only where the predicate drops a clamp of one of the branches' loads: a mask that varies
+        within a vector (a causal mask) would split a vectorized load that needs no predicate."""
+        outer = self.preds[-1][1] if self.preds else {}
+        ext = self._extents()
+        for branch, truth in ((e.args[1], True), (e.args[2], False)):
+            bounds = merge(outer, condition_bounds(e.args[0], truth))
+            if not bounds:
+                continue
+            for leaf in expr_leaves(branch):
+                if isinstance(leaf, Load) and leaf.buf not in self.members and \
+                        sympy.sympify(leaf.index).has(sympy.Min, sympy.Max) and \
+                        resolve_clamps(leaf.index, bounds, ext) != sympy.sympify(leaf.index):
+                    return True
+        return False
+
+    def _extents(self) -> dict:
+        return {sym: int(n) for sym, n in ((SX, getattr(self, "xnumel", 0)), (SR, getattr(self, "rnumel", 0))) if n}
 
     def narrow_compare(self, e: Op) -> str | None:
         """`index == v` (or !=) with an int64 index value that fits int32 and an int64 v: compared in
@@ -662,6 +714,9 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     body = "\n".join(em.lines)
     if "tl.range(" in body:
         blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(knobs.loop_stages))
+    if em.predicated:
+        blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.predicated} positional select(s): each branch "
+                                     f"loads under its predicate, the clamps it decides dropped (emit/predicate.py)")
     params = ", ".join(a.name for a in args)
     head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"

@@ -1,6 +1,7 @@
 """What each kernel of an archive asks of an SM, read off its cubins with no GPU (`aotfuse explain
---resources`): registers a thread, bytes spilled to local memory, shared memory, and how many
-programs fit one SM by each of those limits. A kernel far under the copy bandwidth usually runs few
+--resources`): registers a thread, bytes spilled to local memory, shared memory, how many
+programs fit one SM by each of those limits, and the widths of its global loads and stores (static
+instruction counts in the SASS: a 16-byte `LDG.E.128` is a vectorized load). A kernel far under the copy bandwidth usually runs few
 programs per SM (too many registers a thread: the mix-order kernel at 128 registers and 8 warps fits
 two) or spills.
 
@@ -39,6 +40,13 @@ class Resources:
         return min(self.by_registers, self.by_shared, self.by_warps)
 
     cap: int = 32  # the SM's most resident programs
+    loads: tuple = ()  # ((bytes, instructions), ...) global loads by width, widest first
+    stores: tuple = ()
+
+    def widths(self) -> str:
+        def one(pairs):
+            return ", ".join(f"{b} B x {n}" for b, n in pairs) or "none"
+        return f"global loads {one(self.loads)}; stores {one(self.stores)}"
 
     def line(self, arch: str) -> str:
         limits = {"registers": self.by_registers, "shared memory": self.by_shared, "warps": self.by_warps}
@@ -47,7 +55,8 @@ class Resources:
                  else f"the SM's {self.cap}-program limit")
         spill = f"{self.spill_bytes} B spilled a thread" if self.spill_bytes else "no spills"
         return (f"{arch}: {self.registers} registers a thread, {spill}, {self.shared} B shared: "
-                f"{self.programs_per_sm} programs of {self.num_warps} warps per SM (bound by {bound})")
+                f"{self.programs_per_sm} programs of {self.num_warps} warps per SM (bound by {bound}); "
+                f"{self.widths()}")
 
 
 def cuobjdump() -> str | None:
@@ -69,6 +78,20 @@ def parse_res_usage(text: str) -> tuple[int, int, int] | None:
     stack = re.search(r"STACK:(\d+)", text)
     smem = re.search(r"SHARED:(\d+)", text)
     return int(reg.group(1)), int(stack.group(1)) if stack else 0, int(smem.group(1)) if smem else 0
+
+
+_WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+_MEM = re.compile(r"\b(LDG|STG)\.E((?:\.[A-Z0-9]+)*)")
+
+
+def access_widths(sass: str) -> tuple[tuple, tuple]:
+    """(loads, stores): ((bytes, instructions), ...) of the global loads and stores in `sass`, widest
+    first (LDG.E.128: 16 bytes; LDG.E: 4; cache and eviction qualifiers such as .EL are ignored)."""
+    counts: dict = {"LDG": {}, "STG": {}}
+    for op, quals in _MEM.findall(sass):
+        width = next((_WIDTH[q] for q in quals.split(".") if q in _WIDTH), 4)
+        counts[op][width] = counts[op].get(width, 0) + 1
+    return tuple(tuple(sorted(counts[op].items(), reverse=True)) for op in ("LDG", "STG"))
 
 
 def occupancy(arch: str, registers: int, spill: int, shared: int, num_warps: int) -> Resources:
@@ -99,5 +122,8 @@ def kernel_resources(kernels: dict, arch: str) -> dict[str, Resources] | str:
             if got is None:
                 return f"cuobjdump could not read kernel {name}'s {arch} cubin: {res.stderr.strip()[:200]}"
             regs, stack, static = got
-            out[name] = occupancy(arch, regs, stack, static + b.shared, b.num_warps)
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=60).stdout
+            loads, stores = access_widths(sass)
+            out[name] = dataclasses.replace(occupancy(arch, regs, stack, static + b.shared, b.num_warps),
+                                            loads=loads, stores=stores)
     return out
