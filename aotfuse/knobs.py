@@ -21,6 +21,7 @@
 | mix_warps | AOTFUSE_MIX_WARPS | 0 | mix-order kernels: warps per program; 0: one per 1024 elements of a step (emit/mix_kernel.MIX_WARP_ELEMS), 1 to 8 |
 | mix_stages | AOTFUSE_MIX_STAGES | 3 | the mix-order kernel's row loop as `tl.range(..., num_stages=N)`: Triton copies the next rows' loads into shared memory (cp.async) while this row computes; 0 or 1: plain `range`, one row in flight per program (H100, 2026-11-25, LayerNorm fwd+bwd 16384x4096: mix kernel 145 us plain, 145 at 2 stages, 110 at 3, 112 at 4) |
 | loop_stages | AOTFUSE_LOOP_STAGES | 0 | the same for looped reductions' loops over r; 0: plain `range` (H100, 2026-11-25, cross-entropy fwd+bwd 8192x32000: 575 us plain, 727 / 686 / 677 at 2 / 3 / 4 stages) |
+| predicated_selects | AOTFUSE_PREDICATED_SELECTS | 0 | positional selects (a concatenation's sources) load each branch under its predicate with the clamps it decides dropped, so the loads vectorize (emit/predicate.py); opt-in until timed on a GPU (the SASS shows 16-byte loads: the anchor GPT's qkv-gradient cat 24 two-byte loads -> three 16-byte ones) |
 | mix_min_r | AOTFUSE_MIX_MIN_R | 2048 | mix-order only for rows of at least this many elements (H100: 8192 x 768 lost, 16384 x 4096 won; schedule/mix.py condition 2) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
@@ -76,6 +77,7 @@ class Knobs:
     split_min_chunk: int = _env_int("AOTFUSE_SPLIT_CHUNK", 128)
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)
+    predicated_selects: bool = bool(_env_int("AOTFUSE_PREDICATED_SELECTS", 0))
     mix_programs: int = _env_int("AOTFUSE_MIX_PROGRAMS", 256)
     mix_warps: int = _env_int("AOTFUSE_MIX_WARPS", 0)
     mix_stages: int = _env_int("AOTFUSE_MIX_STAGES", 3)

@@ -8,6 +8,7 @@ import sympy
 import torch
 
 import aotfuse
+from aotfuse.knobs import override
 from aotfuse.emit.predicate import condition_bounds, index_only, merge, resolve_clamps
 from aotfuse.ir.indexing import ModIdx
 from aotfuse.ir.loop import Const, IndexValue, Load, Op
@@ -47,7 +48,11 @@ class _Causal(torch.nn.Module):
 def test_cat_loads_vectorize_and_match_eager():
     args = (torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(64, 512, dtype=torch.bfloat16),
             torch.randn(64, 128, dtype=torch.bfloat16))
-    res = aotfuse.build(_Cat(), args, targets=("sm_90",))
+    off = aotfuse.build(_Cat(), args, targets=("sm_90",))  # the default (opt-in knob): clamped loads
+    src_off = "\n".join(read_sources(*(lambda a: (a.archive, a.kernels))(aotfuse.load(off.data, device="cpu"))).values())
+    assert "tl.minimum" in src_off
+    with override(predicated_selects=True):
+        res = aotfuse.build(_Cat(), args, targets=("sm_90",))
     art = aotfuse.load(res.data, device="cpu")
     src = "\n".join(read_sources(art.archive, art.kernels).values())
     assert "tl.minimum" not in src and "tl.maximum" not in src  # every clamp decided by its predicate
@@ -63,7 +68,8 @@ def test_cat_loads_vectorize_and_match_eager():
 
 def test_selects_without_clamps_are_not_predicated():
     x = torch.randn(32, 32)
-    res = aotfuse.build(_Causal(), (x,), targets=("sm_90",))
+    with override(predicated_selects=True):
+        res = aotfuse.build(_Causal(), (x,), targets=("sm_90",))
     art = aotfuse.load(res.data, device="cpu")
     src = "\n".join(read_sources(art.archive, art.kernels).values())
     assert "xmask & " not in src  # the load keeps its plain mask: one vector, not split by the triangle

@@ -342,7 +342,7 @@ class _Emitter:
             narrow = self.narrow_compare(e) if e.op in ("eq", "ne") else None
             if narrow is not None:
                 return narrow
-            if e.op == "where" and index_only(e.args[0]) and self.predication_pays(e):
+            if e.op == "where" and knobs.predicated_selects and index_only(e.args[0]) and self.predication_pays(e):
                 return self.predicated_where(e)
             return op_source(e.op, [self.emit(a) for a in e.args], e.dtype)
         if isinstance(e, Gather):  # the lowering bounded the offset: the address stays in the buffer
