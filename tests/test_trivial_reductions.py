@@ -169,3 +169,24 @@ def test_index_compare_in_int32_never_matches_a_value_outside_the_index_range():
     for seed in (1, 2):
         xs = torch.randn(5, 40, generator=torch.Generator().manual_seed(seed))
         torch.testing.assert_close(art(xs, t), _Mask()(xs, t), rtol=1e-6, atol=1e-6)
+
+
+class _PickPositional(torch.nn.Module):
+    """The picked value depends on its position through a producer (a positional mask): not rewritten
+    into a pick (r would stay unbound), still correct."""
+
+    def forward(self, x, t):
+        pos = torch.arange(x.shape[1])[None, :]
+        v = torch.where(pos < 20, x, x * 3.0)  # a producer whose body reads the position, kept as a node
+        return torch.where(pos == t[:, None], v, 0.0).sum(1), v.amax(1)  # (two point readers)
+
+
+def test_onehot_with_a_positional_producer_matches_eager():
+    x = torch.randn(4, 30)
+    t = torch.tensor([0, 25, 19, 29])
+    res = aotfuse.build(_PickPositional(), (x, t), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    for seed in (1, 2):
+        xs = torch.randn(4, 30, generator=torch.Generator().manual_seed(seed))
+        for got, want in zip(art(xs, t), _PickPositional()(xs, t)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

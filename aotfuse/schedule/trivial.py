@@ -126,11 +126,10 @@ def _onehot(node: Reduction, out_shape, producers: dict) -> Pointwise | None:
         off = safe if int(c) == 1 else Op("mul", (safe, Const(int(c), b.dtype)), b.dtype)
         return Gather(ld.buf, rest, off, ld.dtype)
 
-    for leaf in expr_leaves(v):
-        if isinstance(leaf, IndexValue) and r0 in leaf.expr.free_symbols:
-            return None
     picked = rewrite_expr(_through_pointwise(v, node, producers), load=at_t)
-    if not ok:
+    # nothing of r may remain: an index value, a gather's base (rewrite_expr passes gathers by) or a
+    # producer's positional value substituted above would leave r0 unbound in a pointwise node
+    if not ok or _reads(picked, {r0}):
         return None
     out = Op("where", (inb, picked, zero), body.dtype)
     return _as_pointwise(node, out, out_shape)
