@@ -3,7 +3,7 @@
 # Archives under build/gpu are built on the machine itself if missing (building needs no GPU).
 # STAGES picks what runs (default: all but the opt-in ones): repro host pytest sanitize check driver train bench
 # kernels trainbench; opt-in: profile (scripts/profile_train.py: per-kernel GPU time of the anchor step, aotfuse vs
-# torch.compile) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
+# torch.compile), knobs (scripts/knob_ab.py of KNOB_VARIANTS on KNOB_CASES: opt-in knobs vs the defaults) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
 # docs/zoo_gpu.json and run scripts/gen_models_doc.py).
 # kernels: scripts/bench_kernels.py (memory-bound cases, % of copy); trainbench: `aotfuse bench --train` of
 # TRAIN_SPECS (default: the anchor GPT, batch 8 x 1024, bf16).
@@ -57,6 +57,9 @@ if want trainbench; then
 fi
 # opt-in stages (not in the default list: minutes each)
 want profile && run profile python3 scripts/profile_train.py
+# knobs: the opt-in knobs against the defaults (scripts/knob_ab.py: GPU kernel time next to torch.compile)
+want knobs && run knobs python3 scripts/knob_ab.py --cases ${KNOB_CASES:-anchor,ce} \
+  ${KNOB_VARIANTS:-base: pred:predicated_selects=1}
 want zoo && run zoo python3 scripts/zoo_gpu.py ${ZOO_NAMES:-} --json "$OUT/zoo_gpu.json" --markdown "$OUT/zoo.md"
 echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
@@ -71,4 +74,5 @@ for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "E
 [ -f "$OUT/train.log" ] && sed -n '/== training/,$p' "$OUT/train.log"
 [ -f "$OUT/kernels.md" ] && grep -h "^|" "$OUT/kernels.md"
 [ -f "$OUT/trainbench.md" ] && grep -h "^|" "$OUT/trainbench.md"
+[ -f "$OUT/knobs.log" ] && grep -h "^|" "$OUT/knobs.log"
 exit 0
