@@ -225,7 +225,7 @@ def _report(p: _Compiled) -> Report:
 
 
 def _blocks(k) -> dict:
-    """A kernel's launch shape and why (emit/kernel_src.block_choice), for explain."""
+    """A kernel's launch shape and why (emit/space.block_choice), for explain."""
     return {"kind": k.kind, "pattern": k.pattern, "xblock": k.xblock, "rblock": k.rblock,
             "num_warps": k.num_warps, "grid": list(k.grid), "why": k.why}
 

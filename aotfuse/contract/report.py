@@ -107,7 +107,7 @@ class GroupRecord:
     xnumel: int
     rnumel: int
     kernel: str | None
-    # a kernel's launch shape and why (emit/kernel_src.block_choice): {kind, pattern, xblock, rblock,
+    # a kernel's launch shape and why (emit/space.block_choice): {kind, pattern, xblock, rblock,
     # num_warps, grid, why}; free-form, None for externs and in reports written before it existed
     blocks: dict | None = None
 

@@ -14,7 +14,6 @@ Numels and block sizes are literals: shapes are static, and literals give the be
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 
@@ -33,9 +32,9 @@ from .online import finish as online_finish, init as online_init, pairs as onlin
 from .online import update as online_update
 from .predicate import condition_bounds, index_only, merge, resolve_clamps
 from .printer import PTR_TYPE, TL_DTYPE, index_value, literal, op_source, print_index
+# the iteration space's symbols and block heuristic, also read through this module (ks.SX, ks.block_choice)
+from .space import SR, SX, Blocks, _next_pow2, block_choice, reduction_pattern, same_index  # noqa: F401
 
-SX = sympy.Symbol("sx", integer=True, nonnegative=True)
-SR = sympy.Symbol("sr", integer=True, nonnegative=True)
 INDEX_LIMIT = 2**31 - 1
 
 
@@ -85,157 +84,10 @@ def loop_note(stages: int) -> str:
     return f"; loads pipelined {stages} stages (tl.range, cp.async into shared memory)"
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-OUTER_XBLOCK = 64  # column tiles: 64 contiguous outputs per program (128 B of bf16, 256 B of fp32 per row)
-OUTER_RBLOCK = 64  # ... times 64 rows per loop step: 4096 elements, 16 per thread at 8 warps
-SHORT_ROW = 256  # persistent rows of at most this many (padded) elements: one warp per program ...
-SHORT_ROW_TILE = 1024  # ... holding rows up to this many elements (32 per thread)
-INNER_LOOP_RBLOCK = 1024  # looped rows: elements of the row per loop step (2048 for long rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """The launch shape one x-by-r iteration space gets, and why (recorded per kernel for explain)."""
-
-    kind: str  # "pointwise" | "persistent_reduction" | "looped_reduction"
-    xblock: int
-    rblock: int
-    num_warps: int
-    why: str
-
-
-def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
-    """The one size-aware block heuristic. `pattern` is the group's access pattern
-    (`reduction_pattern`): "inner" when its loads run along r (row reductions), "outer" when they
-    run along x with r strided (column reductions: a norm's weight/bias gradients)."""
-    if r == 1:
-        xb = min(1024, _next_pow2(x))
-        w = max(1, min(4, xb // 128))
-        return Blocks("pointwise", xb, 1, w, f"pointwise: {xb} elements per program, {w} warps")
-    if pattern == "outer":
-        # Column tile: x is the contiguous axis of the loads, so a [XBLOCK, RBLOCK] tile reads
-        # XBLOCK consecutive elements of each of RBLOCK rows; Triton's coalescing follows the
-        # pointer's contiguity and vectorizes along x. Small r: one tile covers it (persistent).
-        rb = min(_next_pow2(r), OUTER_RBLOCK)
-        xb = min(_next_pow2(x), max(OUTER_XBLOCK, 4096 // rb))
-        while xb > OUTER_XBLOCK and -(-x // xb) < 256:
-            xb //= 2
-        w = max(1, min(8, xb * rb // 256))
-        kind = "persistent_reduction" if r <= rb else "looped_reduction"
-        return Blocks(kind, xb, rb, w, f"column reduction (loads contiguous along x, strided along r): "
-                      f"[{xb} x {rb}] tiles, x vectorized, {w} warps" + (", looped over r" if r > rb else ""))
-    if r <= knobs.persistent_rblock_max:
-        rb = _next_pow2(r)
-        # Short rows (<= SHORT_ROW): a few rows per program, one warp, so each row is reduced by shuffles
-        # inside one warp, never across warps through shared memory (scripts/knob_ab.py, H100: LayerNorm
-        # and softmax over 327680 x 197 bf16 took 196 / 249 us as 16 rows at 8 warps, 104 / 102 us as 4 rows
-        # at 1 warp, torch.compile 102 / 103 us).
-        tile, per_warp = (SHORT_ROW_TILE, SHORT_ROW_TILE) if rb <= SHORT_ROW else \
-            (knobs.persistent_tile, knobs.persistent_warp_elems)
-        xb = max(1, min(_next_pow2(x), tile // rb))
-        while xb > 1 and -(-x // xb) < 256:  # keep enough programs to fill the SMs
-            xb //= 2
-        elems = xb * rb
-        w = max(1, min(8, elems // max(1, per_warp)))
-        if elems > 4096:  # a long row in registers: enough warps that no thread holds more than ~EPT elements
-            w = max(8, min(32, elems // (32 * max(1, knobs.persistent_row_elems))))
-        rows = f"{xb} rows" if xb > 1 else "one row"
-        return Blocks("persistent_reduction", xb, rb, w, f"row reduction held in registers: {rows} of {rb} per "
-                      f"program ({elems // (32 * w)} elements per thread at {w} warps)")
-    # Rows longer than the persistent limit loop over r. Long rows (>= 16384) take 4096 per step at 16
-    # warps: 8 elements per thread, a 16-byte load of bf16, a quarter of the loop trips, and twice the
-    # bytes in flight per program (H100, 2026-11-25, scripts/looped_ab.py: cross-entropy step 8192 x
-    # 32000 544 -> 482 us, softmax 1024 x 50257 156 -> 139 us against 2048 at 8 warps; 4096 at 8 warps
-    # 474 / 226 us, 8192 at 16: 494 / 175 us).
-    rb, w = (4 * INNER_LOOP_RBLOCK, 16) if r >= 16384 else (INNER_LOOP_RBLOCK, 8)
-    return Blocks("looped_reduction", 1, rb, w, f"row reduction looped over r (r = {r} > persistent limit "
-                  f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, {w} warps")
-
-
 def _blocks(x: int, r: int, pattern: str = "inner") -> tuple[str, int, int, int]:
     """(kind, XBLOCK, RBLOCK, num_warps) for an x-by-r iteration space (`block_choice` without the why)."""
     b = block_choice(x, r, pattern)
     return b.kind, b.xblock, b.rblock, b.num_warps
-
-
-def _step(index, at: tuple[int, int], var) -> int | None:
-    """How far `index` moves when `var` (SX or SR) steps by one from the point `at`; None if unknown."""
-    try:
-        a = index.xreplace({SX: sympy.Integer(at[0]), SR: sympy.Integer(at[1])})
-        b = index.xreplace({SX: sympy.Integer(at[0] + (var is SX)), SR: sympy.Integer(at[1] + (var is SR))})
-        d = b - a
-        return int(d) if d.is_Integer else None
-    except (TypeError, ValueError):
-        return None
-
-
-def reduction_pattern(knodes, x: int, r: int, outside, itemsize) -> str:
-    """"outer" when the loads that move along both x and r (of buffers outside the group) are mostly,
-    by bytes, contiguous along x and strided along r; else "inner". `knodes` are kernelized nodes
-    (indices in SX, SR); `outside(buf)` says whether a load reads memory; `itemsize(buf)` its bytes.
-    Strides are measured at two points of the space (indices may hold // and % of the x index)."""
-    from ..ir.loop import expr_loads
-
-    if x < 2 or r < 2:
-        return "inner"
-    # Sample points away from the round numbers where a // or % of the index wraps.
-    pts = sorted({(min(a, x - 2), min(b, r - 2)) for a, b in ((0, 0), (1, 1), (x // 3, r // 3), (2 * x // 3, 2 * r // 3))})
-    votes = {"inner": 0, "outer": 0}
-
-    def typical(steps):  # the step most sample points agree on
-        best = collections.Counter(steps).most_common(1)[0]
-        return best[0] if best[1] * 2 > len(steps) else None
-
-    for n in knodes:
-        for ld in expr_loads(n.body):
-            if not outside(ld.buf):
-                continue
-            dx = typical([_step(ld.index, p, SX) for p in pts])
-            dr = typical([_step(ld.index, p, SR) for p in pts])
-            if dx is None or dr is None:
-                continue
-            sx_, sr_ = abs(dx), abs(dr)
-            if sx_ == 0 or sr_ == 0:
-                continue  # broadcast along one axis: one address per row or per column
-            if sx_ == 1 and sr_ != 1:
-                votes["outer"] += itemsize(ld.buf)
-            elif sr_ == 1:
-                votes["inner"] += itemsize(ld.buf)
-    return "outer" if votes["outer"] > votes["inner"] else "inner"
-
-
-def same_index(a: sympy.Expr, b: sympy.Expr, xnumel: int, rnumel: int) -> bool:
-    """Whether two kernel-level indices (in x, r) agree on the whole iteration space. The fusion proved
-    the read lines up in the consumer's own loop space (schedule/deps.classify_read); flattened to x and
-    r, a multi-dim index becomes nested FloorDiv/ModIdx that `simplify` may not fold back (a
-    channels-last node's read: 14336*(x//64) + (f % 2048) + 2048*((f // 2048) % 7) for f = 224*x + r
-    is f). This safety net first tries `simplify` over the ranges, then evaluates both on every point
-    when there are at most 2**22, else on every x of the first and last 2048 rows and a strided
-    sample between (each with every r)."""
-    import numpy as np
-
-    ranges = {SX: max(int(xnumel), 1), SR: max(int(rnumel), 1)}
-    if sympy.expand(simplify(a - b, ranges)) == 0:
-        return True
-    xs_all = ranges[SX]
-    if xs_all * ranges[SR] <= 1 << 22:
-        xs = np.arange(xs_all, dtype=np.int64)
-    else:
-        step = max(1, xs_all // 4096)
-        xs = np.unique(np.concatenate([np.arange(min(2048, xs_all)), np.arange(max(0, xs_all - 2048), xs_all),
-                                       np.arange(0, xs_all, step)])).astype(np.int64)
-    rs = np.arange(ranges[SR], dtype=np.int64)
-    X, R = np.meshgrid(xs, rs, indexing="ij")
-    funcs = {"FloorDiv": lambda p, q: np.floor_divide(p, q), "ModIdx": lambda p, q: np.mod(p, q)}
-    try:
-        fa = sympy.lambdify((SX, SR), a, modules=[funcs, "numpy"])
-        fb = sympy.lambdify((SX, SR), b, modules=[funcs, "numpy"])
-        return bool(np.array_equal(np.broadcast_to(fa(X, R), X.shape), np.broadcast_to(fb(X, R), X.shape)))
-    except Exception:  # an index numpy cannot evaluate: not proven equal
-        return False
 
 
 class _Emitter:
@@ -413,15 +265,9 @@ class _Emitter:
         """The largest value of an index expression linear in the kernel's x and r with non-negative
         coefficients (None when it is not one)."""
         expr = sympy.expand(expr)
-        if not expr.free_symbols or not expr.free_symbols <= {SX, SR}:
+        top = {sym: n - 1 for sym, n in self._extents().items()}  # no known extent: no bound, no narrowing
+        if not expr.free_symbols or not expr.free_symbols <= set(top):
             return None
-        top = {}
-        for sym, attr in ((SX, "xnumel"), (SR, "rnumel")):
-            if sym in expr.free_symbols:
-                n = getattr(self, attr, None)
-                if not n:  # no extent known for this emitter: no bound, no narrowing
-                    return None
-                top[sym] = int(n) - 1
         total = 0
         for term, coef in expr.as_coefficients_dict().items():
             if not coef.is_Integer or coef < 0:

@@ -1,9 +1,9 @@
 """What each kernel of an archive asks of an SM, read off its cubins with no GPU (`aotfuse explain
 --resources`): registers a thread, bytes spilled to local memory, shared memory, how many
 programs fit one SM by each of those limits, and the widths of its global loads and stores (static
-instruction counts in the SASS: a 16-byte `LDG.E.128` is a vectorized load). A kernel far under the copy bandwidth usually runs few
-programs per SM (too many registers a thread: the mix-order kernel at 128 registers and 8 warps fits
-two) or spills.
+instruction counts in the SASS: a 16-byte `LDG.E.128` is a vectorized load). A kernel far under
+the copy bandwidth usually runs few programs per SM (too many registers a thread: the mix-order
+kernel at 128 registers and 8 warps fits two) or spills.
 
 The numbers come from `cuobjdump -res-usage` (CUDA's, or the copy in Triton's NVIDIA backend, found
 without importing Triton): the runtime never imports the compiler stack. Where none is found the
@@ -34,14 +34,13 @@ class Resources:
     by_registers: int  # programs per SM each limit allows
     by_shared: int
     by_warps: int
+    cap: int = 32  # the SM's most resident programs
+    loads: tuple = ()  # ((bytes, instructions), ...) global loads by width, widest first
+    stores: tuple = ()
 
     @property
     def programs_per_sm(self) -> int:
         return min(self.by_registers, self.by_shared, self.by_warps)
-
-    cap: int = 32  # the SM's most resident programs
-    loads: tuple = ()  # ((bytes, instructions), ...) global loads by width, widest first
-    stores: tuple = ()
 
     def widths(self) -> str:
         def one(pairs):
@@ -117,13 +116,13 @@ def kernel_resources(kernels: dict, arch: str) -> dict[str, Resources] | str:
             path = os.path.join(d, "k.cubin")
             with open(path, "wb") as f:
                 f.write(b.cubin)
-            res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60)
+            # one call prints both: the resource line and the SASS
+            res = subprocess.run([tool, "-res-usage", "-sass", path], capture_output=True, text=True, timeout=60)
             got = parse_res_usage(res.stdout)
             if got is None:
                 return f"cuobjdump could not read kernel {name}'s {arch} cubin: {res.stderr.strip()[:200]}"
             regs, stack, static = got
-            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, timeout=60).stdout
-            loads, stores = access_widths(sass)
+            loads, stores = access_widths(res.stdout)
             out[name] = dataclasses.replace(occupancy(arch, regs, stack, static + b.shared, b.num_warps),
                                             loads=loads, stores=stores)
     return out

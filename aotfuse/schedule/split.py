@@ -47,7 +47,8 @@ import sympy
 import torch
 
 from ..dtypes import FLOATS, TORCH
-from ..emit.kernel_src import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, _kernelize, reduction_pattern
+from ..emit.kernel_src import _kernelize
+from ..emit.space import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, reduction_pattern
 from ..ir.indexing import flat_index, simplify, syms, unravel
 from ..ir.matmul import is_matmul
 from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod,

@@ -26,7 +26,7 @@ import dataclasses
 
 import sympy
 
-from ..ir.indexing import syms
+from ..ir.indexing import simplify, syms, unravel
 from ..ir.loop import (FLOATS, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, expr_leaves,
                        rewrite_expr, subs_expr)
 
@@ -64,8 +64,6 @@ def _reads(e, rv: set) -> bool:
 def _through_pointwise(v, node: Reduction, producers: dict, depth: int = 4):
     """v with its loads along r of pointwise nodes replaced by those nodes' bodies at that index (a
     gather of a computed buffer would make it materialize: the cross-entropy's logits.float())."""
-    from ..ir.indexing import simplify, unravel
-
     rng = dict(zip(node.pvars, node.ranges)) | dict(zip(node.rvars, node.rranges))
     r0 = node.rvars[0]
     for _ in range(depth):
