@@ -119,10 +119,22 @@ def run_mode(mode: str, spec: str, path: str, device, steps: int, warmup: int, l
         lt = loss.detach().float().reshape(1)
         dist.all_reduce(lt)
         losses.append(float(lt) / dist.get_world_size())
+    graphs = _graph_stats(mod) if mode.startswith("aotfuse") else {}
     overlap = _overlap(lambda: _step(step_fn, opt, _batch(specs, device, 0, rank))) if want_overlap else {}
-    return {"mode": mode, **overlap, "losses": losses, "step_ms": statistics.median(times[warmup:]),
-            "first_step_s": first, "peak_mb": (torch.cuda.max_memory_allocated(device) / 2**20
-                                               if device.type == "cuda" else 0.0)}
+    cuda = device.type == "cuda"
+    return {"mode": mode, **overlap, **graphs, "losses": losses, "step_ms": statistics.median(times[warmup:]),
+            "first_step_s": first, "peak_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
+            "reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20 if cuda else 0.0}
+
+
+def _graph_stats(mod) -> dict:
+    """Per program of the packaged module, its GraphedProgram's stats (captures, replays, eager_calls,
+    evictions, resets) after the timed steps; {} where the module holds none (no CUDA graphs)."""
+    graphs = getattr(mod, "_graphs", None)
+    out = {"graphs_why": getattr(mod, "graphs_why", "")} if hasattr(mod, "graphs_why") else {}
+    if isinstance(graphs, dict):
+        out["graph_stats"] = {name: dict(g.stats) for name, g in graphs.items() if hasattr(g, "stats")}
+    return out
 
 
 def main():
@@ -151,14 +163,20 @@ def main():
         rows.append(r)
         if rank == 0:
             print(f"{mode}: world {world}, step {r['step_ms']:.3f} ms, first step {r['first_step_s']:.1f} s, "
-                  f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}", flush=True)
+                  f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, peak {r['peak_mb']:.0f} MiB "
+                  f"(reserved {r['reserved_mb']:.0f} MiB)", flush=True)
+            if r.get("graphs_why"):
+                print(f"  {r['graphs_why']}", flush=True)
+            for name, st in r.get("graph_stats", {}).items():
+                print(f"  graphs {name}: " + ", ".join(f"{k} {v}" for k, v in st.items()), flush=True)
     if rank == 0:
         ref = next((r for r in rows if r["mode"] == "eager"), None)
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"\n{name} x {world}, torch {torch.__version__}, {a.spec}, {a.steps} AdamW steps")
         print("| GPUs | mode | step ms (median) | first step s | peak MiB (rank 0) | loss first -> last | "
-              "worst step loss diff vs eager | last-10 mean diff | NCCL us per step | of it hidden behind compute |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "worst step loss diff vs eager | last-10 mean diff | NCCL us per step | of it hidden behind compute | "
+              "peak reserved MiB (rank 0) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if ref is not None:
                 d = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], ref["losses"])]
@@ -168,7 +186,7 @@ def main():
             print(f"| {world} | {r['mode']} | {r['step_ms']:.3f} | {r['first_step_s']:.1f} | {r['peak_mb']:.0f} | "
                   f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {r.get('worst_rel', 0):.1e} | "
                   f"{r.get('last10_rel', 0):.1e} | {r.get('comm_us', float('nan')):.0f} | "
-                  f"{100 * r.get('comm_hidden', float('nan')):.0f}% |")
+                  f"{100 * r.get('comm_hidden', float('nan')):.0f}% | {r['reserved_mb']:.0f} |")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": name, "world": world, "spec": a.spec, "rows": rows}, f, indent=1)
