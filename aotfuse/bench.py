@@ -150,8 +150,9 @@ def _low_precision(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16) for t in leaves(out))
 
 
-def check_inputs_match(example: Sequence[torch.Tensor], input_specs: Sequence[Any]) -> None:
-    """Refuse an artifact whose inputs are not the spec's (another factory or other arguments)."""
+def check_inputs_match(example: Sequence[torch.Tensor], input_specs: Sequence[Any], dims: dict | None = None) -> None:
+    """Refuse an artifact whose inputs are not the spec's (another factory or other arguments); a dynamic
+    archive's dims at `dims` (its hints: the example it was built from)."""
     if len(example) != len(input_specs):
         raise AotfuseError(f"the artifact takes {len(input_specs)} inputs, the model spec's example has {len(example)}",
                            remedy="rebuild the artifact from this spec")
@@ -159,7 +160,7 @@ def check_inputs_match(example: Sequence[torch.Tensor], input_specs: Sequence[An
 
     for i, s in enumerate(map(spec_dict, input_specs)):
         t = example[i]
-        shape, dtype = list(s.get("shape") or []), s.get("dtype", "?")
+        shape, dtype = [d if isinstance(d, int) else (dims or {}).get(d, d) for d in s.get("shape") or []], s.get("dtype", "?")
         if list(t.shape) != shape or parse_dtype(dtype) != t.dtype:
             raise AotfuseError(
                 f"input {i} ({s.get('name', '?')!r}) is {shape} {dtype} in the artifact but {list(t.shape)} "
@@ -237,16 +238,27 @@ def verify_spec(spec: str, art: Any, *, device: str = "cpu", seed: int = 0, trai
     from aotfuse.specs import load_spec, random_inputs
 
     model, example = load_spec(spec)
-    check_inputs_match(example, art.input_specs)
-    inputs = random_inputs(art.input_specs, device=device, seed=seed)
+    dims = getattr(art, "dims", ())
+    envs = [None]
+    if dims:  # a dynamic archive: at the build's example, then at the range ends
+        from aotfuse.runtime.dims import dims_env
+
+        envs = [dims_env(dims, f) for f in ("hint", "lo", "hi")]
+        envs = [e for i, e in enumerate(envs) if e not in envs[:i]]
+    check_inputs_match(example, art.input_specs, envs[0])
     model = model.to(device)
-    if train:
-        return verify_train(model, art, inputs)
-    with torch.no_grad():
-        want = model(*inputs)
-        got = art(*inputs)
-        ref64 = float64_reference(model, inputs) if _low_precision(want) else None
-    return compare(got, want, names=[f"out{i}" for i in range(len(art.output_specs))], ref64=ref64)
+    checks = []
+    for env in envs:
+        inputs = random_inputs(art.input_specs, device=device, seed=seed, dims=env)
+        if train:
+            return verify_train(model, art, inputs)
+        with torch.no_grad():
+            want = model(*inputs)
+            got = art(*inputs)
+            ref64 = float64_reference(model, inputs) if _low_precision(want) else None
+        at = "" if env is None else " @ " + ",".join(f"{k}={v}" for k, v in env.items())
+        checks += compare(got, want, names=[f"out{i}{at}" for i in range(len(art.output_specs))], ref64=ref64)
+    return checks
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,7 +216,11 @@ class BuildProgress:
 
 
 def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, memory_budget: float,
-              step: str | None = None, backward_stages: int | None = None):
+              step: str | None = None, backward_stages: int | None = None, dynamic: tuple = ()):
+    if dynamic:  # the spelling is checked before the model is even made
+        from .export.dynamic import parse_cli
+
+        parse_cli(dynamic)
     model, example = _specs.load_spec(spec)
     console = _stderr()
     console.print(f"building {spec} for {','.join(targets)}" + (" (train)" if train else ""),
@@ -225,6 +229,8 @@ def _build_to(spec: str, path: Path, *, targets: tuple[str, ...], train: bool, m
     t0 = time.perf_counter()
     with BuildProgress(console) as progress:
         kw = {"step": step, "backward_stages": backward_stages} if train else {}
+        if dynamic:
+            kw["dynamic_shapes"] = list(dynamic)
         res = build_fn(model, example, targets=targets, train=train, memory_budget=memory_budget, progress=progress,
                        **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +253,10 @@ def build(
                                                   help="With --train: cut the backward into up to N programs that "
                                                        "hand gradients to autograd in turn, so DDP's all-reduce "
                                                        "overlaps the backward [default: AOTFUSE_BACKWARD_STAGES or 1]."),
+    dynamic: Optional[list[str]] = typer.Option(None, "--dynamic",
+                                                help="INPUT.DIM=LO..HI (repeatable): that dim of that input varies "
+                                                     "between calls within the inclusive range, e.g. tokens.1=1..64; "
+                                                     "one archive serves every size in range."),
 ):
     """Compile a model into one .aotf file (no GPU needed)."""
     path = out or Path(_specs.default_artifact_name(spec))
@@ -259,7 +269,8 @@ def build(
         raise typer.BadParameter("--backward-stages needs --train without --fused-step (a fused step has no "
                                  "backward program to cut)", param_hint="--backward-stages")
     res, size, seconds = _build_to(spec, path, targets=targets, train=train, memory_budget=memory_budget,
-                                   step="auto" if fused_step else None, backward_stages=backward_stages)
+                                   step="auto" if fused_step else None, backward_stages=backward_stages,
+                                   dynamic=tuple(dynamic or ()))
     typer.echo(f"wrote {path} ({_bytes(size, exact=False)}, {res.compiled_kernels} kernels, "
                f"targets {','.join(targets)}) in {seconds:.1f} s")
 
@@ -288,18 +299,25 @@ def render_inspect(info: dict, path: Path) -> str:
            f"torch {info['torch_version']}), {_bytes(info['size_bytes'])}",
            f"sha256: {info['sha256']}",
            f"targets: {', '.join(info['targets']) or '-'}",
-           f"weights: {info['weights']} tensors, {_bytes(info['weights_bytes'])}", "", "inputs:"]
-    rows = [[s["name"], s["shape"], s["dtype"], s["kind"],
+           f"weights: {info['weights']} tensors, {_bytes(info['weights_bytes'])}"]
+    if info.get("dims"):  # dynamic dims: what each symbol of the shapes below stands for
+        out += ["", "dims:", *(f"  {d['sym']} = {d['name']} in {d['lo']}..{d['hi']} (hint {d['hint']})"
+                               for d in info["dims"])]
+        out += ["", "signature:", *(f"  {s['name']}: {_shape(s['shape'])} {s['dtype']}" for s in info["inputs"])]
+    out += ["", "inputs:"]
+    rows = [[s["name"], _shape(s["shape"]), s["dtype"], s["kind"],
              f"[{s['low']}, {s['high']})" if s["low"] is not None or s["high"] is not None else "-",
              "contiguous" if s.get("stride") is None else f"strides {s['stride']}"]
             for s in info["inputs"]]
     out += [_indent(_bench.format_table(["name", "shape", "dtype", "kind", "range", "layout"], rows))]
-    rows = [[f"out{i}", s["shape"], s["dtype"]] for i, s in enumerate(info["outputs"])]
+    rows = [[f"out{i}", _shape(s["shape"]), s["dtype"]] for i, s in enumerate(info["outputs"])]
     out += ["", "outputs:", _indent(_bench.format_table(["name", "shape", "dtype"], rows))]
     rows = []
     for name, p in info["programs"].items():
         by_op = ", ".join(f"{op} {n}" for op, n in sorted(p["by_op"].items(), key=lambda kv: -kv[1]))
-        rows.append([name, p["version"], p["instructions"], by_op, _bytes(p["arena_bytes"], exact=False)])
+        arena = p["arena_bytes"]  # an expression over the dims in a dynamic archive
+        rows.append([name, p["version"], p["instructions"], by_op,
+                     arena if isinstance(arena, str) else _bytes(arena, exact=False)])
     out += ["", "programs:", _indent(_bench.format_table(["program", "version", "instructions", "by op", "arena"], rows))]
     rows = [[k["name"], k["kind"], len(k["nodes"]), "x".join(map(str, k["grid"])), k["num_warps"], k["launches"]]
             for k in info["kernels"]]
@@ -326,6 +344,13 @@ def render_inspect(info: dict, path: Path) -> str:
             out.append(f"  staged backward: {len(t['stages'])} programs handing over "
                        f"{' + '.join(map(str, t['stages']))} gradients in turn")
     return "\n".join(out)
+
+
+def _shape(shape) -> Any:
+    """A static shape as before ([4, 8]); one with dims or size expressions as (s0, 8, s1 * 2)."""
+    if all(isinstance(v, int) for v in shape):
+        return shape
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
 def _indent(text: str) -> str:
@@ -405,7 +430,12 @@ def run(
     art = _core("load")(str(artifact), device=dev, **_pin(sha256))
     _sync(dev)
     load_ms = (time.perf_counter() - t0) * 1e3
-    inputs = _specs.random_inputs(art.input_specs, device=dev, seed=seed)
+    env = None
+    if getattr(art, "dims", ()):  # a dynamic archive runs at the build's example sizes
+        from .runtime.dims import dims_env
+
+        env = dims_env(art.dims)
+    inputs = _specs.random_inputs(art.input_specs, device=dev, seed=seed, dims=env)
     times, out = [], None
     with torch.no_grad():
         for _ in range(iters):

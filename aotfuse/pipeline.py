@@ -7,6 +7,7 @@ how long it took, in the report stored in the archive.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import time
@@ -27,6 +28,7 @@ from .emit.program import build_program
 from .export import capture
 from .errors import BuildError
 from .knobs import knobs
+from .ir.sizes import dims_scope, foreign_symbols, hint, text as size_text
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
 from .schedule.trivial import trivial_reductions
@@ -125,7 +127,7 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
 
 def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
           train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None,
-          step: str | None = None, backward_stages: int | None = None) -> BuildResult:
+          step: str | None = None, backward_stages: int | None = None, dynamic_shapes=None) -> BuildResult:
     """Package `model` for `example_inputs`' shapes into one .aotf archive (returned as bytes).
 
     train=True: the model's forward returns the loss. step (default knobs.train_step, "split"): "split"
@@ -136,17 +138,42 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
     with "split", cut the backward into up to this many programs that hand their gradients to autograd
     in turn (partition/stages.py), so DistributedDataParallel's all-reduce overlaps the rest of the backward.
 
+    dynamic_shapes: dims that vary between calls, as torch.export takes them (a dict by input name, or a
+    tuple by position, of {axis: torch.export.Dim(name, min=, max=)}) or as `--dynamic` strings
+    ("tokens.1=1..64"). Checked before anything runs; kernels then take the dims as arguments, sizes and
+    the memory plan are expressions of them, and the guards check each dim's range (export/dynamic.py).
+
     example_kwargs: keyword arguments of the example call, `model(*example_inputs, **example_kwargs)`,
     as users call it (`input_ids=`, `labels=`). Tensor values become program inputs named by their
     keyword, after the positional ones, in the order the manifest's `call["inputs"]["keywords"]` records;
     constants (None, bool, int, float, str) are specialized. The manifest's `call["outputs"]` records the
     output's structure (ModelOutput fields / dict keys / tuple) whose leaves are the outputs in order.
     """
+    with contextlib.ExitStack() as scope:
+        return _build(scope, model, example_inputs, example_kwargs=example_kwargs, targets=targets, train=train,
+                      memory_budget=memory_budget, progress=progress, step=step, backward_stages=backward_stages,
+                      dynamic_shapes=dynamic_shapes)
+
+
+def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, targets=None,
+          train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None,
+          step: str | None = None, backward_stages: int | None = None, dynamic_shapes=None) -> BuildResult:
     targets = tuple(targets or knobs.targets)
+    dynamic = ()
+    if dynamic_shapes:
+        from .export.capture import split_example
+        from .export.dynamic import requests
+
+        pos, kw, _ = split_example(model, tuple(example_inputs), example_kwargs)
+        dynamic = requests(model, dynamic_shapes, pos, kw)
+        if train:
+            raise BuildError("dynamic dims in a training build are not supported yet",
+                             remedy="build the training archive at one shape (inference archives take --dynamic)")
     st = _Stages(progress)
     t_all = time.perf_counter()
     example_inputs = tuple(example_inputs)
     train_info = None
+    dims = ()
     scales = []  # a fused step's backward kernels, launched by the runtime itself (emit/scale.py)
     if train:
         from .joint import trace_joint
@@ -173,8 +200,11 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
             progs = [_schedule_program(st, "forward", fwd_cg)]
             progs += [_schedule_program(st, name, cg) for name, cg in zip(train_info.programs[1:], bwd_cgs)]
     else:
-        cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs)
+        cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs, dynamic=dynamic)
         call = {"inputs": cg.call, "outputs": cg.outputs_tree}
+        dims = cg.dims
+        scope.enter_context(dims_scope(dims))  # sizes are expressions of these until the build ends
+        scope.enter_context(foreign_symbols(cg.symmap))
         progs = [_schedule_program(st, "forward", cg)]
     all_kernels = [k for p in progs for k in p.kernels.values()] + scales
     binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
@@ -199,6 +229,18 @@ def build(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | N
     return BuildResult(data, report, dict(st.timings), len(binaries), manifest)
 
 
+def _report_size(v):
+    """A size left as a dims expression in a report record (a group's extent, a split's r): the report's
+    figures are at the build's example (explain says so); the program holds the expressions."""
+    import sympy
+
+    from .ir.sizes import hint
+
+    if isinstance(v, sympy.Basic):
+        return hint(v)
+    raise TypeError(f"cannot serialize {type(v).__name__}")
+
+
 def _report(p: _Compiled) -> Report:
     sched, plan, kernels = p.sched, p.plan, p.kernels
     refused = [d for d in sched.decisions if not d.fused]
@@ -219,7 +261,7 @@ def _report(p: _Compiled) -> Report:
         groups=tuple(GroupRecord(g.name, g.kind, tuple(g.nodes), g.xnumel, g.rnumel,
                                  kernels[g.name].name if g.name in kernels else None,
                                  _blocks(kernels[g.name]) if g.name in kernels else None) for g in sched.groups),
-        memory=MemorySummary(plan.arena_bytes, plan.naive_bytes, len(plan.allocations), len(plan.bound),
+        memory=MemorySummary(hint(plan.arena_bytes), plan.naive_bytes, len(plan.allocations), len(plan.bound),
                              plan.peak_live_bytes, plan.how),
     )
 
@@ -241,12 +283,23 @@ def _kernel_entries(kernels, binaries) -> dict[str, KernelEntry]:
         k = ks[0]
         # Identical sources may be launched on buffers of different sizes (e.g. a prefix read):
         # record the smallest, which every launch satisfies and which covers what the kernel touches.
-        args = tuple(KernelArg(a.name, a.dtype, a.role, min(x.args[i].numel for x in ks)) for i, a in enumerate(k.args))
+        args = tuple(KernelArg(a.name, a.dtype, a.role, min((x.args[i].numel for x in ks), key=_at_example))
+                     for i, a in enumerate(k.args))
         bins = {arch: Binary(b.cubin, b.name, b.num_warps, b.shared, b.global_scratch, b.profile_scratch)
                 for arch, b in binaries[name].items()}
         out[name] = KernelEntry(k.kind, tuple(k.nodes), tuple(k.grid), k.num_warps, k.xblock, k.rblock, k.xnumel,
-                                k.rnumel, args, bins, launches=len(ks))
+                                k.rnumel, args, bins, launches=len(ks), size_args=tuple(k.sizes))
     return out
+
+
+def _at_example(n) -> int:
+    """A recorded size (an int, or a dims expression's text) at the build's example."""
+    if isinstance(n, int):
+        return n
+    from .contract.sizes import evaluate
+    from .ir.sizes import current_dims
+
+    return evaluate(n, {d.name: v.hint for d, v in current_dims().items()})
 
 
 def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train_info, params: dict,
@@ -261,16 +314,21 @@ def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train
     fwd = progs[0]
     bufs = fwd.graph.buffer_map
     inputs = tuple(s.to_contract() for s in fwd.cg.inputs)
-    outputs = tuple(OutputSpec(tuple(o.view.shape), str(TORCH[bufs[o.view.buf].dtype])) for o in fwd.graph.outputs)
+    outputs = tuple(OutputSpec(tuple(d if isinstance(d, int) else size_text(d) for d in o.view.shape),
+                               str(TORCH[bufs[o.view.buf].dtype])) for o in fwd.graph.outputs)
     single = fwd.cg.single_output
+    if fwd.cg.dims:
+        from .contract.manifest import DimSpec
     if train_info:
         # the loss; the rest are saved for the backward
         inputs, outputs, single = train_info.user_inputs, outputs[:1], True
     manifest = Manifest(format="aotfuse", aotfuse_version=__version__,
                         torch_version=torch.__version__.split("+")[0], targets=tuple(targets),
                         programs=tuple(p.name for p in progs), inputs=inputs, outputs=outputs, single_output=single,
-                        kernels=tuple(sorted(kernels)), train=train_info, call=call)
-    pack = lambda v: msgpack.packb(v, use_bin_type=True)  # noqa: E731
+                        kernels=tuple(sorted(kernels)), train=train_info, call=call,
+                        **({"dims": tuple(DimSpec(sym=d.sym.name, name=d.name, lo=d.lo, hi=d.hi, hint=d.hint)
+                                          for d in fwd.cg.dims)} if fwd.cg.dims else {}))
+    pack = lambda v: msgpack.packb(v, use_bin_type=True, default=_report_size)  # noqa: E731
     parts = {"kernels": pack(kernels_to_dict(kernels)), "sources": pack(sources), "report": pack(report.to_dict())}
     for name, prog in programs.items():
         parts[f"program.{name}"] = pack(prog.to_dict())  # no timings in the archive: reproducible bytes

@@ -182,7 +182,7 @@ def _shape(spec: dict[str, Any]) -> tuple[int, ...]:
     shape = spec.get("shape")
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise AotfuseError(f"input {spec.get('name')!r} has no concrete shape: {shape!r}",
-                           remedy="random inputs need static shapes")
+                           remedy="random inputs need static shapes (pass dims= for a dynamic archive's)")
     return tuple(shape)
 
 
@@ -201,9 +201,12 @@ def spec_dict(spec: InputSpec | dict[str, Any]) -> dict[str, Any]:
 
 
 def random_input(spec: InputSpec | dict[str, Any], *, device: str | torch.device = "cpu",
-                 generator: torch.Generator) -> torch.Tensor:
-    """One tensor for one input spec. Drawn on the CPU so a seed gives the same values anywhere."""
+                 generator: torch.Generator, dims: dict[str, int] | None = None) -> torch.Tensor:
+    """One tensor for one input spec. Drawn on the CPU so a seed gives the same values anywhere.
+    dims: values of a dynamic archive's dims ({"s0": 4}) for the spec's symbolic sizes."""
     spec = spec_dict(spec)
+    if dims:
+        spec = {**spec, "shape": [d if isinstance(d, int) else dims.get(d, d) for d in spec.get("shape") or ()]}
     dtype, shape = parse_dtype(spec.get("dtype", "float32")), _shape(spec)
     kind = _kind(spec, dtype)
     if kind == "float":
@@ -220,12 +223,13 @@ def random_input(spec: InputSpec | dict[str, Any], *, device: str | torch.device
 
 
 def random_inputs(input_specs: Sequence[InputSpec | dict[str, Any]], *, device: str | torch.device = "cpu",
-                  seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Fresh random inputs satisfying `input_specs` (an artifact's `input_specs`).
+                  seed: int = 0, dims: dict[str, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """Fresh random inputs satisfying `input_specs` (an artifact's `input_specs`), a dynamic archive's
+    dims at `dims` (e.g. `runtime.dims.dims_env(art.dims)`: the build's example sizes).
 
     Floats are standard normal, ints uniform in [low, high), bools fair coins; fixed by `seed`."""
     g = torch.Generator().manual_seed(seed)
-    return tuple(random_input(s, device=device, generator=g) for s in input_specs)
+    return tuple(random_input(s, device=device, generator=g, dims=dims) for s in input_specs)
 
 
 def input_specs_of(inputs: Sequence[torch.Tensor]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import contextlib
 from typing import Any, Iterable
 
 from ..errors import ArchiveError
+from .sizes import check_size
 
 UPGRADE = "upgrade aotfuse to read it, or rebuild the archive with this aotfuse"
 DAMAGED = "the archive is damaged or was not written by this aotfuse; rebuild it"
@@ -60,3 +61,10 @@ def strs(xs) -> tuple[str, ...]:
 
 def _not(x, what: str):
     raise TypeError(f"{x!r} is not {what}")
+
+
+def size_tuple(xs, where: str = "shape") -> tuple:
+    """A tuple of sizes: ints, or size expressions (program version 5, contract/sizes.py)."""
+    if type(xs) not in (list, tuple):
+        _not(xs, "a list of sizes")
+    return tuple(check_size(x, where) for x in xs)

@@ -5,13 +5,19 @@ function `Binary.name` launched with `cuLaunchKernel`: parameters are one device
 `KernelEntry.args` entry, in order, then two trailing pointers (global scratch, profile scratch:
 null, since the runtime refuses kernels that need scratch); grid `KernelEntry.grid`; block
 `32 * Binary.num_warps` threads; `Binary.shared` bytes of dynamic shared memory.
+
+A kernel compiled for dynamic dims (program version 5) takes int32 scalars after its pointers, one
+per `KernelEntry.size_args` name; each launch passes their values (`Launch.sizes`). Its sizes
+(`grid`, `xnumel`, `rnumel`, an argument's `numel`) may be size expressions (contract/sizes.py);
+`specialize_kernel` evaluates them for one set of dim values.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
-from ._codec import decoding, fields, ints, put_optional, strs
+from ._codec import decoding, fields, put_optional, size_tuple, strs
+from .sizes import SizeExpr, check_size, evaluate, free_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +25,7 @@ class KernelArg:
     name: str  # the parameter's name in the kernel's source
     dtype: str  # element dtype the kernel reads or writes ("float32")
     role: str  # "in" | "out"
-    numel: int | None = None  # elements the kernel touches (program version 2+; None in version 1)
+    numel: SizeExpr | None = None  # elements the kernel touches (program version 2+; None in version 1)
 
     def to_dict(self) -> dict:
         return put_optional({"name": self.name, "dtype": self.dtype, "role": self.role}, "numel", self.numel)
@@ -27,7 +33,8 @@ class KernelArg:
     @classmethod
     def from_dict(cls, d: Any) -> "KernelArg":
         d = fields(d, "kernel argument", ("name", "dtype", "role"), ("numel",))
-        return cls(d["name"], d["dtype"], d["role"], d.get("numel"))
+        numel = d.get("numel")
+        return cls(d["name"], d["dtype"], d["role"], None if numel is None else check_size(numel, "argument numel"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +62,18 @@ class Binary:
 class KernelEntry:
     kind: str  # "pointwise" | "persistent_reduction" | "looped_reduction"
     nodes: tuple[str, ...]  # the loop-IR nodes fused into it (informational)
-    grid: tuple[int, int, int]
+    grid: tuple[SizeExpr, SizeExpr, SizeExpr]
     num_warps: int
     xblock: int
     rblock: int
-    xnumel: int | None  # iteration space (version 2+; None in version 1)
-    rnumel: int | None
+    xnumel: SizeExpr | None  # iteration space (version 2+; None in version 1)
+    rnumel: SizeExpr | None
     args: tuple[KernelArg, ...]
     binaries: dict  # target ("sm_90") -> Binary (read-only)
     launches: int = 1  # launches of it across the archive's programs (informational)
+    # names of the int32 parameters after the pointers (dynamic dims; each launch passes their values
+    # as `Launch.sizes`); written only when non-empty
+    size_args: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "nodes": list(self.nodes), "grid": list(self.grid), "num_warps": self.num_warps,
@@ -73,16 +83,38 @@ class KernelEntry:
         out["args"] = [a.to_dict() for a in self.args]
         out["binaries"] = {arch: b.to_dict() for arch, b in self.binaries.items()}
         out["launches"] = self.launches
-        return out
+        return put_optional(out, "size_args", list(self.size_args), [])
 
     @classmethod
     def from_dict(cls, d: Any, name: str = "?") -> "KernelEntry":
         with decoding(f"kernel {name}"):
             d = fields(d, f"kernel {name}", ("kind", "nodes", "grid", "num_warps", "xblock", "rblock", "args",
-                                             "binaries"), ("xnumel", "rnumel", "launches"))
-            return cls(d["kind"], strs(d["nodes"]), ints(d["grid"]), d["num_warps"], d["xblock"], d["rblock"],
-                       d.get("xnumel"), d.get("rnumel"), tuple(KernelArg.from_dict(a) for a in d["args"]),
-                       {arch: Binary.from_dict(b) for arch, b in d["binaries"].items()}, d.get("launches", 1))
+                                             "binaries"), ("xnumel", "rnumel", "launches", "size_args"))
+            x, r = d.get("xnumel"), d.get("rnumel")
+            return cls(d["kind"], strs(d["nodes"]), size_tuple(d["grid"], f"kernel {name} grid"), d["num_warps"],
+                       d["xblock"], d["rblock"], None if x is None else check_size(x, f"kernel {name} xnumel"),
+                       None if r is None else check_size(r, f"kernel {name} rnumel"),
+                       tuple(KernelArg.from_dict(a) for a in d["args"]),
+                       {arch: Binary.from_dict(b) for arch, b in d["binaries"].items()}, d.get("launches", 1),
+                       strs(d.get("size_args", ())))
+
+
+def kernel_dims(k: KernelEntry) -> frozenset[str]:
+    """The dim symbols a kernel entry's sizes name."""
+    out: set[str] = set()
+    for v in (*k.grid, k.xnumel, k.rnumel, *(a.numel for a in k.args)):
+        if type(v) is str:
+            out |= free_dims(v)
+    return frozenset(out)
+
+
+def specialize_kernel(k: KernelEntry, env: Mapping[str, int]) -> KernelEntry:
+    """The entry with every size evaluated for the dims in `env` (see program.specialize)."""
+    def ev(v):
+        return v if v is None or type(v) is int else evaluate(v, env)
+
+    return dataclasses.replace(k, grid=tuple(ev(g) for g in k.grid), xnumel=ev(k.xnumel), rnumel=ev(k.rnumel),
+                               args=tuple(dataclasses.replace(a, numel=ev(a.numel)) for a in k.args))
 
 
 def kernels_to_dict(kernels: dict) -> dict:

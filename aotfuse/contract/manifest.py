@@ -5,6 +5,10 @@ means "as before" and write it only when set (`put_optional`), add it to `from_d
 keys, to `runtime/validate.py` and to artifacts/FORMAT.md, and bump `PROGRAM_VERSION` (program.py)
 so that an older runtime refuses the archive with "upgrade aotfuse" instead of misreading it.
 Archives that do not use the field keep their bytes apart from the version.
+
+Dynamic dims (program version 5): `Manifest.dims` declares each dim symbol (`DimSpec`: its label,
+inclusive range and the example's size); an input's shape names a dynamic axis by its symbol
+("s0"), and an output's shape may be a size expression over the symbols (contract/sizes.py).
 """
 from __future__ import annotations
 
@@ -12,16 +16,59 @@ import dataclasses
 from typing import Any
 
 from ..errors import ArchiveError
-from ._codec import DAMAGED, decoding, fields, ints, put_optional, strs
+from ._codec import DAMAGED, decoding, fields, ints, put_optional, size_tuple, strs
+from .sizes import SYMBOL, SizeExpr
+
+
+@dataclasses.dataclass(frozen=True)
+class DimSpec:
+    """A dynamic dim: its symbol in programs and input shapes ("s0"), a label for messages (INPUT.AXIS,
+    e.g. "tokens.1", or the torch Dim's name), the inclusive range the archive serves and the
+    example's size (`hint`: what the build tuned for)."""
+
+    sym: str
+    name: str
+    lo: int
+    hi: int
+    hint: int
+
+    def __post_init__(self):
+        where = f"dim {self.sym!r}"
+        if type(self.sym) is not str or not SYMBOL.match(self.sym):
+            raise ArchiveError(f"{where}: a dim symbol is s0, s1, ...", remedy=DAMAGED)
+        if type(self.name) is not str or not self.name:
+            raise ArchiveError(f"{where}: its name must be a non-empty string, got {self.name!r:.60}", remedy=DAMAGED)
+        if not all(type(v) is int for v in (self.lo, self.hi, self.hint)):
+            raise ArchiveError(f"{where} ({self.name}): lo, hi and hint must be integers", remedy=DAMAGED)
+        if not 0 <= self.lo <= self.hint <= self.hi:
+            raise ArchiveError(f"{where} ({self.name}): range {self.lo}..{self.hi} with hint {self.hint} is not "
+                               "0 <= lo <= hint <= hi",
+                               remedy="give a range that holds the example's size")
+
+    def to_dict(self) -> dict:
+        return {"sym": self.sym, "name": self.name, "lo": self.lo, "hi": self.hi, "hint": self.hint}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "DimSpec":
+        d = fields(d, "manifest dim", ("sym", "name", "lo", "hi", "hint"))
+        return cls(d["sym"], d["name"], d["lo"], d["hi"], d["hint"])
+
+
+def input_axis(v) -> int | str:
+    """An input spec's axis: an int, or a plain dim symbol (never an expression: a guard binds it)."""
+    if type(v) is int or (type(v) is str and SYMBOL.match(v)):
+        return v
+    raise TypeError(f"{v!r} is not an integer or a dim symbol (s0, s1, ...)")
 
 
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """A user input's guard: name, static shape, dtype (torch's spelling, "torch.float32"), and how
-    valid values are drawn: kind "float" | "int" | "bool", ints in [low, high) when known."""
+    """A user input's guard: name, shape (ints; a dynamic axis is its dim symbol, "s0"), dtype (torch's
+    spelling, "torch.float32"), and how valid values are drawn: kind "float" | "int" | "bool", ints in
+    [low, high) when known."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]
     dtype: str
     kind: str
     low: int | None = None
@@ -41,8 +88,12 @@ class InputSpec:
     def from_dict(cls, d: Any) -> "InputSpec":
         d = fields(d, "input spec", ("name", "shape", "dtype"), ("kind", "low", "high", "stride"))
         kind = d.get("kind") or _kind(d["dtype"])
-        shape = ints(d["shape"])
+        shape = tuple(input_axis(v) for v in d["shape"])
         stride = None if d.get("stride") is None else ints(d["stride"])
+        if stride is not None and any(type(v) is str for v in shape):
+            raise ArchiveError(f"input spec {d['name']!r}: dynamic dims with a non-contiguous layout (strides "
+                               f"{stride}) are not supported yet",
+                               remedy="build with a contiguous example input, or keep that input's dims static")
         if stride is not None and not dense_strides(shape, stride):
             raise ArchiveError(f"input spec {d['name']!r}: strides {stride} do not lay out shape {shape} densely "
                                "without overlap", remedy=DAMAGED)
@@ -75,9 +126,10 @@ def _kind(dtype: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class OutputSpec:
-    """An output of the forward program: static shape and dtype ("torch.float32")."""
+    """An output of the forward program: shape (sizes: ints, or size expressions over the dims) and
+    dtype ("torch.float32")."""
 
-    shape: tuple[int, ...]
+    shape: tuple[SizeExpr, ...]
     dtype: str
 
     def to_dict(self) -> dict:
@@ -86,7 +138,7 @@ class OutputSpec:
     @classmethod
     def from_dict(cls, d: Any) -> "OutputSpec":
         d = fields(d, "output spec", ("shape", "dtype"))
-        return cls(ints(d["shape"]), d["dtype"])
+        return cls(size_tuple(d["shape"], "output shape"), d["dtype"])
 
 
 def backward_programs(n: int) -> tuple[str, ...]:
@@ -178,6 +230,13 @@ class Manifest:
     # {"inputs": {"positional": n, "keywords": [name, ...]}, "outputs": tree, "loss_leaf"?: int};
     # None in archives written before it was recorded (positional tensors in, a tensor or tuple out).
     call: dict | None = None
+    # dynamic dims (program version 5), in symbol order; empty (and not written) for static archives
+    dims: tuple[DimSpec, ...] = ()
+
+    def __post_init__(self):
+        syms = [d.sym for d in self.dims]
+        if len(set(syms)) != len(syms):
+            raise ArchiveError(f"manifest dims declare a symbol twice: {syms}", remedy=DAMAGED)
 
     def to_dict(self) -> dict:
         out = {"format": self.format, "aotfuse_version": self.aotfuse_version, "torch_version": self.torch_version,
@@ -188,20 +247,30 @@ class Manifest:
             out["train"] = self.train.to_dict()
         if self.call is not None:
             out["call"] = self.call
+        if self.dims:  # absent in static archives: their manifests keep their bytes
+            out["dims"] = [d.to_dict() for d in self.dims]
         return out
 
     @classmethod
     def from_dict(cls, d: Any) -> "Manifest":
         with decoding("manifest"):
             d = fields(d, "manifest", ("format", "programs", "inputs", "outputs"),
-                       ("aotfuse_version", "torch_version", "targets", "single_output", "kernels", "train", "call"))
+                       ("aotfuse_version", "torch_version", "targets", "single_output", "kernels", "train", "call",
+                        "dims"))
             train = d.get("train")
+            dims = d.get("dims", [])
+            if type(dims) is not list:
+                raise TypeError("dims is not a list")
             return cls(d["format"], d.get("aotfuse_version", "?"), d.get("torch_version", "?"),
                        strs(d.get("targets", ())), strs(d["programs"]),
                        tuple(InputSpec.from_dict(s) for s in d["inputs"]),
                        tuple(OutputSpec.from_dict(s) for s in d["outputs"]), d.get("single_output", True),
                        strs(d.get("kernels", ())), None if train is None else TrainInfo.from_dict(train),
-                       _call(d.get("call")))
+                       _call(d.get("call")), tuple(DimSpec.from_dict(x) for x in dims))
+
+    def dim(self, sym: str) -> DimSpec | None:
+        """The declared dim named `sym`, if any."""
+        return next((d for d in self.dims if d.sym == sym), None)
 
 
 def _call(c: Any) -> dict | None:

@@ -3,7 +3,7 @@
 One `Program` per packaged program (`program.forward`, `program.backward`). Instructions:
 
   Alloc  {buf, offset, shape, dtype}      a buffer: a view of the per-call arena (offset -1: its own allocation)
-  Launch {kernel, grid, args: [buf...]}   one fused kernel (see kernels.py for its ABI)
+  Launch {kernel, grid, args: [buf...]}   one fused kernel (see kernels.py for its ABI); version 5: [, sizes]
   Extern {target, args, kwargs, out, out_view, out_variant, shape, dtype[, outs]}   an allow-listed ATen op
   Free   {bufs: [...]}                    drop references after their last use
   Return {outputs: [view...]}             the program's results, as views of buffers
@@ -11,7 +11,13 @@ One `Program` per packaged program (`program.forward`, `program.backward`). Inst
 Tensor arguments of externs and returned outputs are `TensorRef`s, strided views of a buffer
 `{t, shape, stride, offset}` (in elements). Dtypes are program dtype names ("float32").
 
-PROGRAM_VERSION is the payload's version: written in every program, checked at load.
+Sizes (version 5, dynamic dims): every shape, stride, offset, grid and arena size may be a size
+expression over the manifest's dims (contract/sizes.py) instead of an int. `specialize(program, env)`
+evaluates them all for one set of dim values, giving the plain static program the executor runs.
+
+The version is written in every program and checked at load. PROGRAM_VERSION is what a program
+without size expressions or launch sizes is written as (static archives keep their bytes);
+one that has them is DIMS_VERSION, set by `Program` itself (`__post_init__`). Versions:
   1  (aotfuse 0.1.0)  first version (golden artifacts/golden/v1_model.aotf)
   2  (2026-11-23)     `weight_specs` {buf: {shape, dtype}}; the kernels part records `xnumel`,
                       `rnumel` and each argument's `numel`
@@ -21,18 +27,23 @@ PROGRAM_VERSION is the payload's version: written in every program, checked at l
   4  (2026-11-23)     train info's optional `mutated_buffers`: buffers the forward updates (train-mode
                       BatchNorm), forward program inputs after the parameters whose new values the
                       forward returns after the loss
+  5  (2026-12)        dynamic dims: size fields may be size expressions (contract/sizes.py) over the
+                      manifest's `dims`; a launch's optional `sizes`: int32 kernel arguments after its
+                      buffers (the kernel's `size_args`). Written only by programs that use them
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Iterator, Mapping, Union
 
 from ..errors import ArchiveError
-from ._codec import UPGRADE, decoding, fields, ints, put_optional, strs
+from ._codec import UPGRADE, decoding, fields, ints, put_optional, size_tuple, strs
+from .sizes import SizeExpr, check_size, evaluate, free_dims
 
-PROGRAM_VERSION = 4  # what this aotfuse writes
+PROGRAM_VERSION = 4  # what this aotfuse writes for a program without size expressions
+DIMS_VERSION = 5  # ... and for one with size expressions or launch sizes (dynamic dims)
 MIN_SUPPORTED_VERSION = 1  # the oldest it reads
-MAX_SUPPORTED_VERSION = PROGRAM_VERSION  # the newest it reads
+MAX_SUPPORTED_VERSION = DIMS_VERSION  # the newest it reads
 
 
 def check_program_version(v: Any, where: str = "program") -> int:
@@ -57,9 +68,9 @@ class TensorRef:
     """A strided view of buffer `t`: `shape`, `stride` and `offset` in elements."""
 
     t: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+    shape: tuple[SizeExpr, ...]
+    stride: tuple[SizeExpr, ...]
+    offset: SizeExpr
 
     def to_dict(self) -> dict:
         return {"t": self.t, "shape": list(self.shape), "stride": list(self.stride), "offset": self.offset}
@@ -67,7 +78,8 @@ class TensorRef:
     @classmethod
     def from_dict(cls, d: Any) -> "TensorRef":
         d = fields(d, "tensor view", ("t", "shape", "stride", "offset"))
-        return cls(d["t"], ints(d["shape"]), ints(d["stride"]), d["offset"])
+        return cls(d["t"], size_tuple(d["shape"], "view shape"), size_tuple(d["stride"], "view stride"),
+                   check_size(d["offset"], "view offset"))
 
 
 # An extern argument: a scalar, a view, or a (nested) sequence of them (tuples here, lists on disk).
@@ -100,8 +112,8 @@ def decode_arg(a: Any) -> Arg:
 class Alloc:
     op: ClassVar[str] = "alloc"
     buf: str
-    offset: int  # byte offset in the arena, 16-byte aligned; -1: allocated on its own
-    shape: tuple[int, ...]
+    offset: SizeExpr  # byte offset in the arena, 16-byte aligned; -1: allocated on its own
+    shape: tuple[SizeExpr, ...]
     dtype: str
 
     def to_dict(self) -> dict:
@@ -110,23 +122,29 @@ class Alloc:
     @classmethod
     def from_dict(cls, d: dict) -> "Alloc":
         d = fields(d, "alloc", ("op", "buf", "offset", "shape", "dtype"))
-        return cls(d["buf"], d["offset"], ints(d["shape"]), d["dtype"])
+        return cls(d["buf"], check_size(d["offset"], "alloc offset"), size_tuple(d["shape"], "alloc shape"),
+                   d["dtype"])
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
     op: ClassVar[str] = "launch"
     kernel: str
-    grid: tuple[int, int, int]
+    grid: tuple[SizeExpr, SizeExpr, SizeExpr]
     args: tuple[str, ...]  # buffers, in the kernel's argument order
+    # version 5: int32 scalars passed after the buffers (the kernel's `size_args`, in order): the
+    # dims or sizes a kernel compiled for a range reads at run time; written only when non-empty
+    sizes: tuple[SizeExpr, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"op": "launch", "kernel": self.kernel, "grid": list(self.grid), "args": list(self.args)}
+        d = {"op": "launch", "kernel": self.kernel, "grid": list(self.grid), "args": list(self.args)}
+        return put_optional(d, "sizes", list(self.sizes), [])
 
     @classmethod
     def from_dict(cls, d: dict) -> "Launch":
-        d = fields(d, "launch", ("op", "kernel", "grid", "args"))
-        return cls(d["kernel"], ints(d["grid"]), strs(d["args"]))
+        d = fields(d, "launch", ("op", "kernel", "grid", "args"), ("sizes",))
+        return cls(d["kernel"], size_tuple(d["grid"], "launch grid"), strs(d["args"]),
+                   size_tuple(d.get("sizes", ()), "launch sizes"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +153,7 @@ class ExternOut:
 
     out: str
     out_view: TensorRef  # where the result goes: a view of `out`
-    shape: tuple[int, ...]  # of `out`
+    shape: tuple[SizeExpr, ...]  # of `out`
     dtype: str
 
     def to_dict(self) -> dict:
@@ -144,7 +162,8 @@ class ExternOut:
     @classmethod
     def from_dict(cls, d: Any) -> "ExternOut":
         d = fields(d, "extern result", ("out", "out_view", "shape", "dtype"))
-        return cls(d["out"], TensorRef.from_dict(d["out_view"]), ints(d["shape"]), d["dtype"])
+        return cls(d["out"], TensorRef.from_dict(d["out_view"]), size_tuple(d["shape"], "extern result shape"),
+                   d["dtype"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +175,7 @@ class Extern:
     out: str  # the result buffer (of a multi-output op: its first result)
     out_view: TensorRef  # where the result goes: a view of `out`
     out_variant: bool  # True: an `.out` op writing into `out` (allocated before); False: the op allocates it
-    shape: tuple[int, ...]  # of `out`
+    shape: tuple[SizeExpr, ...]  # of `out`
     dtype: str
     outs: tuple[ExternOut, ...] = ()  # version 3+: the op returns a tuple; its results after the first
 
@@ -178,7 +197,8 @@ class Extern:
             raise TypeError("outs is not a list")
         return cls(d["target"], tuple(decode_arg(a) for a in d["args"]),
                    {k: decode_arg(v) for k, v in d["kwargs"].items()}, d["out"], TensorRef.from_dict(d["out_view"]),
-                   d["out_variant"], ints(d["shape"]), d["dtype"], tuple(ExternOut.from_dict(o) for o in outs))
+                   d["out_variant"], size_tuple(d["shape"], "extern shape"), d["dtype"],
+                   tuple(ExternOut.from_dict(o) for o in outs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +244,7 @@ def instruction_from_dict(d: Any) -> Instruction:
 @dataclasses.dataclass(frozen=True)
 class ProgramInput:
     buf: str
-    shape: tuple[int, ...]
+    shape: tuple[SizeExpr, ...]
     dtype: str
 
     def to_dict(self) -> dict:
@@ -233,7 +253,7 @@ class ProgramInput:
     @classmethod
     def from_dict(cls, d: Any) -> "ProgramInput":
         d = fields(d, "program input", ("buf", "shape", "dtype"))
-        return cls(d["buf"], ints(d["shape"]), d["dtype"])
+        return cls(d["buf"], size_tuple(d["shape"], "program input shape"), d["dtype"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,15 +273,23 @@ class WeightSpec:
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One program. `weights` maps a weight buffer to the archive weight it binds (its FQN);
-    `weight_specs` (version 2+, None in version 1) the shape and dtype that weight had at build."""
+    `weight_specs` (version 2+, None in version 1) the shape and dtype that weight had at build.
+
+    A program with a size expression or a launch's `sizes` is a version 5 program whatever version it
+    was made with (`__post_init__` raises it), so the build passes PROGRAM_VERSION and static
+    programs keep version 4 and their bytes."""
 
     version: int
     inputs: tuple[ProgramInput, ...]
     weights: dict  # buf -> weight name (read-only)
     weight_specs: dict | None  # buf -> WeightSpec (read-only); None: a version 1 program
-    arena_bytes: int
+    arena_bytes: SizeExpr
     rng: str | None  # the buffer bound to a fresh Philox seed (int64 [1]) per call, if any
     instructions: tuple[Instruction, ...]
+
+    def __post_init__(self):
+        if self.version < DIMS_VERSION and uses_dims(self):
+            object.__setattr__(self, "version", DIMS_VERSION)
 
     @property
     def returned(self) -> tuple[TensorRef, ...]:
@@ -286,6 +314,105 @@ class Program:
             d = fields(d, where, ("version", "inputs", "weights", "arena_bytes", "instructions"),
                        ("weight_specs", "rng"))
             specs = d.get("weight_specs")
-            return cls(version, tuple(ProgramInput.from_dict(i) for i in d["inputs"]), dict(d["weights"]),
-                       None if specs is None else {b: WeightSpec.from_dict(s) for b, s in specs.items()},
-                       d["arena_bytes"], d.get("rng"), tuple(instruction_from_dict(i) for i in d["instructions"]))
+            p = cls(version, tuple(ProgramInput.from_dict(i) for i in d["inputs"]), dict(d["weights"]),
+                    None if specs is None else {b: WeightSpec.from_dict(s) for b, s in specs.items()},
+                    check_size(d["arena_bytes"], f"{where}: arena_bytes"), d.get("rng"),
+                    tuple(instruction_from_dict(i) for i in d["instructions"]))
+        if p.version != version:
+            raise ArchiveError(f"{where}: a version {version} program has size expressions or launch sizes "
+                               f"(version {DIMS_VERSION}+)", remedy="the archive is damaged; rebuild it")
+        return p
+
+
+# ---------------------------------------------------------------- dynamic dims
+
+def sizes_of(program: Program) -> Iterator[SizeExpr]:
+    """Every size field of a program (shapes, strides, offsets, grids, launch sizes, arena bytes)."""
+    yield program.arena_bytes
+    for i in program.inputs:
+        yield from i.shape
+    for ins in program.instructions:
+        if isinstance(ins, Alloc):
+            yield ins.offset
+            yield from ins.shape
+        elif isinstance(ins, Launch):
+            yield from ins.grid
+            yield from ins.sizes
+        elif isinstance(ins, Extern):
+            yield from ins.shape
+            yield from _ref_sizes(ins.out_view)
+            for a in _refs((ins.args, tuple(ins.kwargs.values()))):
+                yield from _ref_sizes(a)
+            for o in ins.outs:
+                yield from o.shape
+                yield from _ref_sizes(o.out_view)
+        elif isinstance(ins, Return):
+            for o in ins.outputs:
+                yield from _ref_sizes(o)
+
+
+def _ref_sizes(r: TensorRef) -> Iterator[SizeExpr]:
+    yield from r.shape
+    yield from r.stride
+    yield r.offset
+
+
+def _refs(a) -> Iterator[TensorRef]:
+    if isinstance(a, TensorRef):
+        yield a
+    elif isinstance(a, tuple):
+        for x in a:
+            yield from _refs(x)
+
+
+def uses_dims(program: Program) -> bool:
+    """Whether the program needs version 5: a size expression anywhere, or a launch with sizes."""
+    return any(type(v) is str for v in sizes_of(program)) or any(
+        isinstance(i, Launch) and i.sizes for i in program.instructions)
+
+
+def program_dims(program: Program) -> frozenset[str]:
+    """The dim symbols the program's sizes name."""
+    out: set[str] = set()
+    for v in sizes_of(program):
+        if type(v) is str:
+            out |= free_dims(v)
+    return frozenset(out)
+
+
+def specialize(program: Program, env: Mapping[str, int]) -> Program:
+    """The program for one set of dim values: every size evaluated to an int (launch sizes too), a
+    plain static program the executor links and runs. Evaluation errors (a dim missing from `env`,
+    a division by zero) are ArchiveErrors."""
+    def ev(v):
+        return v if type(v) is int else evaluate(v, env)
+
+    def evs(xs):
+        return tuple(v if type(v) is int else evaluate(v, env) for v in xs)
+
+    def ref(r: TensorRef) -> TensorRef:
+        return TensorRef(r.t, evs(r.shape), evs(r.stride), ev(r.offset))
+
+    def arg(a):
+        if isinstance(a, TensorRef):
+            return ref(a)
+        if isinstance(a, tuple):
+            return tuple(arg(x) for x in a)
+        return a
+
+    def ins(i):
+        if isinstance(i, Alloc):
+            return Alloc(i.buf, ev(i.offset), evs(i.shape), i.dtype)
+        if isinstance(i, Launch):
+            return Launch(i.kernel, evs(i.grid), i.args, evs(i.sizes))
+        if isinstance(i, Extern):
+            return Extern(i.target, arg(i.args), {k: arg(v) for k, v in i.kwargs.items()}, i.out, ref(i.out_view),
+                          i.out_variant, evs(i.shape), i.dtype,
+                          tuple(ExternOut(o.out, ref(o.out_view), evs(o.shape), o.dtype) for o in i.outs))
+        if isinstance(i, Return):
+            return Return(tuple(ref(o) for o in i.outputs))
+        return i
+
+    return Program(program.version, tuple(ProgramInput(i.buf, evs(i.shape), i.dtype) for i in program.inputs),
+                   program.weights, program.weight_specs, ev(program.arena_bytes), program.rng,
+                   tuple(ins(i) for i in program.instructions))

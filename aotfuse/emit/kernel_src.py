@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 
 import sympy
 
@@ -33,7 +34,53 @@ from .online import update as online_update
 from .predicate import condition_bounds, index_only, merge, resolve_clamps
 from .printer import PTR_TYPE, TL_DTYPE, index_value, literal, op_source, print_index
 # the iteration space's symbols and block heuristic, also read through this module (ks.SX, ks.block_choice)
-from .space import SR, SX, Blocks, _next_pow2, block_choice, reduction_pattern, same_index  # noqa: F401
+from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, reduction_pattern, same_index  # noqa: F401
+from ..ir.sizes import current_dims, hi, hint, same, static
+
+
+def _one(n) -> bool:
+    """A reduced extent of exactly one element (a static 1: the group runs as a pointwise kernel)."""
+    return static(n) and int(n) == 1
+
+
+def ktext(n) -> str:
+    """A size in kernel source: a literal, or an expression of the dims (the kernel's int32 arguments)."""
+    return str(int(n)) if static(n) else print_index(n, {})
+
+
+def norm_size(n):
+    """A size as the program and the kernel record spell it: an int, or its expression text (contract/sizes.py)."""
+    from ..ir.sizes import text
+
+    return int(n) if static(n) else text(n)
+
+
+def grid_size(x, xb: int):
+    """Programs of a launch: ceil(x / xb), an expression when x is dynamic."""
+    from ..ir.sizes import text
+
+    return -(-int(x) // xb) if static(x) else f"cdiv({text(x)}, {xb})"
+
+
+_DIM_NAME = re.compile(r"\bs(\d+)\b")
+
+
+def kernel_dims(body: str) -> tuple[str, ...]:
+    """The dynamic dims a kernel's source reads (its int32 arguments), in symbol order."""
+    names = {d.name for d in current_dims()}
+    used = sorted({int(m.group(1)) for m in _DIM_NAME.finditer(body) if f"s{m.group(1)}" in names})
+    return tuple(f"s{i}" for i in used)
+
+
+def _at_hint(node):
+    """A kernelized node with its dims at the example's sizes (heuristics that sample indices)."""
+    dims = current_dims()
+    if not dims:
+        return node
+    from ..ir.loop import rewrite_expr
+
+    sub = {d: v.hint for d, v in dims.items()}
+    return dataclasses.replace(node, body=rewrite_expr(node.body, index=lambda ix: sympy.sympify(ix).xreplace(sub)))
 
 INDEX_LIMIT = 2**31 - 1
 
@@ -64,17 +111,18 @@ class KernelSource:
     pattern: str = "inner"  # reductions: "inner" (loads run along r) | "outer" (column: along x)
     why: str = ""  # why these blocks (block_choice), for explain
     num_stages: int = 0  # software-pipelining stages for the compiler (0: Triton's default); matmul templates
+    sizes: tuple[str, ...] = ()  # dynamic dims the kernel takes after its buffers (int32 "s0", "s1", ...)
 
     @property
     def signature(self) -> dict[str, str]:
-        return {a.name: PTR_TYPE[a.dtype] for a in self.args}
+        return {**{a.name: PTR_TYPE[a.dtype] for a in self.args}, **{d: "i32" for d in self.sizes}}
 
 
 def loop_range(start: int, stop: int, step: int, stages: int) -> str:
     """A kernel's loop header: `tl.range(..., num_stages=N)` lets Triton's pipeliner copy the next
     steps' loads into shared memory (cp.async) while this step computes, so a program keeps more than
     one load in flight; plain `range` for stages <= 1 (one load in flight per program)."""
-    if stages > 1 and (stop - start) // step > 1:
+    if stages > 1 and (not isinstance(stop, int) or (stop - start) // step > 1):
         return f"tl.range({start}, {stop}, {step}, num_stages={stages})"
     return f"range({start}, {stop}, {step})"
 
@@ -240,7 +288,9 @@ class _Emitter:
         return False
 
     def _extents(self) -> dict:
-        return {sym: int(n) for sym, n in ((SX, getattr(self, "xnumel", 0)), (SR, getattr(self, "rnumel", 0))) if n}
+        """The kernel's x and r extents, bounded over the dims' ranges (a dynamic extent by its largest value)."""
+        return {sym: hi(n) for sym, n in ((SX, getattr(self, "xnumel", 0)), (SR, getattr(self, "rnumel", 0)))
+                if not (static(n) and int(n) == 0)}
 
     def narrow_compare(self, e: Op) -> str | None:
         """`index == v` (or !=) with an int64 index value that fits int32 and an int64 v: compared in
@@ -299,7 +349,7 @@ class _Emitter:
             if node.rtype in ARG_REDUCTIONS:
                 return "tl.full([1], 0, tl.int64)"
         saved = self.ctx
-        self.ctx = "xr" if self.kind != "pointwise" and node.numel != self.xnumel else "x"
+        self.ctx = "xr" if self.kind != "pointwise" and not same(node.numel, self.xnumel) else "x"
         try:
             return self.emit(node.body)
         finally:
@@ -313,14 +363,14 @@ def _kernelize(node, x: int, r: int):
     if isinstance(node, Reduction):
         mapping = dict(zip(node.pvars, unravel(SX, node.ranges)))
         # r = 1 (one element per row: the group runs as a pointwise kernel, which has no rindex)
-        mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges) if r > 1 else [sympy.Integer(0)] * len(node.rvars))))
+        mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges) if not _one(r) else [sympy.Integer(0)] * len(node.rvars))))
         store = SX
     elif isinstance(node, Scan):  # rows: the other dims, in order; columns: the scanned dim
         outer = [i for i in range(len(node.ranges)) if i != node.dim]
         mapping = dict(zip([node.pvars[i] for i in outer], unravel(SX, [node.ranges[i] for i in outer])))
         mapping[node.pvars[node.dim]] = SR
         store = flat_index([mapping[v] for v in node.pvars], node.ranges)
-    elif r > 1 and node.numel == x * r:
+    elif not _one(r) and same(node.numel, x * r):
         mapping = dict(zip(node.pvars, unravel(SX * r + SR, node.ranges)))
         store = SX * r + SR
     else:
@@ -408,7 +458,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         return generate_mm(group, graph, stored)
     nodes_by = {n.name: n for n in graph.nodes}
     x, r = group.xnumel, group.rnumel
-    if x * r > INDEX_LIMIT or any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes):
+    if hi(x * r) > INDEX_LIMIT or any(hi(graph.buffer(b).numel) > INDEX_LIMIT for b in group.nodes):
         raise BuildError(f"group {group.name} indexes more than 2**31 elements",
                          remedy="split the batch; 64-bit indexing is not supported yet")
     if group.kind == "scan":
@@ -421,9 +471,10 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     knodes = [k for k, _ in kernelized]
     stores = {k.name: st for k, st in kernelized}
     names = set(group.nodes)
-    pattern = "inner" if r == 1 else reduction_pattern(
-        knodes, x, r, lambda b: b not in names, lambda b: ITEMSIZE[graph.buffer(b).dtype])
-    blocks = block_choice(x, r, pattern)
+    pattern = "inner" if _one(r) else reduction_pattern(
+        [_at_hint(k) for k in knodes], hint(x), hint(r), lambda b: b not in names,
+        lambda b: ITEMSIZE[graph.buffer(b).dtype])
+    blocks = block_choice(x, r, pattern) if static(x) and static(r) else dynamic_blocks(x, r, pattern)
     kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
     from ..ir.loop import expr_loads
 
@@ -433,9 +484,9 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
             if ld.buf not in names and ld.buf not in ins:
                 ins.append(ld.buf)
     outs = [n.name for n in knodes if n.name in stored]
-    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", int(graph.buffer(b).numel))
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", norm_size(graph.buffer(b).numel))
             for i, b in enumerate(ins)]
-    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", int(graph.buffer(b).numel))
+    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", norm_size(graph.buffer(b).numel))
              for i, b in enumerate(outs)]
     out_name = {a.buf: a.name for a in args if a.role == "out"}
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
@@ -452,13 +503,13 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
 
     if kind == "pointwise":
         em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})")
-        em.line(f"xmask = xindex < {x}")
+        em.line(f"xmask = xindex < {ktext(x)}")
         for n in knodes:
             if n.name in out_name:
                 store(n, em.emit(n.body), "x")
     else:
         em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
-        em.line(f"xmask = xindex < {x}")
+        em.line(f"xmask = xindex < {ktext(x)}")
         looped = kind == "looped_reduction"
         em.looped = looped
         # {second: (first, kind)}: two reductions of a row computed in one pass (emit/online.py)
@@ -471,7 +522,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         levels = _levels(knodes, names, {sm: m for sm, (m, _) in online.items()})
         if not looped:
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")
-            em.line(f"rmask = rindex < {r}")
+            em.line(f"rmask = rindex < {ktext(r)}")
         for lv in range(max(levels.values()) + 1):
             em.level = lv
             at = [n for n in knodes if levels[n.name] == lv]
@@ -498,11 +549,11 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                         continue
                     em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
                              f"{TL_DTYPE[n.acc_dtype]})")
-                em.line(f"for roffset in {loop_range(0, r, rb, knobs.loop_stages)}:")
+                em.line(f"for roffset in {loop_range(0, ktext(r), rb, knobs.loop_stages)}:")
                 em.depth += 1
                 em.scopes.append({})
                 em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")
-                em.line(f"rmask = rindex < {r}")
+                em.line(f"rmask = rindex < {ktext(r)}")
             em.ctx = "xr"
             for n in elem:
                 if n.name in online:
@@ -563,13 +614,15 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     if em.predicated:
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.predicated} positional select(s): each branch "
                                      f"loads under its predicate, the clamps it decides dropped (emit/predicate.py)")
-    params = ", ".join(a.name for a in args)
+    dims = kernel_dims(body)
+    params = ", ".join([a.name for a in args] + list(dims))
     head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
-    return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
-                        group.name, kind, group.nodes, xb, rb, int(x), int(r), pattern, blocks.why)
+    return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
+                        group.name, kind, group.nodes, xb, rb, norm_size(x), norm_size(r), pattern, blocks.why,
+                        sizes=dims)
 
 
 _SCAN_IDENT = {"sum": "0", "prod": "1"}
@@ -590,7 +643,7 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     for ld in expr_loads(knode.body):
         if ld.buf not in ins:
             ins.append(ld.buf)
-    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", int(graph.buffer(b).numel))
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", norm_size(graph.buffer(b).numel))
             for i, b in enumerate(ins)]
     args.append(KernelArg("out_ptr0", node.name, graph.buffer(node.name).dtype, "out",
                           int(graph.buffer(node.name).numel)))

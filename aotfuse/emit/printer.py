@@ -7,6 +7,7 @@ import sympy
 
 from ..dtypes import NAMES, TRITON
 from ..ir.indexing import FloorDiv, ModIdx
+from ..ir.sizes import is_dim
 
 # Source spellings of the one dtype table (aotfuse/dtypes.py): `tl.float32` in casts, `*fp32` in signatures.
 TL_DTYPE = {n: "tl.int1" if n == "bool" else f"tl.{n}" for n in NAMES}
@@ -18,7 +19,7 @@ def print_index(e: sympy.Expr, names: dict) -> str:
     if e.is_Integer:
         return str(int(e))
     if e.is_Symbol:
-        return names[e]
+        return names[e] if e in names else _dim_name(e)
     if e.is_Add:
         parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
         return "(" + " + ".join(parts) + ")"
@@ -34,6 +35,33 @@ def print_index(e: sympy.Expr, names: dict) -> str:
         a, b = e.args[0], e.func(*e.args[1:])
         return f"{fn}({print_index(a, names)}, {print_index(b, names)})"
     raise ValueError(f"cannot print index expression {e}")
+
+
+def _dim_name(e: sympy.Symbol) -> str:
+    """A dynamic dim: the kernel argument (and program variable) of its own name, s0, s1, ..."""
+    if not is_dim(e):
+        raise ValueError(f"index symbol {e} is neither a loop variable nor a dynamic dim")
+    return e.name
+
+
+def size_code(e: sympy.Expr) -> str:
+    """A size expression over the dims as the program spells it (Python integer syntax: contract/sizes.py)."""
+    if e.is_Integer:
+        return str(int(e))
+    if e.is_Symbol:
+        return _dim_name(e)
+    if e.is_Add:
+        return "(" + " + ".join(size_code(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Mul:
+        return "(" + " * ".join(size_code(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if isinstance(e, FloorDiv):
+        return f"({size_code(e.args[0])} // {size_code(e.args[1])})"
+    if isinstance(e, ModIdx):
+        return f"({size_code(e.args[0])} % {size_code(e.args[1])})"
+    if isinstance(e, (sympy.Min, sympy.Max)):
+        fn = "min" if isinstance(e, sympy.Min) else "max"
+        return f"{fn}({', '.join(size_code(a) for a in e.args)})"
+    raise ValueError(f"size expression {e} has no program spelling (only + * // % min max of dims)")
 
 
 def index_value(e: sympy.Expr, names: dict, dtype: str) -> str:

@@ -10,12 +10,22 @@ from ..ir.loop import Extern, LoopGraph, TensorArg
 from ..schedule.fusion import Schedule
 from ..schedule.memplan import MemoryPlan
 from .kernel_src import KernelSource
+from ..ir.sizes import static, text
+
+
+def _size(n):
+    """A size as the program spells it: an int, or an expression text over the dims (contract/sizes.py)."""
+    return int(n) if static(n) else text(n)
+
+
+def _sizes(ns) -> tuple:
+    return tuple(_size(n) for n in ns)
 
 
 def program_arg(a):
     """An IR extern argument as a program argument: TensorArg -> TensorRef, sequences -> tuples."""
     if isinstance(a, TensorArg):
-        return TensorRef(a.buf, tuple(a.shape), tuple(a.stride), a.offset)
+        return TensorRef(a.buf, _sizes(a.shape), _sizes(a.stride), _size(a.offset))
     if isinstance(a, (list, tuple)):
         return tuple(program_arg(x) for x in a)
     if a is None or isinstance(a, (bool, int, float, str)):
@@ -33,7 +43,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
 
     def alloc(name: str, own: bool) -> Alloc:  # own: an allocation of its own, not in the arena
         b = bufs[name]
-        return Alloc(name, -1 if own else alloc_of[name].offset, tuple(b.shape), b.dtype)
+        return Alloc(name, -1 if own else _size(alloc_of[name].offset), _sizes(b.shape), b.dtype)
 
     # multi-output externs: the call's further results (ir.loop.Extern.result), defined by its instruction
     results: dict[str, list] = {}
@@ -50,23 +60,23 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
             b = bufs[ext.name]
             if ext.name in alloc_of or ext.name in separate:
                 instrs.append(alloc(ext.name, ext.name not in alloc_of))
-            outs = tuple(ExternOut(r.name, program_arg(r.out), tuple(bufs[r.name].shape), bufs[r.name].dtype)
+            outs = tuple(ExternOut(r.name, program_arg(r.out), _sizes(bufs[r.name].shape), bufs[r.name].dtype)
                          for r in sorted(results.get(ext.name, ()), key=lambda r: r.result[1]))
             instrs.append(ExternIns(ext.target, program_arg(ext.args), {k: program_arg(v) for k, v in ext.kwargs},
-                                    ext.name, program_arg(ext.out), ext.out_variant, tuple(b.shape), b.dtype, outs))
+                                    ext.name, program_arg(ext.out), ext.out_variant, _sizes(b.shape), b.dtype, outs))
         else:
             k = kernels[g.name]
             instrs += [alloc(a.buf, a.buf in separate) for a in k.args if a.role == "out"]
-            instrs.append(Launch(k.name, tuple(k.grid), tuple(a.buf for a in k.args)))
+            instrs.append(Launch(k.name, tuple(k.grid), tuple(a.buf for a in k.args), sizes=tuple(k.sizes)))
         if step in frees:
             instrs.append(Free(tuple(frees[step])))
     instrs.append(Return(tuple(program_arg(o.view) for o in graph.outputs)))
     return Program(
         version=PROGRAM_VERSION,
-        inputs=tuple(ProgramInput(name, tuple(bufs[name].shape), bufs[name].dtype) for name in graph.inputs),
+        inputs=tuple(ProgramInput(name, _sizes(bufs[name].shape), bufs[name].dtype) for name in graph.inputs),
         weights={buf: fqn for buf, fqn in graph.weights},
         weight_specs={buf: WeightSpec(tuple(bufs[buf].shape), bufs[buf].dtype) for buf, _ in graph.weights},
-        arena_bytes=plan.arena_bytes,
+        arena_bytes=_size(plan.arena_bytes),
         rng=graph.rng,
         instructions=tuple(instrs),
     )

@@ -88,6 +88,23 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
                   f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, {w} warps")
 
 
+def dynamic_blocks(x, r, pattern: str = "inner") -> Blocks:
+    """Blocks for an iteration space with dynamic extents: one kernel serves the whole range. Rows per
+    program and warps follow the example's size (any XBLOCK is correct for any x: rows are masked); a
+    reduction is held in registers only when its longest row in range fits (RBLOCK covers the range's
+    largest r), else it loops over r."""
+    from ..ir.sizes import hi, hint, static
+
+    xh = hint(x)
+    if static(r):
+        b = block_choice(xh, int(r), pattern)
+        return dataclasses.replace(b, why=b.why + f"; x dynamic (sized for the example's {xh}, masked to any)")
+    rh, rmax = hint(r), hi(r)
+    b = block_choice(xh, rmax, pattern)
+    return dataclasses.replace(b, why=b.why + f"; r dynamic (example {rh}, up to {rmax}: "
+                               + ("held for the longest row)" if b.kind == "persistent_reduction" else "looped)"))
+
+
 def _step(index, at: tuple[int, int], var) -> int | None:
     """How far `index` moves when `var` (SX or SR) steps by one from the point `at`; None if unknown."""
     try:
@@ -144,6 +161,20 @@ def same_index(a: sympy.Expr, b: sympy.Expr, xnumel: int, rnumel: int) -> bool:
     sample between (each with every r)."""
     import numpy as np
 
+    from ..ir.sizes import current_dims, static
+
+    if not (static(xnumel) and static(rnumel)):
+        # Dynamic extents: proven symbolically, or checked exhaustively at two values of the dims (the
+        # example's sizes and the range's upper ends) as below.
+        ranges = {SX: xnumel, SR: rnumel}
+        if sympy.expand(simplify(a - b, ranges)) == 0:
+            return True
+        for field in ("hint", "lo", "hi"):
+            sub = {d: getattr(v, field) for d, v in current_dims().items()}
+            at = lambda e: sympy.sympify(e).xreplace(sub)  # noqa: E731
+            if not same_index(at(a), at(b), int(at(xnumel)), int(at(rnumel))):
+                return False
+        return True
     ranges = {SX: max(int(xnumel), 1), SR: max(int(rnumel), 1)}
     if sympy.expand(simplify(a - b, ranges)) == 0:
         return True

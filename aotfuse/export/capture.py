@@ -16,6 +16,8 @@ from .decomp import decomposition_table
 from .fold import fold_unlowerable_constants, lowerable_ops
 from .masks import simplify_attention_masks
 from .ranges import int_range
+from .dynamic import export_spec, read_dims
+from ..ir.sizes import foreign_symbols, sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +31,10 @@ class InputSpec:
     stride: tuple[int, ...] | None = None  # a dense non-row-major layout (channels-last) read in place
 
     def to_contract(self) -> ContractInputSpec:
-        """The manifest's form (dtype spelled as torch prints it, "torch.float32")."""
-        return ContractInputSpec(self.name, tuple(self.shape), str(self.dtype), self.kind, self.low, self.high,
-                                 self.stride)
+        """The manifest's form (dtype spelled as torch prints it, "torch.float32"; a dynamic dim by its
+        symbol's name, "s0")."""
+        shape = tuple(s if isinstance(s, int) else str(s) for s in self.shape)
+        return ContractInputSpec(self.name, shape, str(self.dtype), self.kind, self.low, self.high, self.stride)
 
     @classmethod
     def of(cls, name: str, ph: torch.fx.Node, t: torch.Tensor) -> "InputSpec":
@@ -69,6 +72,9 @@ class CapturedGraph:
     # because the program that reads it (the backward, or autograd's .grad) takes it as one. Lowering
     # copies an output whose view is not (lower/graph.py); an inference output may stay a strided view.
     contiguous_outputs: bool = False
+    # Dynamic dims (ir/sizes.Dim, symbols s0, s1, ...) and torch's size symbols -> ours (export/dynamic.py)
+    dims: tuple = ()
+    symmap: dict = dataclasses.field(default_factory=dict)
 
 
 def _qualname(t: type) -> str:
@@ -143,14 +149,18 @@ def split_example(model, example_inputs, example_kwargs) -> tuple[tuple, dict, d
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
-            train: bool = False) -> CapturedGraph:
+            train: bool = False, dynamic: tuple = ()) -> CapturedGraph:
     """Export `model(*example_inputs, **example_kwargs)`. Program inputs: the positional tensors, then
-    the keyword tensors in the order `CapturedGraph.call` records (the order torch.export flattens them)."""
+    the keyword tensors in the order `CapturedGraph.call` records (the order torch.export flattens them).
+    dynamic: DynamicDim requests (export/dynamic.py, checked): those axes stay symbolic."""
     t0 = time.perf_counter()
     example_inputs, kw_tensors, kw_consts = split_example(model, example_inputs, example_kwargs)
     kwargs = {**kw_tensors, **kw_consts}
+    dyn_spec = export_spec(model, dynamic, len(example_inputs), list(kw_tensors)) if dynamic else None
+    if dyn_spec is not None and kw_consts:
+        dyn_spec.update({k: None for k in kw_consts})
     try:
-        ep = torch.export.export(model, example_inputs, kwargs or None, strict=False)
+        ep = torch.export.export(model, example_inputs, kwargs or None, strict=False, dynamic_shapes=dyn_spec)
         ep = ep.run_decompositions(decomposition_table())
     except Exception as exc:  # torch raises many types here; name the stage and the cause
         from ..joint.trace import data_dependent_error
@@ -209,9 +219,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
         ep.graph_module.graph.erase_node(node)
     if dead:
         ep.graph_module.recompile()
+    dims, symmap = (), {}
+    if dynamic:
+        names = _flat_names(model, len(example_inputs), kw_order)
+        dims, symmap = read_dims([ph_by_name[n] for n in user_inputs], flat_inputs, names, dynamic,
+                                 ep.range_constraints)
     specs = [InputSpec.of(name, ph_by_name[name], flat_inputs[idx]) for idx, name in enumerate(user_inputs)]
+    if dims:
+        with foreign_symbols(symmap):
+            specs = [dataclasses.replace(sp, shape=sizes(ph_by_name[sp.name].meta["val"].shape)) for sp in specs]
+        if any(sp.stride is not None and not all(isinstance(s, int) for s in sp.shape) for sp in specs):
+            raise BuildError("a channels-last input with dynamic dims is not supported yet",
+                             remedy="pass it contiguous, or keep its dims static")
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
                          time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
-                         outputs_tree=output_structure(out_spec) if out_spec is not None else None)
+                         outputs_tree=output_structure(out_spec) if out_spec is not None else None,
+                         dims=dims, symmap=symmap)
+
+
+def _flat_names(model, n_pos: int, kw_order) -> list[str]:
+    from .dynamic import _input_names
+
+    return _input_names(model, n_pos, list(kw_order))

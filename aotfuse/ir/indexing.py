@@ -12,6 +12,8 @@ from typing import Iterable, Mapping, Sequence
 
 import sympy
 
+from .sizes import current_dims
+
 Ranges = Mapping[sympy.Symbol, int]
 
 
@@ -53,11 +55,20 @@ def syms(prefix: str, n: int) -> tuple[sympy.Symbol, ...]:
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides; a dynamic size (a dim expression, at least 1 by its range) multiplies as it is."""
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
-        acc *= max(int(d), 1)
+        acc = acc * (max(int(d), 1) if _static(d) else d)
     return tuple(reversed(strides))
+
+
+def _static(d) -> bool:
+    return isinstance(d, int) or (isinstance(d, sympy.Basic) and d.is_Integer)
+
+
+def _as_expr(d):
+    return sympy.Integer(int(d)) if _static(d) else d
 
 
 def flat_index(idx: Sequence[sympy.Expr], shape: Sequence[int]) -> sympy.Expr:
@@ -72,13 +83,22 @@ def unravel(flat: sympy.Expr, shape: Sequence[int]) -> tuple[sympy.Expr, ...]:
         if d == 1:
             out.append(sympy.Integer(0))
             continue
-        q = FloorDiv(flat, sympy.Integer(s))
-        out.append(q if s * d >= _INF_GUARD else ModIdx(q, sympy.Integer(d)))
+        q = FloorDiv(flat, _as_expr(s))
+        out.append(q if _static(s * d) and s * d >= _INF_GUARD else ModIdx(q, _as_expr(d)))
     # the outermost dim needs no modulo when flat is in range; callers simplify with ranges
     return tuple(out)
 
 
 _INF_GUARD = 1 << 62
+
+
+def _hi(n) -> int:
+    """A loop range's largest value over the dims' ranges (ranges are sizes: ints or dim expressions)."""
+    if _static(n):
+        return int(n)
+    from .sizes import hi
+
+    return hi(n)
 
 
 def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
@@ -87,7 +107,10 @@ def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
         return int(e), int(e)
     if e.is_Symbol:
         n = ranges.get(e)
-        return (0, n - 1) if n is not None else (0, _INF_GUARD)
+        if n is not None:
+            return 0, _hi(n) - 1
+        d = current_dims().get(e)
+        return (d.lo, d.hi) if d is not None else (0, _INF_GUARD)
     if e.is_Add:
         lo = hi = 0
         for a in e.args:
@@ -103,12 +126,14 @@ def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
         return lo, hi
     if isinstance(e, FloorDiv):
         l, h = bounds(e.args[0], ranges)
-        d = int(e.args[1])
-        return l // d, h // d
+        dl, dh = bounds(e.args[1], ranges)
+        if dl < 1:
+            return -_INF_GUARD, _INF_GUARD
+        return (l // dh if l >= 0 else l // dl), (h // dl if h >= 0 else h // dh)
     if isinstance(e, ModIdx):
         l, h = bounds(e.args[0], ranges)
-        d = int(e.args[1])
-        return (l, h) if 0 <= l and h < d else (0, d - 1)
+        dl, dh = bounds(e.args[1], ranges)
+        return (l, h) if 0 <= l and h < dl else (0, dh - 1)
     if isinstance(e, sympy.Min):
         bs = [bounds(a, ranges) for a in e.args]
         return min(b[0] for b in bs), min(b[1] for b in bs)
@@ -203,6 +228,8 @@ def _recombine(e: sympy.Expr) -> sympy.Expr:
         for i, (c, r) in enumerate(terms):
             if not isinstance(r, ModIdx):
                 continue
+            if not r.args[1].is_Integer:
+                continue  # a dynamic divisor: _recombine_sym
             y, d = r.args[0], int(r.args[1])
             target = _simplify_floordiv(y, d, {})
             for j, (c2, r2) in enumerate(terms):
@@ -223,16 +250,145 @@ def simplify(e: sympy.Expr, ranges: Ranges) -> sympy.Expr:
         return e
     args = [simplify(a, ranges) for a in e.args]
     if isinstance(e, FloorDiv):
-        out = _simplify_floordiv(sympy.expand(args[0]), int(args[1]), ranges)
+        a, d = sympy.expand(args[0]), args[1]
+        out = _simplify_floordiv(a, int(d), ranges) if d.is_Integer else _floordiv_sym(a, d, ranges)
     elif isinstance(e, ModIdx):
-        out = _simplify_mod(sympy.expand(args[0]), int(args[1]), ranges)
+        a, d = sympy.expand(args[0]), args[1]
+        out = _simplify_mod(a, int(d), ranges) if d.is_Integer else _mod_sym(a, d, ranges)
     else:
         out = e.func(*args)
     out = sympy.expand(out)
     prev = None
     while prev != out:  # a recombination can enable another (nested reshapes)
         prev, out = out, sympy.expand(_recombine(out))
+        if out.has(ModIdx) and not out.free_symbols.isdisjoint(current_dims()):
+            out = sympy.expand(_recombine_sym(out))
     return out
+
+
+# ---------------------------------------------------------------- dynamic divisors
+# A view of a tensor whose sizes are dims divides by dim expressions (x // (s1*768), x % s1). The rules
+# are those of the integer case, proved symbolically: a term is an exact multiple of d when t/d is a
+# polynomial; the rest lies in [0, d) when its coefficients are non-negative and its largest value (each
+# loop variable at its range - 1, itself an expression of the dims) is at most d - 1 for every dim value.
+
+def _exact(t: sympy.Expr, d: sympy.Expr):
+    q = sympy.cancel(t / d)
+    num, den = sympy.fraction(q)
+    return q if den == 1 and not any(isinstance(x, sympy.Rational) and not x.is_Integer
+                                     for x in sympy.Mul.make_args(q)) else None
+
+
+def _sym_max(e: sympy.Expr, ranges: Ranges):
+    """The largest value of e over the loop ranges as an expression of the dims, when e is a sum of
+    non-negative multiples of loop variables, dims and ModIdx terms; else None."""
+    total = sympy.Integer(0)
+    for t in sympy.Add.make_args(sympy.expand(e)):
+        c, rest = t.as_coeff_Mul()
+        if c < 0:
+            return None
+        val = c
+        for f in sympy.Mul.make_args(rest):
+            if f.is_Integer:
+                val = val * f
+            elif f.is_Symbol and f in ranges:
+                val = val * (ranges[f] - 1)
+            elif f.is_Symbol and f in current_dims():
+                val = val * f
+            elif isinstance(f, ModIdx):
+                val = val * (f.args[1] - 1)
+            else:
+                return None
+        total = total + val
+    return sympy.expand(total)
+
+
+def _nonneg(e: sympy.Expr) -> bool:
+    """e >= 0 for every value of the dims in their ranges."""
+    e = sympy.expand(e)
+    if e.is_Integer:
+        return int(e) >= 0
+    from .sizes import lo
+
+    try:
+        return lo(e) >= 0
+    except (ValueError, TypeError):
+        return False
+
+
+def _below(rest: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> bool:
+    m = _sym_max(rest, ranges)
+    return m is not None and _nonneg(d - 1 - m)
+
+
+def _floordiv_sym(a: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
+    if isinstance(a, FloorDiv):  # (x // q) // d == x // (q*d): one spelling, so recombinations match
+        return _floordiv_sym(a.args[0], sympy.expand(a.args[1] * d), ranges)
+    exact, rest = [], []
+    for t in sympy.Add.make_args(a):
+        q = _exact(t, d)
+        (exact.append(q) if q is not None else rest.append(t))
+    if not rest:
+        return sympy.Add(*exact, 0)
+    r = sympy.Add(*rest, 0)
+    if _below(r, d, ranges):
+        return sympy.Add(*exact, 0)
+    split = _split_sym(rest, d, ranges)
+    if split is not None:  # (g*Y + s) // d == Y // (d/g) for 0 <= s < g, g | d
+        g, big = split
+        return sympy.Add(*exact, 0) + _floordiv_sym(sympy.expand(big / g), sympy.cancel(d / g), ranges)
+    if exact and _sym_max(r, ranges) is not None:
+        return sympy.Add(*exact, 0) + FloorDiv(r, d)
+    return FloorDiv(a, d)
+
+
+def _split_sym(terms, d: sympy.Expr, ranges: Ranges):
+    """(g, big): g, an integer dividing d's integer content, splits the terms into g*Y (big) + s with
+    0 <= s < g."""
+    content, _ = sympy.factor_terms(d).as_coeff_Mul()
+    if not content.is_Integer or int(content) <= 1:
+        return None
+    coefs = sorted({abs(int(t.as_coeff_Mul()[0])) for t in terms}, reverse=True)
+    for c in coefs:
+        g = math.gcd(c, int(content))
+        if g <= 1:
+            continue
+        big = [t for t in terms if int(t.as_coeff_Mul()[0]) % g == 0]
+        small = [t for t in terms if int(t.as_coeff_Mul()[0]) % g != 0]
+        if big and (not small or _below(sympy.Add(*small, 0), sympy.Integer(g), ranges)):
+            return g, sympy.Add(*big, 0)
+    return None
+
+
+def _mod_sym(a: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
+    if isinstance(a, FloorDiv):  # (y // q) % d == y // q when y < q*d
+        y, q = a.args
+        m = _sym_max(y, ranges)
+        if m is not None and _nonneg(q * d - 1 - m):
+            return a
+    rest = [t for t in sympy.Add.make_args(a) if _exact(t, d) is None]
+    if not rest:
+        return sympy.Integer(0)
+    r = sympy.Add(*rest, 0)
+    return r if _below(r, d, ranges) else ModIdx(r, d)
+
+
+def _recombine_sym(e: sympy.Expr) -> sympy.Expr:
+    """c*d*(Y // d) + c*(Y % d) -> c*Y for a dynamic divisor d."""
+    terms = list(sympy.Add.make_args(e))
+    for i, t in enumerate(terms):
+        mods = [f for f in sympy.Mul.make_args(t) if isinstance(f, ModIdx) and not f.args[1].is_Integer]
+        if len(mods) != 1:
+            continue
+        m = mods[0]
+        c = sympy.cancel(t / m)
+        y, d = m.args
+        target = sympy.expand(c * d * _floordiv_sym(sympy.expand(y), d, {}))
+        for j, u in enumerate(terms):
+            if j != i and sympy.expand(u - target) == 0:
+                rest = [x for k, x in enumerate(terms) if k not in (i, j)]
+                return sympy.Add(*rest, c * y)
+    return e
 
 
 def linear_strides(e: sympy.Expr, variables: Sequence[sympy.Symbol]) -> tuple[int, tuple[int, ...]] | None:
@@ -241,10 +397,23 @@ def linear_strides(e: sympy.Expr, variables: Sequence[sympy.Symbol]) -> tuple[in
     coeffs = []
     for v in variables:
         c = e.coeff(v)
-        if not c.is_Integer:
+        if not _size_like(c):
             return None
-        coeffs.append(int(c))
+        coeffs.append(int(c) if c.is_Integer else c)
     rest = sympy.expand(e - sum(c * v for c, v in zip(coeffs, variables)))
-    if not rest.is_Integer:
+    if not _size_like(rest):
         return None
-    return int(rest), tuple(coeffs)
+    return (int(rest) if rest.is_Integer else rest), tuple(coeffs)
+
+
+def _size_like(c: sympy.Expr) -> bool:
+    """An integer, or a polynomial in dynamic dims with integer coefficients (a stride of a dynamic view)."""
+    if c.is_Integer:
+        return True
+    dims = current_dims()
+    if not c.free_symbols or not c.free_symbols <= set(dims):
+        return False
+    try:
+        return all(x.is_Integer for x in sympy.Poly(c, *sorted(c.free_symbols, key=str)).coeffs())
+    except sympy.PolynomialError:
+        return False

@@ -234,11 +234,14 @@ class LoopGraph:
 
 
 def prod(xs) -> int:
-    """Element count of a shape (ints or sympy integers); 1 for a scalar."""
+    """Element count of a shape (ints or sympy integers; with dynamic dims, an expression); 1 for a scalar."""
     n = 1
     for x in xs:
-        n *= int(x)
-    return n
+        if isinstance(x, int) or (isinstance(x, sympy.Basic) and x.is_Integer):
+            n = n * int(x)
+        else:
+            n = n * x
+    return n if isinstance(n, int) else (int(n) if n.is_Integer else sympy.expand(n))
 
 
 def expr_leaves(e: Expr):

@@ -9,6 +9,7 @@ import sympy
 from .indexing import FloorDiv, ModIdx, flat_index, linear_strides, simplify, syms, unravel
 from ..contract.manifest import dense_strides  # torch-free, shared with the guard
 from .loop import TensorArg, prod
+from .sizes import norm, size, sizes, static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,13 +21,13 @@ class View:
 
     @staticmethod
     def of_buffer(buf: str, shape: Sequence[int], dtype: str) -> "View":
-        shape = tuple(int(s) for s in shape)
+        shape = sizes(shape)
         return View(buf, shape, flat_index(syms("v", len(shape)), shape), dtype)
 
     @staticmethod
     def strided(buf: str, shape: Sequence[int], stride: Sequence[int], dtype: str) -> "View":
         """A buffer laid out with `stride` (dense, e.g. channels-last) seen in logical index order."""
-        shape = tuple(int(s) for s in shape)
+        shape = sizes(shape)
         v = syms("v", len(shape))
         return View(buf, shape, sympy.Add(*[x * int(st) for x, n, st in zip(v, shape, stride) if n != 1], 0), dtype)
 
@@ -39,7 +40,7 @@ class View:
         return sympy.sympify(self.index).xreplace(dict(zip(self.vars, idx)))
 
     def _remap(self, new_shape: Sequence[int], idx_of_old: Sequence[sympy.Expr]) -> "View":
-        new_shape = tuple(int(s) for s in new_shape)
+        new_shape = sizes(new_shape)
         ranges = dict(zip(syms("v", len(new_shape)), new_shape))
         # Old var names and new var names overlap (both v*): xreplace is simultaneous, so this is safe.
         expr = simplify(self.at(idx_of_old), ranges)
@@ -69,10 +70,10 @@ class View:
         new_shape = []
         for i, s in enumerate(sizes):
             if i < lead:
-                new_shape.append(int(s))
+                new_shape.append(size(s))
                 continue
             old = self.shape[i - lead]
-            s = old if s == -1 else int(s)
+            s = old if isinstance(s, int) and s == -1 else size(s)
             new_shape.append(s)
             old_idx.append(sympy.Integer(0) if old == 1 else nv[i])
         return self._remap(new_shape, old_idx)
@@ -157,9 +158,9 @@ class View:
         if lin is None:
             return None
         off, strides = lin
-        if any(st < 0 for st in strides):
+        if any(static(st) and st < 0 for st in strides):
             return None  # torch's as_strided has no negative strides (a flip): the lowering copies
-        strides = tuple(0 if s == 1 and st == 0 else st for s, st in zip(self.shape, strides))
+        strides = tuple(0 if static(s) and s == 1 and static(st) and st == 0 else st for s, st in zip(self.shape, strides))
         return TensorArg(self.buf, self.shape, strides, off)
 
     def is_contiguous_whole(self, buf_numel: int) -> bool:
@@ -167,11 +168,15 @@ class View:
 
 
 def _resolve_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
-    shape = [int(s) for s in shape]
-    if -1 in shape:
-        known = 1
-        for s in shape:
-            if s != -1:
-                known *= s
-        shape[shape.index(-1)] = numel // known if known else 0
+    shape = list(sizes(shape))
+    holes = [i for i, s in enumerate(shape) if isinstance(s, int) and s == -1]
+    if holes:
+        known = prod(s for i, s in enumerate(shape) if i != holes[0])
+        if static(known) and static(numel):
+            shape[holes[0]] = int(numel) // int(known) if known else 0
+        else:
+            q = sympy.cancel(sympy.sympify(numel) / known)
+            if not (q.is_Integer or sympy.fraction(q)[1] == 1):
+                raise ValueError(f"reshape to {shape}: {numel} elements do not divide into {known}")
+            shape[holes[0]] = norm(sympy.expand(q))
     return tuple(shape)

@@ -14,6 +14,7 @@ from ..ir.indexing import simplify, syms
 from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, Scan, TensorArg,
                        compute_dtype, subs_expr)
 from ..ir.views import View
+from ..ir.sizes import sizes
 
 TORCH_TO_NAME = NAME_OF
 NAME_TO_TORCH = TORCH
@@ -49,7 +50,7 @@ def out_dtype(node) -> str:
 
 
 def out_shape(node) -> tuple[int, ...]:
-    return tuple(int(s) for s in meta(node).shape)
+    return sizes(meta(node).shape)
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class LoweringCtx:
         return f"{prefix}{self._counter}"
 
     def add_buffer(self, name: str, shape: Sequence[int], dtype: str, kind: str) -> Buffer:
-        b = Buffer(name, tuple(int(s) for s in shape), dtype, kind)
+        b = Buffer(name, sizes(shape), dtype, kind)
         self.buffers[name] = b
         return b
 
@@ -94,7 +95,7 @@ class LoweringCtx:
         `self.layout` (aotfuse/layouts.py) when the node being lowered asks for one and `shape` is its shape:
         the node then iterates the stored order and the returned View is the inverse permute."""
         name = self.fresh(hint)
-        shape = tuple(int(s) for s in shape)
+        shape = sizes(shape)
         body = as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")
         perm = self.layout if self.layout is not None and shape == self.layout_shape else None
         if perm is None:
@@ -116,7 +117,7 @@ class LoweringCtx:
 
     def scan(self, shape, dim: int, body: Expr, stype: str, acc: str, dtype: str, hint="scan") -> View:
         name = self.fresh(hint)
-        shape = tuple(int(s) for s in shape)
+        shape = sizes(shape)
         self.add_buffer(name, shape, dtype, "node")
         self.nodes.append(Scan(name, shape, dim, as_dtype(body, acc), stype, acc))
         return View.of_buffer(name, shape, dtype)
@@ -129,7 +130,7 @@ class LoweringCtx:
             raise BuildError(f"lowering emitted extern {target!r}, which is not on the runtime's allow-list "
                              f"(aotfuse/runtime/externs.py)")
         name = self.fresh("ext")
-        out_shape = tuple(int(s) for s in out_shape)
+        out_shape = sizes(out_shape)
         if storage_perm is None:
             self.add_buffer(name, out_shape, dtype, "extern")
             view = View.of_buffer(name, out_shape, dtype)
@@ -152,7 +153,7 @@ class LoweringCtx:
         views = [first]
         for i, (shape, dtype, perm) in enumerate(rest, start=1):
             name = self.fresh("ext")
-            shape = tuple(int(s) for s in shape)
+            shape = sizes(shape)
             stored = shape if perm is None else tuple(shape[p] for p in perm)
             self.add_buffer(name, stored, dtype, "extern")
             view = View.of_buffer(name, stored, dtype)

@@ -13,6 +13,7 @@ from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
 from ..layouts import channels_last_perm
 from .registry import registry
+from ..ir.sizes import size
 
 
 def _map_args(x, env):
@@ -60,6 +61,9 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                     continue
             env[node] = View.of_buffer(name, val.shape, dt)
         elif node.op == "call_function":
+            if isinstance(node.meta.get("val"), torch.SymInt):  # a size of a dynamic dim: its expression
+                env[node] = size(node.meta["val"])
+                continue
             if node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
                 if node.args[0] in consts:

@@ -14,6 +14,7 @@ from ..ir.loop import ITEMSIZE, Const, Op, compute_dtype
 from ..ir.matmul import MatMul
 from ..ir.views import View
 from .ctx import as_dtype, out_dtype, out_shape
+from ..ir.sizes import static
 
 _CASTS = ("aten._to_copy.default", "prims.convert_element_type.default", "aten.to.dtype")
 
@@ -74,6 +75,11 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
     if len(a.shape) != len(shape) or len(b.shape) != len(shape) or len(shape) not in (2, 3):
         return None
     if a.dtype != b.dtype or a.dtype != dt:
+        return None
+    if not all(static(d) for d in (*shape, *a.shape, *b.shape)):
+        # A template's tiles and cost are chosen for one size at build time; cuBLAS picks per call
+        ctx.decisions.append({"matmul": node.name, "op": origin, "choice": "extern",
+                              "why": "dynamic sizes: cuBLAS chooses its kernel per shape at run time"})
         return None
     k = int(a.shape[-1])
     bsz = int(shape[0]) if len(shape) == 3 else 1

@@ -3,6 +3,11 @@
 Load: read the archive, check the device guards (a cubin for this arch), move the weights, load the
 kernels. Call: check every input against its guard, run the program on the current stream; with
 static shapes on CUDA, capture the program into a CUDA graph on the first call and replay it.
+
+An archive with dynamic dims (manifest `dims`): the guards bind the dims from the input shapes and
+check their ranges (runtime/dims.py), and each shape runs its own executor, linked from the program
+specialized for it at the shape's first call, with its own CUDA graphs (runtime/shapes.py). Static
+archives take the static path, unchanged: whether an archive has dims is decided once, at load.
 """
 from __future__ import annotations
 
@@ -13,10 +18,11 @@ from typing import Any
 import torch
 
 from ..archive import Archive, read_archive
-from ..errors import GuardError
+from ..errors import AotfuseError, GuardError
 from ..knobs import knobs
 from ..contract.manifest import same_layout
 from .calling import flatten, rebuild
+from .dims import bind_dims
 from .executor import Executor
 from .payload import read_payload, read_sources
 
@@ -27,8 +33,10 @@ class Artifact:
     def __init__(self, archive: Archive, device: str | torch.device = "cuda", cuda_graphs: bool | None = None):
         t0 = time.perf_counter()
         self.archive = archive
+        _refuse_dynamic_train(archive.manifest)
         payload = read_payload(archive)  # validated, then typed (aotfuse.contract)
         self.manifest = payload.manifest
+        self.dims = self.manifest.dims  # dynamic dims (DimSpec per symbol); empty: a static archive
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -52,15 +60,40 @@ class Artifact:
         else:
             raise GuardError(f"device {self.device} is not supported", remedy="use cuda or cpu")
         self.weights = {k: v.to(self.device, non_blocking=True) for k, v in archive.weights.items()}
-        self.executors = {name: Executor(p, self.weights, launchers, self.device) for name, p in self.programs.items()}
         self.use_graphs = (knobs.cuda_graphs if cuda_graphs is None else cuda_graphs) and self.device.type == "cuda"
         self.graphs_asked = cuda_graphs  # None: decided per program set (runtime/graphs.graphs_pay)
         self._graphs: list = []  # every GraphedProgram made from this artifact (released by close())
-        self._forward_graph = self.graphed("forward") if self.use_graphs and self.manifest.train is None else None
+        self.shapes: dict = {}  # dynamic dims: program -> ShapeCache (its executors per shape)
+        if self.dims:
+            self.executors = {}  # linked per shape, at a shape's first call
+            self._link_shapes(launchers)
+            self.check_inputs = self._check_inputs_dims  # the guards that bind the dims
+            self._forward_graph = None
+        else:
+            self.executors = {name: Executor(p, self.weights, launchers, self.device)
+                              for name, p in self.programs.items()}
+            self._forward_graph = (self.graphed("forward") if self.use_graphs and self.manifest.train is None
+                                   else None)
         self.load_seconds = time.perf_counter() - t0
 
+    def _link_shapes(self, launchers) -> None:
+        from .shapes import ShapeCache
+
+        make_graph = self._shape_graph if self.use_graphs else None  # inference only (train + dims is refused)
+        syms = tuple(d.sym for d in self.dims)
+        self.shapes = {name: ShapeCache(name, p, self.kernels, self.weights, launchers, self.device, syms, make_graph)
+                       for name, p in self.programs.items()}
+
+    def _shape_graph(self, ex: Executor):
+        """The CUDA graphs of one shape's executor (captured at that shape's first call)."""
+        from .graphs import GraphedProgram
+
+        return GraphedProgram(ex, self.device)
+
     # ---------------------------------------------------------------- guards
-    def check_inputs(self, inputs: tuple) -> None:
+    def check_inputs(self, inputs: tuple) -> dict | None:
+        """Every input against its guard (GuardError naming it). Returns the dims' values in an
+        archive with dynamic dims (symbol -> size: `_check_inputs_dims`, set at load), else None."""
         if len(inputs) != len(self.input_specs):
             raise GuardError(f"expected {len(self.input_specs)} inputs "
                              f"({', '.join(s.name for s in self.input_specs)}), got {len(inputs)}")
@@ -78,18 +111,42 @@ class Artifact:
                                  remedy=f"move it with .to('{self.device}')")
             if spec.stride is not None:
                 if not same_layout(spec.shape, x.stride(), spec.stride):
-                    cl = spec.stride == tuple(torch.empty(spec.shape, device="meta").contiguous(
-                        memory_format=torch.channels_last).stride()) if len(spec.shape) == 4 else False
-                    raise GuardError(f"{where}: expected strides {spec.stride} (the layout of the build's example), "
-                                     f"got {tuple(x.stride())}",
-                                     remedy="pass x.contiguous(memory_format=torch.channels_last)" if cl else
-                                     "pass a tensor laid out as the example was (or rebuild with a contiguous one)")
+                    raise _stride_error(where, spec, x)
             elif not x.is_contiguous():
                 raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
                                  remedy="pass x.contiguous()")
             if x.numel() and x.data_ptr() % 16:
                 raise GuardError(f"{where}: expected 16-byte aligned data, got address {x.data_ptr():#x}",
                                  remedy="pass x.clone()")
+        return None
+
+    def _check_inputs_dims(self, inputs: tuple) -> dict:
+        """check_inputs of an archive with dynamic dims: shapes bind the dims (runtime/dims.py); the
+        other guards as in a static archive. Returns the dims' values."""
+        if len(inputs) != len(self.input_specs):
+            raise GuardError(f"expected {len(self.input_specs)} inputs "
+                             f"({', '.join(s.name for s in self.input_specs)}), got {len(inputs)}")
+        for i, (x, spec) in enumerate(zip(inputs, self.input_specs)):
+            if not isinstance(x, torch.Tensor):
+                raise GuardError(f"input {spec.name!r} (#{i}): expected a tensor, got {type(x).__name__}")
+        env = bind_dims(self.input_specs, self.dims, inputs)
+        for i, (x, spec) in enumerate(zip(inputs, self.input_specs)):
+            where = f"input {spec.name!r} (#{i})"
+            if str(x.dtype) != spec.dtype:
+                raise GuardError(f"{where}: expected dtype {spec.dtype}, got {x.dtype}")
+            if x.device != self.device:
+                raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
+                                 remedy=f"move it with .to('{self.device}')")
+            if spec.stride is not None:  # a static shape (load refuses strides with dims)
+                if not same_layout(spec.shape, x.stride(), spec.stride):
+                    raise _stride_error(where, spec, x)
+            elif not x.is_contiguous():
+                raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
+                                 remedy="pass x.contiguous()")
+            if x.numel() and x.data_ptr() % 16:
+                raise GuardError(f"{where}: expected 16-byte aligned data, got address {x.data_ptr():#x}",
+                                 remedy="pass x.clone()")
+        return env
 
     # ---------------------------------------------------------------- call
     def __call__(self, *args, **kwargs):
@@ -97,17 +154,17 @@ class Artifact:
         has the model's output structure (runtime/calling.py) where the archive records it."""
         call = self.manifest.call
         inputs = flatten(call, args, kwargs)
-        self.check_inputs(inputs)
+        env = self.check_inputs(inputs)
         with self.device_scope():
             if call is None or self.manifest.train is not None:
-                return self._run("forward", inputs)
-            return rebuild(call["outputs"], self._run_flat("forward", inputs))
+                return self._run("forward", inputs, env)
+            return rebuild(call["outputs"], self._run_flat("forward", inputs, env))
 
     def run(self, program: str, *inputs):
         """One program on flat positional inputs (as the program takes them)."""
-        self.check_inputs(inputs)
+        env = self.check_inputs(inputs)
         with self.device_scope():
-            return self._run(program, inputs)
+            return self._run(program, inputs, env)
 
     def device_scope(self):
         """The artifact's device made current for the call (kernels, externs, graph replay)."""
@@ -115,17 +172,19 @@ class Artifact:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    def _run(self, program: str, inputs: tuple):
+    def _run(self, program: str, inputs: tuple, env: dict | None = None):
         train = self.manifest.train
         if train is not None:  # forward of a train archive: parameters (and updated buffers, read from the
             # archive; their new values are dropped: as_module() keeps them) are program inputs; return the loss
             # (a fused step's program computes the gradients too: as_module() hands them to autograd)
             params = [self.weights[n] for n in train.state_inputs]
             return self.executors[train.programs[0]].run(params + list(inputs))[0]
-        outs = self._run_flat(program, inputs)
+        outs = self._run_flat(program, inputs, env)
         return outs[0] if self.manifest.single_output and len(outs) == 1 else tuple(outs)
 
-    def _run_flat(self, program: str, inputs: tuple) -> list:
+    def _run_flat(self, program: str, inputs: tuple, env: dict | None = None) -> list:
+        if env is not None:  # dynamic dims: the shape's executor (and graphs)
+            return self.shapes[program].run(env, inputs)
         if program == "forward" and self._forward_graph is not None:
             return self._forward_graph(list(inputs))
         return self.executors[program].run(list(inputs))
@@ -151,19 +210,46 @@ class Artifact:
         ArenaPool shared with other programs whose calls on a stream are ordered."""
         from .graphs import GraphedProgram
 
+        if self.dims:
+            raise AotfuseError(f"program {program!r} has dynamic dims: its graphs are made per shape",
+                               remedy="call the artifact; shape_stats() reports each shape's graphs")
         g = GraphedProgram(self.executors[program], self.device, bound, volatile, key, arenas)
         self._graphs.append(g)
         return g
+
+    def shape_stats(self) -> dict:
+        """Dynamic dims: per program, the shapes linked and cached (each with its dims, calls, link
+        time and CUDA-graph captures and replays) and the totals (runtime/shapes.py). Static: {}."""
+        return {name: cache.stats() for name, cache in self.shapes.items()}
 
     def close(self):
         """Drop the CUDA graphs (after their streams drained), then unload the kernels."""
         for g in self._graphs:
             g.release()
         self._graphs = []
+        for cache in self.shapes.values():
+            cache.release()
         self._forward_graph = None
         for m in self._modules:
             m.close()
         self._modules = []
+
+
+def _stride_error(where: str, spec, x: torch.Tensor) -> GuardError:
+    """An input laid out otherwise than the build's example (channels-last images, most often)."""
+    cl = spec.stride == tuple(torch.empty(spec.shape, device="meta").contiguous(
+        memory_format=torch.channels_last).stride()) if len(spec.shape) == 4 else False
+    return GuardError(f"{where}: expected strides {spec.stride} (the layout of the build's example), "
+                      f"got {tuple(x.stride())}",
+                      remedy="pass x.contiguous(memory_format=torch.channels_last)" if cl else
+                      "pass a tensor laid out as the example was (or rebuild with a contiguous one)")
+
+
+def _refuse_dynamic_train(manifest) -> None:
+    """Train archives with dynamic dims are refused before anything is read (not supported yet)."""
+    if type(manifest) is dict and manifest.get("dims") and manifest.get("train") is not None:
+        raise AotfuseError("dynamic dims in a train archive are not supported yet",
+                           remedy="build the train archive without --dynamic (one archive per input shape)")
 
 
 def load(src: Any, device: str | torch.device = "cuda", *, cuda_graphs: bool | None = None,

@@ -9,6 +9,11 @@ allocated per call, so a result stays valid after the next call.
 
 The same executor serves the GPU (kernels launched through the CUDA driver, by address) and the CPU
 (kernels run by Triton's interpreter, on tensors); only the launchers differ.
+
+An executor runs static programs only: an archive with dynamic dims links one per shape, on the
+program specialized for it (runtime/shapes.py). A launch's `sizes` (int32 scalars after the
+buffers) are then constants of the linked step: `_Sized` appends them, and on the GPU a launch
+whose buffers never change packs them once with its addresses.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ..contract.program import Alloc, Extern, Free, Launch, Program, Return, TensorRef
+from ..contract.program import DIMS_VERSION, Alloc, Extern, Free, Launch, Program, Return, TensorRef, program_dims
 from ..dtypes import TORCH
 from ..errors import ArchiveError
 from ..knobs import knobs
@@ -90,6 +95,44 @@ def _prepared(step: tuple, addr: list, per_call: set) -> tuple:
         prepared.fill([addr[s] for s in slots])
         return ("fixed", prepared.launch_filled)
     return step
+
+
+class _Sized:
+    """A launcher of a kernel that takes int32 sizes after its buffers (Launch.sizes, fixed for a
+    specialized program): called like the launcher it wraps, with the buffers only."""
+    __slots__ = ("inner", "sizes")
+
+    def __init__(self, inner: Callable, sizes: list[int]):
+        self.inner, self.sizes = inner, sizes
+
+    def __call__(self, grid, stream, args):
+        self.inner(grid, stream, list(args) + self.sizes)
+
+
+class _SizedGPU(_Sized):
+    """... and on the GPU, its prepared launch sites take the sizes with the addresses."""
+    __slots__ = ()
+
+    def prepare(self, grid):
+        return _SizedPrepared(self.inner.prepare(grid), self.sizes)
+
+
+class _SizedPrepared:
+    __slots__ = ("prepared", "sizes", "launch_filled")
+
+    def __init__(self, prepared, sizes: list[int]):
+        self.prepared, self.sizes = prepared, sizes
+        self.launch_filled = prepared.launch_filled
+
+    def launch(self, stream: int, args) -> None:
+        self.prepared.launch(stream, args + self.sizes)
+
+    def fill(self, args) -> None:
+        self.prepared.fill(list(args) + self.sizes)
+
+
+def _sized(launch: Callable, sizes: tuple) -> Callable:
+    return (_SizedGPU if hasattr(launch, "prepare") else _Sized)(launch, [int(v) for v in sizes])
 
 
 class State:
@@ -208,6 +251,9 @@ class Executor:
 
     def __init__(self, program: Program, weights: dict[str, torch.Tensor], launchers: dict[str, Callable],
                  device: torch.device):
+        if program.version >= DIMS_VERSION and program_dims(program):
+            raise ArchiveError(f"program has size expressions over {', '.join(sorted(program_dims(program)))}",
+                               remedy="link it specialized for one shape (aotfuse.contract.specialize)")
         self.program = program
         self.device = device
         self._slots: dict[str, int] = {}
@@ -265,6 +311,8 @@ class Executor:
             launch = launchers.get(ins.kernel)
             if launch is None:
                 raise ArchiveError(f"program launches kernel {ins.kernel!r} that the archive does not contain")
+            if ins.sizes:
+                launch = _sized(launch, ins.sizes)
             return ("launch", launch, ins.grid, tuple(self._slot(b) for b in ins.args))
         if isinstance(ins, Extern):
             out = self._slot(ins.out)

@@ -37,6 +37,7 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
         mod = CudaModule.load(b.cubin, device.index or 0)
         modules.append(mod)
         fn = mod.function(b.name, b.shared, b.num_warps)
-        bound = fn.bind(["ptr"] * len(k.args), b.num_warps, b.shared)
-        launchers[name] = bound  # called as bound(grid, stream, addresses) by the executor
+        # pointers, then the int32 sizes of a kernel compiled for dynamic dims (their values: Launch.sizes)
+        bound = fn.bind(["ptr"] * len(k.args) + ["i32"] * len(k.size_args), b.num_warps, b.shared)
+        launchers[name] = bound  # called as bound(grid, stream, addresses [+ sizes]) by the executor
     return launchers, arch, modules

@@ -25,8 +25,8 @@ def describe(archive: Archive) -> dict:
         "aotfuse_version": m.aotfuse_version,
         "torch_version": m.torch_version,
         "targets": list(m.targets),
-        "inputs": [s.to_dict() for s in m.inputs],
-        "outputs": [s.to_dict() for s in m.outputs],
+        "inputs": [s.to_dict() for s in m.inputs],  # a dynamic axis is its dim symbol ("s0")
+        "outputs": [s.to_dict() for s in m.outputs],  # sizes: ints or expressions over the dims
         "programs": programs,
         "kernels": [{"name": n, "kind": k.kind, "nodes": list(k.nodes), "grid": list(k.grid),
                      "num_warps": k.num_warps, "targets": sorted(k.binaries), "launches": k.launches}
@@ -36,6 +36,8 @@ def describe(archive: Archive) -> dict:
         "fusion": report.fusion_summary.to_dict(),
         "memory": report.memory.to_dict(),
     }
+    if m.dims:  # dynamic dims: symbol, label, inclusive range, the example's size
+        out["dims"] = [d.to_dict() for d in m.dims]
     if report.backward is not None:
         out["fusion_backward"] = report.backward.fusion_summary.to_dict()
         out["memory_backward"] = report.backward.memory.to_dict()

@@ -65,8 +65,8 @@ INTERPRETER_LIBDEVICE = _InterpreterLibdevice()
 
 
 def check_source(name: str, source: str, params: list[str] | None = None) -> None:
-    """`params`: the kernel's argument names as the kernels part records them (the launch passes
-    exactly those, so the source must take exactly those)."""
+    """`params`: the kernel's argument names as the kernels part records them, pointers then size
+    arguments (the launch passes exactly those, so the source must take exactly those)."""
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -97,6 +97,12 @@ def _plain_signature(fn: ast.FunctionDef) -> bool:
                 or fn.returns or any(x.annotation for x in a.args))
 
 
+def _constexpr(v: int):
+    import triton.language as tl
+
+    return tl.constexpr(v)
+
+
 def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable]:
     import triton
 
@@ -114,7 +120,7 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             src = sources.get(name)
             if src is None:
                 raise ArchiveError(f"kernel {name} has no stored source for the CPU path")
-            check_source(name, src, [a.name for a in kernels[name].args])
+            check_source(name, src, [a.name for a in kernels[name].args] + list(kernels[name].size_args))
             mod = load_source(name, src)
             mod.libdevice = INTERPRETER_LIBDEVICE  # the stored source imports CUDA's; not runnable here
             fn = getattr(mod, name)
@@ -140,7 +146,9 @@ def _launcher(fn, runtime_knobs) -> Callable:
         finally:
             scope.restore()
 
-    def launch(grid, stream, tensors):  # stream: unused on the CPU
+    def launch(grid, stream, tensors):  # stream: unused on the CPU; tensors: buffers, then int32 sizes
+        if not grid[0] * grid[1] * grid[2]:
+            return  # an empty grid (a dynamic dim at 0) runs nothing, as on the GPU
         # One launch at a time in the process: everything below patches globals (triton.language,
         # JITFunction.__call__, the interpret knob) and the interpreter runs the grid through one
         # global builder. Unserialized, a second thread's launch restores the originals under a
@@ -156,7 +164,9 @@ def _launcher(fn, runtime_knobs) -> Callable:
             try:
                 with runtime_knobs.scope():
                     runtime_knobs.interpret = True
-                    fn[tuple(grid)](*tensors)
+                    # sizes as constexpr values: the interpreter would make an int a 1-element tensor,
+                    # which `range(0, s0, RBLOCK)` cannot take (numpy 2 refuses its __index__)
+                    fn[tuple(grid)](*[_constexpr(a) if type(a) is int else a for a in tensors])
             finally:
                 JITFunction.__call__ = saved
     return launch

@@ -2,7 +2,9 @@
 
 Order matters: a program's version is checked first (a newer archive is refused as such, with
 "upgrade aotfuse", whatever else changed in it), then everything `runtime/validate.py` checks, and
-only then are the dicts turned into the `aotfuse.contract` dataclasses the runtime reads.
+only then are the dicts turned into the `aotfuse.contract` dataclasses the runtime reads. An archive
+with dynamic dims is typed first (each size expression parsed) and then validated specialized at
+its range ends (runtime/validate_dims.py).
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ def read_payload(archive: Archive) -> Payload:
     for name, p in progs.items():
         check_program_version(p.get("version") if type(p) is dict else None, f"program {name!r}")
     kernels = unpack(archive.part("kernels"), "kernels")
+    if "dims" in m:
+        from .validate_dims import read_dynamic
+
+        return Payload(*read_dynamic(m, kernels, progs, archive.weights))
     # Every program is checked against the kernels and weights before a launcher is made or a byte runs.
     validate_archive(m, kernels, progs, archive.weights)
     return Payload(Manifest.from_dict(m), kernels_from_dict(kernels),

@@ -9,13 +9,18 @@ smaller than it reads or writes.
 What is checked (see artifacts/FORMAT.md, "Payload"):
 - manifest: inputs/outputs specs, program list, train info, and that they agree with the programs;
 - kernels part: names, block sizes, grid, argument dtypes (and, since program version 2, the
-  element count each argument was generated for and the iteration space);
+  element count each argument was generated for and the iteration space; since version 5, the
+  names of the int32 size parameters after the pointers);
 - each program, walked in order like the executor walks it: every buffer defined before use, never
   twice, not used after its free; arena allocations inside the arena; launches pass exactly the
   kernel's arguments with its dtypes and large enough buffers, on the kernel's grid; externs on the
   allow-list with arguments torch's meta kernels accept and a result the output view can hold;
   output views inside their buffers; exactly one `return`, at the end; weights with the dtype and
   shape the program says; the memory a program allocates bounded.
+
+Dynamic dims (program version 5, a manifest with `dims`): the checks below compare numbers, so they
+run on specialized payloads (every size expression evaluated): at load for the range ends and the
+hint, and for each new shape before its first launch (runtime/validate_dims.py says how).
 
 Pure: imports torch (meta tensors only) and the runtime's own tables; never triton.
 """
@@ -26,13 +31,13 @@ import dataclasses
 import torch
 
 from ..contract.manifest import backward_programs
-from ..contract.program import check_program_version
+from ..contract.program import DIMS_VERSION, check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
 from .validate_extern import _Ref, _flat, _meta_check, _multi_check, _overlaps, returns_tuple
-from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, KERNEL_PTR_ALIGN, KINDS,
-                              MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS,
+from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, INT32_MIN, KERNEL_PTR_ALIGN, KINDS,
+                              MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS, MAX_SIZE_ARGS,
                               MAX_NUMEL, NUM_WARPS, _align, _bool, _dict,
                               _dtype, _fail, _ident, _int, _list, _numel, _shape, _short, _str,
                               _torch_dtype_name, _ARCH, _IDENT)
@@ -47,7 +52,8 @@ def _spec(v, where: str, named: bool) -> tuple[str, tuple[int, ...]]:
 
 
 def validate_manifest(manifest) -> None:
-    """The manifest fields `load`, a call and `inspect` read: format, programs, inputs, outputs, targets, train."""
+    """The manifest fields `load`, a call and `inspect` read: format, programs, inputs, outputs, targets, train
+    (and dims: their declarations, and the symbols input and output shapes name)."""
     if type(manifest) is not dict or manifest.get("format") != "aotfuse":
         raise ArchiveError("archive manifest does not say format 'aotfuse'")
     m = _dict(manifest, "manifest", ("programs", "inputs", "outputs"))
@@ -56,10 +62,15 @@ def validate_manifest(manifest) -> None:
         _ident(p, f"manifest.programs[{i}]")
     if progs != ["forward"] and m.get("train") is None:
         _fail("manifest.programs", f"expected ['forward'] (no train info), got {_short(progs)}")
-    for i, s in enumerate(_list(m["inputs"], "manifest.inputs", 0, 4096)):
-        _spec(s, f"manifest.inputs[{i}]", named=True)
-    for i, s in enumerate(_list(m["outputs"], "manifest.outputs", 1, 4096)):
-        _spec(s, f"manifest.outputs[{i}]", named=False)
+    if "dims" in m:
+        from .validate_dims import validate_manifest_dims
+
+        validate_manifest_dims(m)  # declarations, and input / output shapes over them
+    else:
+        for i, s in enumerate(_list(m["inputs"], "manifest.inputs", 0, 4096)):
+            _spec(s, f"manifest.inputs[{i}]", named=True)
+        for i, s in enumerate(_list(m["outputs"], "manifest.outputs", 1, 4096)):
+            _spec(s, f"manifest.outputs[{i}]", named=False)
     if "single_output" in m:
         _bool(m["single_output"], "manifest.single_output")
     for i, t in enumerate(_list(m.get("targets", []), "manifest.targets", 0, 16)):  # shown by inspect
@@ -130,20 +141,22 @@ def _train_info(t, progs: list) -> None:
 
 # ---------------------------------------------------------------- kernels part
 
-def validate_kernels(kernels) -> None:
+def validate_kernels(kernels, empty_ok: bool = False) -> None:
+    """empty_ok: a kernel's grid and iteration space may be empty (a specialized payload whose dims
+    reach 0; its launches are skipped)."""
     _dict(kernels, "kernels part")
     if len(kernels) > 1 << 16:
         _fail("kernels part", f"{len(kernels)} kernels")
     for name, k in kernels.items():
-        _kernel(_ident(name, "kernels part: kernel name"), k)
+        _kernel(_ident(name, "kernels part: kernel name"), k, empty_ok)
 
 
-def _kernel(name: str, k) -> None:
+def _kernel(name: str, k, empty_ok: bool = False) -> None:
     where = f"kernel {name}"
     _dict(k, where, ("kind", "grid", "num_warps", "xblock", "rblock", "args", "binaries"))
     if k["kind"] not in KINDS:
         _fail(where, f"unknown kind {_short(k['kind'])}")
-    grid = _grid(k["grid"], f"{where}: grid")
+    grid = _grid(k["grid"], f"{where}: grid", 0 if empty_ok else 1)
     if grid[1:] != [1, 1]:  # kernels only read program_id(0): more y/z blocks would race on the same rows
         _fail(where, f"grid {grid} has y/z blocks; aotfuse kernels are 1-D")
     _int(k["num_warps"], f"{where}: num_warps", 1, 32)
@@ -153,9 +166,11 @@ def _kernel(name: str, k) -> None:
     if grid[0] > -(-INDEX_LIMIT // xb):
         _fail(where, f"grid {grid} x XBLOCK {xb} exceeds 32-bit indexing")
     _kernel_args(where, k["args"])
+    if "size_args" in k:
+        _size_args(where, k)
     _binaries(where, k["binaries"])
     if "xnumel" in k or "rnumel" in k:
-        _kernel_sizes(where, k, xb, rb, grid)
+        _kernel_sizes(where, k, xb, rb, grid, 0 if empty_ok else 1)
 
 
 def _pow2(v, where: str) -> int:
@@ -165,9 +180,9 @@ def _pow2(v, where: str) -> int:
     return v
 
 
-def _grid(v, where: str) -> list:
+def _grid(v, where: str, lo: int = 1) -> list:
     _list(v, where, 3, 3)
-    _int(v[0], f"{where} x", 1, GRID_X_MAX)
+    _int(v[0], f"{where} x", lo, GRID_X_MAX)
     _int(v[1], f"{where} y", 1, GRID_YZ_MAX)
     _int(v[2], f"{where} z", 1, GRID_YZ_MAX)
     return v
@@ -191,6 +206,16 @@ def _kernel_args(where: str, args) -> None:
         _fail(where, "no output argument")
 
 
+def _size_args(where: str, k: dict) -> None:
+    """The int32 parameters after the pointers (dynamic dims): identifiers, distinct from the pointers'."""
+    names = _list(k["size_args"], f"{where}: size_args", 1, MAX_SIZE_ARGS)
+    for i, n in enumerate(names):
+        _ident(n, f"{where}: size_args[{i}]")
+    taken = {a["name"] for a in k["args"]}
+    if len(set(names)) != len(names) or taken & set(names):
+        _fail(where, f"size_args {_short(names)} repeat a name or reuse an argument's")
+
+
 def _binaries(where: str, bins) -> None:
     _dict(bins, f"{where}: binaries")
     for arch, b in bins.items():
@@ -208,9 +233,9 @@ def _binaries(where: str, bins) -> None:
         _int(b["profile_scratch"], f"{w} profile_scratch", 0, 1 << 40)
 
 
-def _kernel_sizes(where: str, k: dict, xb: int, rb: int, grid: list) -> None:
-    x = _int(k.get("xnumel"), f"{where}: xnumel", 1, INDEX_LIMIT)
-    r = _int(k.get("rnumel"), f"{where}: rnumel", 1, INDEX_LIMIT)
+def _kernel_sizes(where: str, k: dict, xb: int, rb: int, grid: list, lo: int = 1) -> None:
+    x = _int(k.get("xnumel"), f"{where}: xnumel", lo, INDEX_LIMIT)
+    r = _int(k.get("rnumel"), f"{where}: rnumel", lo, INDEX_LIMIT)
     if x * r > INDEX_LIMIT:
         _fail(where, f"iteration space {x} x {r} exceeds 32-bit indexing")
     if grid[0] != -(-x // xb):
@@ -255,8 +280,10 @@ class ProgramSig:
 class _Walk:
     """One pass over a program's instructions in order, tracking which buffers are live."""
 
-    def __init__(self, pname: str, prog: dict, kernels: dict, weights: dict[str, torch.Tensor]):
+    def __init__(self, pname: str, prog: dict, kernels: dict, weights: dict[str, torch.Tensor],
+                 empty_ok: bool = False):
         self.pname = pname
+        self.grid_lo = 0 if empty_ok else 1
         self.prog = prog
         self.kernels = kernels
         self.live: dict[str, _Buf] = {}
@@ -404,9 +431,10 @@ def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
     k = w.kernels.get(name) if type(name) is str else None
     if k is None:
         _fail(where, f"program launches kernel {_short(name)} that the archive does not contain")
-    grid = _grid(ins["grid"], f"{where}: grid")
+    grid = _grid(ins["grid"], f"{where}: grid", w.grid_lo)
     if grid != k["grid"]:
         _fail(where, f"grid {grid} is not the kernel's grid {k['grid']}")
+    _launch_sizes(w, ins, k, where)
     specs = k["args"]
     args = _list(ins["args"], f"{where}: args", 0, 1024)
     if len(args) != len(specs):
@@ -436,6 +464,17 @@ def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
         most = max(1, -(-min(out_numels) // k["xblock"]))
         if grid[0] > most:
             _fail(where, f"grid {grid} is larger than its outputs ({min(out_numels)} elements) imply")
+
+
+def _launch_sizes(w: _Walk, ins: dict, k: dict, where: str) -> None:
+    """A launch's int32 scalars (version 5): one per kernel size argument, each an int32."""
+    sizes = ins.get("sizes", [])
+    if "sizes" in ins and w.prog["version"] < DIMS_VERSION:
+        _fail(where, f"a version {w.prog['version']} program has no launch sizes (version {DIMS_VERSION}+)")
+    names = k.get("size_args", [])
+    _list(sizes, f"{where}: sizes", len(names), len(names))
+    for j, v in enumerate(sizes):
+        _int(v, f"{where}: size {j} ({names[j]})", INT32_MIN, INDEX_LIMIT)
 
 
 def _extern(w: _Walk, i: int, ins: dict, where: str) -> None:
@@ -562,23 +601,27 @@ def _return(w: _Walk, i: int, ins: dict, where: str) -> None:
 _HANDLERS = {"alloc": _alloc, "launch": _launch, "extern": _extern, "free": _free, "return": _return}
 
 
-def validate_program(name: str, program, kernels: dict, weights: dict[str, torch.Tensor]) -> ProgramSig:
-    """Check one program against the (validated) kernels part and the archive's weights."""
+def validate_program(name: str, program, kernels: dict, weights: dict[str, torch.Tensor],
+                     empty_ok: bool = False) -> ProgramSig:
+    """Check one program against the (validated) kernels part and the archive's weights; empty_ok:
+    see validate_kernels."""
     where = f"program {name!r}"
     p = _dict(program, where, ("version", "inputs", "weights", "arena_bytes", "instructions"))
     v = check_program_version(p["version"], where)
     if v >= 2 and any("xnumel" not in k for k in kernels.values()):
         _fail(where, f"version {v} program but the kernels part lacks per-argument sizes")
-    return _Walk(name, p, kernels, weights).run()
+    return _Walk(name, p, kernels, weights, empty_ok).run()
 
 
 # ---------------------------------------------------------------- the whole archive
 
-def validate_archive(manifest: dict, kernels, programs: dict, weights: dict[str, torch.Tensor]) -> None:
+def validate_archive(manifest: dict, kernels, programs: dict, weights: dict[str, torch.Tensor],
+                     empty_ok: bool = False) -> None:
     """Everything `load` binds: kernels, programs, and the manifest's promises about them.
-    `manifest` must have passed validate_manifest (it says which programs to read)."""
-    validate_kernels(kernels)
-    sigs = {name: validate_program(name, p, kernels, weights) for name, p in programs.items()}
+    `manifest` must have passed validate_manifest (it says which programs to read); with dims, all
+    of them specialized (validate_dims.py)."""
+    validate_kernels(kernels, empty_ok)
+    sigs = {name: validate_program(name, p, kernels, weights, empty_ok) for name, p in programs.items()}
     train = manifest.get("train")
     fwd = sigs["step" if train and train.get("mode") == "step" else "forward"]
     ins = [_spec(s, "", True) for s in manifest["inputs"]]

@@ -12,6 +12,8 @@ from typing import Union
 import sympy
 
 from ..ir.indexing import FloorDiv, flat_index, simplify
+from ..ir.sizes import quotient, same, static
+from ..ir.loop import prod
 from ..ir.loop import Extern, LoopGraph, Node, Pointwise, Reduction, Scan, TensorArg, expr_loads
 
 
@@ -85,14 +87,12 @@ def classify_read(consumer: Node, index: sympy.Expr, producer_numel: int, rnumel
     vars_, ranges = iteration(consumer)
     rng = dict(zip(vars_, ranges))
     flat = flat_index(vars_, ranges)
-    total = 1
-    for r in ranges:
-        total *= r
-    if producer_numel == total and (index == flat  # structurally equal: no need to simplify
+    total = prod(ranges)
+    if same(producer_numel, total) and (index == flat  # structurally equal: no need to simplify
                                     or sympy.expand(simplify(index, rng) - simplify(flat, rng)) == 0):
         return "point"
-    if rnumel > 1 and producer_numel * rnumel == total:
-        row = simplify(FloorDiv(flat, sympy.Integer(rnumel)), rng)
+    if not same(rnumel, 1) and same(producer_numel * rnumel, total):
+        row = simplify(FloorDiv(flat, sympy.sympify(rnumel)), rng)
         if sympy.expand(simplify(index, rng) - row) == 0:
             return "row"
     return "other"
@@ -104,14 +104,12 @@ def read_alignment(consumer: Node, index: sympy.Expr, producer_numel: int) -> tu
     and 'other' otherwise. A read can be 'row' only for r = consumer numel / producer numel, and
     'point' only when the numels are equal, so the test for that one r answers every rnumel.
     None for an empty producer (ask classify_read for each rnumel)."""
-    total = 1
-    for n in iteration(consumer)[1]:
-        total *= n
-    if producer_numel <= 0:
+    total = prod(iteration(consumer)[1])
+    if static(producer_numel) and producer_numel <= 0:
         return None
-    if total % producer_numel:
+    r = quotient(total, producer_numel)
+    if r is None:
         return "other", 0
-    r = total // producer_numel
     return classify_read(consumer, index, producer_numel, r), r
 
 

@@ -28,6 +28,7 @@ import dataclasses
 import enum
 import heapq
 
+from ..ir.sizes import hint, reduces, static
 from ..contract.report import FusionRecord
 from ..knobs import knobs
 from . import mix
@@ -263,7 +264,7 @@ def _space_fits(st: _State, g: str, x: int, r: int) -> bool:
 
 def _merged_space(st: _State, a: str, b: str) -> tuple[int, int] | None:
     sa, sb = st.gspace(a), st.gspace(b)
-    cands = [s for s in (sa, sb) if s[1] > 1] or [sa]
+    cands = [s for s in (sa, sb) if reduces(s[1])] or [sa]
     for x, r in cands:
         if _space_fits(st, a, x, r) and _space_fits(st, b, x, r):
             return x, r
@@ -280,7 +281,7 @@ def _deps_mismatch(st: _State, members: list[str], x: int, r: int) -> str | None
                 prod = st.nodes[ld.buf]
                 kind = st.read_kind(n, i, r)
                 ok = kind == "point" or (kind == "row" and prod.numel == x)
-                if isinstance(node, Pointwise) and node.numel == x and r > 1 and prod.numel == x * r:
+                if isinstance(node, Pointwise) and node.numel == x and reduces(r) and prod.numel == x * r:
                     ok = False  # a per-row value cannot read a per-element one without a reduction between
                 if not ok:
                     return f"{n} reads {ld.buf}[{ld.index}] ({kind} read in a {x}x{r} space)"
@@ -329,9 +330,9 @@ def _shared_bytes(st: _State, a: str, b: str) -> int:
     reads_b = {d.buf for n in mb for d in st.deps.reads[n]}
     bufs = st.bufs
     for buf in (reads_a & mb) | (reads_b & ma):  # vertical: the consumer stops reading it
-        total += bufs[buf].nbytes
+        total += hint(bufs[buf].nbytes)
     for buf in (reads_a & reads_b):  # horizontal: read once instead of twice
-        total += bufs[buf].nbytes
+        total += hint(bufs[buf].nbytes)
     return total
 
 
@@ -342,7 +343,7 @@ def _cost_us(st: _State, groups: list[str]) -> float:
     bufs = st.bufs
     read = {d.buf for n in members for d in st.deps.reads[n] if d.buf not in mset}
     written = {n for n in members if _is_stored(st, n, mset)}
-    nbytes = sum(bufs[b].nbytes for b in read) + sum(bufs[b].nbytes for b in written)
+    nbytes = sum(hint(bufs[b].nbytes) for b in read) + sum(hint(bufs[b].nbytes) for b in written)
     return knobs.launch_overhead_us + nbytes / (knobs.bandwidth_gbs * 1e3)
 
 
@@ -368,7 +369,7 @@ class _Candidates:
         self.st = st
         self.bufs = list(st.deps.consumers)  # buffer order: first read in graph order
         idx = {b: i for i, b in enumerate(self.bufs)}
-        self.nbytes = [st.bufs[b].nbytes if b in st.bufs else 0 for b in self.bufs]
+        self.nbytes = [hint(st.bufs[b].nbytes) if b in st.bufs else 0 for b in self.bufs]  # at the example
         self.contrib: list[dict[tuple[str, str], str]] = [{} for _ in self.bufs]  # pair -> "v" | "h"
         self.pair_bufs: dict[tuple[str, str], set[int]] = {}
         # buffers each group produces or reads
@@ -498,6 +499,8 @@ def _row_group(st: _State, g: str) -> tuple[int, int] | None:
     if not any(isinstance(st.nodes[n], Reduction) for n in st.members[g]):
         return None
     x, r = st.gspace(g)
+    if not (static(x) and static(r)):
+        return None  # the mix kernel's row loop is sized at build time: static spaces only
     return (x, r) if x >= 2 and r >= 2 else None
 
 
@@ -518,7 +521,7 @@ def _mix_partners(st: _State, g: str, x: int, r: int) -> list[tuple[str, int]]:
         for c in st.deps.consumers.get(b, ()):
             p = st.group_of[c]
             if p != g and p not in st.mix and not st.is_extern(p) and not st.is_scan(p):
-                out[p] = out.get(p, 0) + st.bufs[b].nbytes
+                out[p] = out.get(p, 0) + hint(st.bufs[b].nbytes)
     return list(out.items())
 
 

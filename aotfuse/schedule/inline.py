@@ -14,6 +14,7 @@ import heapq
 from ..knobs import knobs
 from .deps import classify_read, update_reverse
 from ..ir.indexing import simplify, unravel
+from ..ir.sizes import hint
 from ..ir.loop import (INDIRECT, Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
                  subs_expr)
 from .deps import iteration
@@ -157,7 +158,7 @@ class _Inliner:
         return c
 
     def _reads_more_than_it_writes(self, p) -> bool:
-        big = {ld.buf for ld in self.loads[p.name] if self.numel.get(ld.buf, 0) * 2 >= p.numel}
+        big = {ld.buf for ld in self.loads[p.name] if hint(self.numel.get(ld.buf, 0)) * 2 >= hint(p.numel)}
         return len(big) > 1
 
     def _kind(self, consumer: str, index, producer_numel: int) -> str:

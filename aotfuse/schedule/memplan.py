@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import sympy
+
 from .fusion import Schedule
+from ..ir.indexing import FloorDiv
 from ..ir.loop import Extern, LoopGraph
+from ..ir.sizes import hint, norm, static
 
 ALIGN = 256
 
@@ -41,8 +45,13 @@ class MemoryPlan:
     how: str = "slots"  # "greedy-by-size" | "slots": the plan that gave the smaller arena
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n):
+    if static(n):
+        return (int(n) + ALIGN - 1) // ALIGN * ALIGN
+    n = sympy.expand(n)
+    if all(c % ALIGN == 0 for c in sympy.Poly(n, *sorted(n.free_symbols, key=str)).coeffs()):
+        return n  # bytes per element of the dims already a multiple of the alignment (most activations)
+    return FloorDiv(sympy.expand(n + ALIGN - 1), sympy.Integer(ALIGN)) * ALIGN
 
 
 def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
@@ -70,7 +79,7 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
         for b in by_step.get(step, []):
             if b in bound or b in outputs:
                 continue  # outputs get their own allocation: they outlive the call (and the arena)
-            need = _align(bufs[b].nbytes)
+            need = hint(_align(bufs[b].nbytes))  # the slot plan compares at the example only
             fits = [s for s in free if slots[s] >= need] if b not in outputs else []
             if fits:
                 s = min(fits, key=lambda k: slots[k])
@@ -91,15 +100,102 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
         acc += cap
     life = {b: (defined_at[b], last_use.get(b, end)) for b in slot_of}
     need = {b: _align(bufs[b].nbytes) for b in slot_of}
-    placed, arena = _greedy_by_size(need, life)
-    how = "greedy-by-size"
-    if arena > acc:  # the slot plan packed better: keep it (offsets of its slots)
-        placed, arena, how = {b: offsets[s] for b, s in slot_of.items()}, acc, "slots"
+    dynamic = not all(static(n) for n in need.values())
+    if dynamic:  # sizes are expressions of the dims: offsets too (one plan for every size in range)
+        placed, arena = _symbolic_plan({b: bufs[b].nbytes for b in slot_of}, life)
+        how = "greedy-by-size, offsets as expressions of the dims"
+        need = {b: hint(n) for b, n in need.items()}  # the figures of the report: at the example
+    else:
+        placed, arena = _greedy_by_size(need, life)
+        how = "greedy-by-size"
+        if arena > acc:  # the slot plan packed better: keep it (offsets of its slots)
+            placed, arena, how = {b: offsets[s] for b, s in slot_of.items()}, acc, "slots"
     allocs = tuple(Allocation(b, placed[b], placed[b], bufs[b].nbytes, defined_at[b], last_use.get(b, end))
                    for b in slot_of)
-    naive = sum(_align(bufs[b].nbytes) for b in defined_at if b not in outputs)
+    naive = sum(hint(_align(bufs[b].nbytes)) for b in defined_at if b not in outputs)
     return MemoryPlan(allocs, arena, naive, bound, tuple(frees),
                       tuple(b for b in defined_at if b in outputs and b not in bound), _peak(need, life, end), how)
+
+
+def _symbolic_plan(nbytes: dict, life: dict[str, tuple[int, int]]) -> tuple[dict, object]:
+    """Offsets that are expressions of the dims, valid for every size in range, and short.
+
+    A buffer's bytes are a polynomial in the dims with non-negative coefficients. Its room in the arena
+    is that polynomial with each coefficient rounded up to a multiple of DYN_ALIGN (the constant term
+    to ALIGN): at least its bytes at every size, and a multiple of DYN_ALIGN whatever the dims are, so
+    every offset stays 16-byte aligned. Greedy-by-size places the buffers at the example's sizes; that
+    placement fixes, for every two buffers alive at once, which lies below the other. Each offset is
+    then the coefficient-wise maximum of (offset + room) over the buffers directly below it: at least
+    each of them at every size (all monomials are non-negative), so no two buffers alive at once
+    overlap anywhere in range, and the expression stays one polynomial (no max) however deep the plan.
+    The arena is the coefficient-wise maximum of the ends. At the example it is close to the greedy
+    plan (the rounding adds at most DYN_ALIGN bytes per monomial unit of a buffer)."""
+    room = {b: _room(n) for b, n in nbytes.items()}
+    hints = {b: hint(_poly_expr(r)) for b, r in room.items()}
+    at, _ = _greedy_by_size(hints, life)
+    order = sorted(room, key=lambda b: (at[b], at[b] + hints[b], b))
+
+    def meets(a, b):
+        return life[a][0] <= life[b][1] and life[b][0] <= life[a][1]
+
+    rank = {b: i for i, b in enumerate(order)}
+    below = {x: {y for y in order if rank[y] < rank[x] and meets(x, y) and at[y] + hints[y] <= at[x]}
+             for x in order}
+    off: dict[str, dict] = {}
+    for x in order:
+        acc: dict = {}
+        for y in below[x]:
+            if any(y in below[z] for z in below[x]):
+                continue  # implied by a buffer between them
+            _cmax(acc, _cadd(off[y], room[y]))
+        off[x] = acc
+    arena: dict = {}
+    for b in order:
+        _cmax(arena, _cadd(off[b], room[b]))
+    return {b: norm(_poly_expr(off[b])) for b in order}, norm(_poly_expr(arena))
+
+
+DYN_ALIGN = 16  # bytes: what vectorized kernel loads need (the kernels assume 16-byte aligned pointers)
+
+
+def _room(n) -> dict:
+    """{monomial: coefficient} of an upper bound of n bytes, each coefficient a multiple of DYN_ALIGN."""
+    e = sympy.expand(sympy.sympify(n))
+    gens = sorted(e.free_symbols, key=str)
+    terms = sympy.Poly(e, *gens).terms() if gens else [((), int(e))]
+    out = {}
+    for mono, c in terms:
+        key = tuple((str(g), k) for g, k in zip(gens, mono) if k)
+        step = ALIGN if not key else DYN_ALIGN
+        if c < 0:
+            raise ValueError(f"buffer bytes {n} have a negative coefficient")
+        out[key] = -(-int(c) // step) * step
+    return out
+
+
+def _cadd(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def _cmax(acc: dict, b: dict) -> None:
+    for k, v in b.items():
+        acc[k] = max(acc.get(k, 0), v)
+
+
+def _poly_expr(d: dict):
+    from ..ir.sizes import current_dims
+
+    syms = {s.name: s for s in current_dims()}
+    e = sympy.Integer(0)
+    for key, c in d.items():
+        m = sympy.Integer(c)
+        for name, k in key:
+            m = m * syms[name] ** k
+        e = e + m
+    return sympy.expand(e)
 
 
 def _greedy_by_size(need: dict[str, int], life: dict[str, tuple[int, int]]) -> tuple[dict[str, int], int]:

@@ -49,6 +49,7 @@ import torch
 from ..dtypes import FLOATS, TORCH
 from ..emit.kernel_src import _kernelize
 from ..emit.space import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, reduction_pattern
+from ..ir.sizes import static
 from ..ir.indexing import flat_index, simplify, syms, unravel
 from ..ir.matmul import is_matmul
 from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod,
@@ -121,6 +122,10 @@ def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, 
 
 def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
     x, r = n.numel, n.rnumel
+    if not (static(x) and static(r)):
+        # A split's chunk count is fixed at build time; over a dynamic range it would be wrong somewhere
+        return SplitDecision(n.name, n.rtype, x, r, "inner", x, False, 1, r, "", "",
+                             "dynamic sizes: one kernel serves every size in range (not split)")
     kn, _ = _kernelize(n, max(x, 1), max(r, 1))
     pattern = reduction_pattern([kn], x, r, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
     # The most programs its kernel can launch unsplit: one per row for a row reduction (the block

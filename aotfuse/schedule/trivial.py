@@ -27,6 +27,7 @@ import dataclasses
 import sympy
 
 from ..ir.indexing import simplify, syms, unravel
+from ..ir.sizes import static
 from ..ir.loop import (FLOATS, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, expr_leaves,
                        rewrite_expr, subs_expr)
 
@@ -152,7 +153,9 @@ def trivial_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[dict, ...]]:
     nodes, decisions = [], []
     for n in graph.nodes:
         pw = None
-        if isinstance(n, Reduction):
+        if isinstance(n, Reduction) and not all(static(d) for d in (*n.ranges, *n.rranges, *bufs[n.name].shape)):
+            pass  # rewrites that read their counts as ints: static spaces only (dynamic dims keep the reduction)
+        elif isinstance(n, Reduction):
             pw = pointwise_of(n, bufs[n.name].shape)
             if pw is not None:
                 decisions.append({"uniform": n.name, "rtype": n.rtype, "n": n.rnumel})

@@ -1,0 +1,203 @@
+"""Sizes that may depend on dynamic dims: an int, or a sympy expression over the dim symbols s0, s1, ...
+
+A build with dynamic dims (`aotfuse.build(..., dynamic_shapes=...)`, `--dynamic INPUT.DIM=LO..HI`) names
+each dynamic dim with a symbol `s<i>` (positive integer) and knows its inclusive range [lo, hi] and its
+hint (the example's size). Every size in the loop IR (buffer shapes, loop ranges) is then an `int` or a
+sympy expression over those symbols; static builds see ints only, exactly as before.
+
+Passes ask three questions of a size: is it static (`static`), what is it at the example (`hint`: the
+heuristics' input, e.g. block sizes, split decisions), and what bounds hold over the whole range (`lo`,
+`hi`: what safety needs, e.g. 32-bit indexing, persistent vs looped reductions). The dims of the build
+in progress live in a context variable set by `dims_scope` (the pipeline sets it for one build), so the
+pure passes need no extra argument to read them; a build without dims sees an empty table.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Iterator, Mapping, Union
+
+import sympy
+
+Size = Union[int, sympy.Expr]
+
+
+@dataclasses.dataclass(frozen=True)
+class Dim:
+    """One dynamic dim: its symbol, a label for messages (INPUT.AXIS or the torch Dim's name), its
+    inclusive range and the example's size."""
+
+    sym: sympy.Symbol
+    name: str
+    lo: int
+    hi: int
+    hint: int
+
+
+_DIMS: contextvars.ContextVar[Mapping[sympy.Symbol, Dim]] = contextvars.ContextVar("aotfuse_dims", default={})
+
+
+@functools.lru_cache(maxsize=None)
+def dim_symbol(i: int) -> sympy.Symbol:
+    return sympy.Symbol(f"s{i}", integer=True, positive=True)
+
+
+@contextlib.contextmanager
+def dims_scope(dims) -> Iterator[None]:
+    """Make `dims` (Dim records) the dims of the build in progress."""
+    tok = _DIMS.set({d.sym: d for d in dims})
+    try:
+        yield
+    finally:
+        _DIMS.reset(tok)
+
+
+def current_dims() -> Mapping[sympy.Symbol, Dim]:
+    return _DIMS.get()
+
+
+def is_dim(s) -> bool:
+    return isinstance(s, sympy.Symbol) and s in _DIMS.get()
+
+
+def static(n: Size) -> bool:
+    return isinstance(n, int) or (isinstance(n, sympy.Basic) and n.is_Integer)
+
+
+def norm(n) -> Size:
+    """An int for a static size (sympy Integers and torch ints included), else the expression."""
+    if isinstance(n, int):
+        return n
+    if isinstance(n, sympy.Basic):
+        return int(n) if n.is_Integer else n
+    return int(n)
+
+
+def _subs(n: Size, field: str) -> int:
+    if static(n):
+        return int(n)
+    dims = _DIMS.get()
+    free = n.free_symbols
+    missing = [s for s in free if s not in dims]
+    if missing:
+        raise ValueError(f"size {n} has symbols {missing} that are not dynamic dims of this build")
+    return int(n.subs({s: getattr(dims[s], field) for s in free}))
+
+
+def hint(n: Size) -> int:
+    """The size at the build's example."""
+    return _subs(n, "hint")
+
+
+def hi(n: Size) -> int:
+    """An upper bound over the dims' ranges (sizes are products and sums of dims with non-negative
+    coefficients, so the value at every dim's upper end; other expressions are bounded by interval
+    arithmetic in indexing.bounds)."""
+    if static(n):
+        return int(n)
+    if _monotone(n):
+        return _subs(n, "hi")
+    from .indexing import bounds
+
+    return bounds(n, {})[1]
+
+
+def lo(n: Size) -> int:
+    if static(n):
+        return int(n)
+    if _monotone(n):
+        return _subs(n, "lo")
+    from .indexing import bounds
+
+    return bounds(n, {})[0]
+
+
+def _monotone(n: sympy.Expr) -> bool:
+    """A polynomial in the dims with non-negative coefficients (non-decreasing in every dim)."""
+    try:
+        p = sympy.Poly(n, *sorted(n.free_symbols, key=str))
+    except sympy.PolynomialError:
+        return False
+    return all(c >= 0 for c in p.coeffs())
+
+
+def same(a: Size, b: Size) -> bool:
+    """Whether two sizes are equal for every value of the dims."""
+    if static(a) and static(b):
+        return int(a) == int(b)
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def prod(xs) -> Size:
+    out: Size = 1
+    for x in xs:
+        out = out * x
+    return norm(sympy.expand(out)) if not isinstance(out, int) else out
+
+
+def text(n: Size) -> str:
+    """A size as the program and the kernels spell it: an int, or a Python expression over s0, s1, ..."""
+    if static(n):
+        return str(int(n))
+    from ..emit.printer import size_code
+
+    return size_code(n)
+
+
+_FOREIGN: contextvars.ContextVar[Mapping] = contextvars.ContextVar("aotfuse_foreign_syms", default={})
+
+
+@contextlib.contextmanager
+def foreign_symbols(symmap: Mapping) -> Iterator[None]:
+    """While lowering an exported graph: torch's size symbols (its SymInts' expressions) -> ours."""
+    tok = _FOREIGN.set(dict(symmap))
+    try:
+        yield
+    finally:
+        _FOREIGN.reset(tok)
+
+
+def size(s) -> Size:
+    """A size as the IR holds it: an int, or an expression over our dim symbols. Accepts ints, sympy
+    expressions and torch SymInts (read through their expression, torch's symbols mapped to ours)."""
+    if isinstance(s, bool):
+        return int(s)
+    if isinstance(s, int):
+        return s
+    node = getattr(s, "node", None)
+    if node is not None and hasattr(node, "expr"):  # a torch SymInt
+        e = node.expr
+        if e.is_Integer:
+            return int(e)
+        fm = _FOREIGN.get()
+        missing = [x for x in e.free_symbols if x not in fm]
+        if missing:
+            raise ValueError(f"size {e} depends on {missing}, which are not dynamic dims of this build")
+        return norm(sympy.expand(e.xreplace(fm)))
+    if isinstance(s, sympy.Basic):
+        return norm(s)
+    return int(s)
+
+
+def sizes(shape) -> tuple:
+    return tuple(size(s) for s in shape)
+
+
+def quotient(total: Size, part: Size) -> Size | None:
+    """total / part when part divides total for every value of the dims (an int or an expression), else None."""
+    if static(total) and static(part):
+        t, p = int(total), int(part)
+        return t // p if p and t % p == 0 else None
+    q = sympy.cancel(sympy.sympify(total) / sympy.sympify(part))
+    num, den = sympy.fraction(q)
+    if den != 1 or any(x.is_Rational and not x.is_Integer for x in sympy.Mul.make_args(q)):
+        return None
+    return norm(sympy.expand(q))
+
+
+def reduces(r: Size) -> bool:
+    """Whether a reduced extent makes a reduction space (more than one element): a dynamic one always
+    does (its kernel masks any length in range, 1 included)."""
+    return not static(r) or int(r) > 1

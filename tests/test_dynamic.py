@@ -1,0 +1,140 @@
+"""Dynamic dims (issue 10): one archive, many shapes, checked against eager on the CPU path.
+
+Kernels take the dims as int32 arguments, program sizes and the memory plan are expressions of them,
+and the runtime specializes the program per shape (no compile). Shapes include the range ends and
+sizes that are not multiples of any block size.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotfuse
+from aotfuse.errors import BuildError, GuardError
+from aotfuse.export.dynamic import DynamicDim, parse_cli
+
+
+class NormSoftmax(torch.nn.Module):
+    def __init__(self, d: int = 100):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+
+    def forward(self, x, y):
+        return torch.softmax(self.ln(x * 2 + y), dim=-1)
+
+
+class RowSoftmax(torch.nn.Module):
+    """A reduction whose length is the dynamic dim."""
+
+    def forward(self, x):
+        return torch.softmax(x * 1.5, dim=-1), x.sum(dim=-1)
+
+
+def _load(model, inputs, dynamic, **kw):
+    res = aotfuse.build(model, inputs, targets=["sm_90"], dynamic_shapes=dynamic, **kw)
+    return aotfuse.load(res.data, device="cpu"), res
+
+
+def test_rows_dynamic_match_eager_at_many_shapes():
+    torch.manual_seed(0)
+    m = NormSoftmax().eval()
+    art, _ = _load(m, (torch.randn(3, 5, 100), torch.randn(100)), ["x.0=1..16", "x.1=1..40"])
+    y = torch.randn(100)
+    for b, t in [(3, 5), (1, 1), (16, 40), (7, 13), (2, 31), (16, 1)]:
+        x = torch.randn(b, t, 100)
+        torch.testing.assert_close(art(x, y), m(x, y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hi", [300, 5000])  # persistent (RBLOCK covers 512) and looped over r
+def test_reduction_length_dynamic(hi):
+    torch.manual_seed(1)
+    m = RowSoftmax()
+    art, res = _load(m, (torch.randn(4, 50),), [f"x.1=1..{hi}"])
+    kinds = {k.kind for k in art.kernels.values()}
+    assert kinds == ({"looped_reduction"} if hi > 1024 else {"persistent_reduction"})
+    for n in [50, 1, 2, 129, hi, hi - 1]:
+        x = torch.randn(4, n)
+        got, want = art(x), m(x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_gpt_one_archive_many_shapes():
+    from aotfuse.examples.gpt import demo
+
+    m, (tok,) = demo(batch=2)
+    art, res = _load(m, (tok,), ["tokens.0=1..4", "tokens.1=1..64"])
+    assert res.manifest.dims and [d.name for d in res.manifest.dims] == ["tokens.0", "tokens.1"]
+    g = torch.Generator().manual_seed(3)
+    for b, t in [(2, 64), (1, 1), (4, 64), (3, 17), (1, 63)]:
+        x = torch.randint(0, 512, (b, t), generator=g)
+        with torch.no_grad():
+            want = m(x)
+        torch.testing.assert_close(art(x), want, rtol=2e-4, atol=2e-4)
+
+
+def test_guards_name_input_dim_and_range():
+    m = NormSoftmax().eval()
+    art, _ = _load(m, (torch.randn(3, 5, 100), torch.randn(100)), ["x.0=1..16", "x.1=2..40"])
+    y = torch.randn(100)
+    with pytest.raises(GuardError, match=r"x.*1.*41.*2\.\.40"):
+        art(torch.randn(3, 41, 100), y)
+    with pytest.raises(GuardError, match=r"1"):
+        art(torch.randn(3, 1, 100), y)  # below the range's start
+    with pytest.raises(GuardError):
+        art(torch.randn(3, 5, 99), y)  # a static dim
+
+
+def test_bad_requests_are_typed_errors_before_tracing():
+    m = NormSoftmax()
+    x, y = torch.randn(3, 5, 100), torch.randn(100)
+    for spec, msg in [(["x.0=1.8"], "INPUT.DIM=LO..HI"), (["z.0=1..8"], "no tensor input 'z'"),
+                      (["x.3=1..8"], "no axis 3"), (["x.0=4..8"], "outside 4..8"), (["x.0=5..2"], "empty"),
+                      (["x.0=1..8", "x.0=1..9"], "twice")]:
+        with pytest.raises(BuildError, match=msg):
+            aotfuse.build(m, (x, y), targets=["sm_90"], dynamic_shapes=spec)
+    with pytest.raises(BuildError, match="specializes"):
+        aotfuse.build(m, (torch.randn(1, 5, 100), y), targets=["sm_90"], dynamic_shapes=["x.0=1..8"])
+    with pytest.raises(BuildError, match="training"):
+        aotfuse.build(m, (x, y), targets=["sm_90"], dynamic_shapes=["x.0=1..8"], train=True)
+
+
+def test_torch_export_dims_are_accepted():
+    from torch.export import Dim
+
+    m = NormSoftmax().eval()
+    b = Dim("batch", min=1, max=8)
+    art, res = _load(m, (torch.randn(3, 5, 100), torch.randn(100)), {"x": {0: b}, "y": None})
+    assert [d.name for d in res.manifest.dims] == ["batch"]
+    x, y = torch.randn(6, 5, 100), torch.randn(100)
+    torch.testing.assert_close(art(x, y), m(x, y), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_spelling():
+    assert parse_cli(["tokens.1=1..64"]) == (DynamicDim("tokens", 1, 1, 64),)
+    with pytest.raises(BuildError):
+        parse_cli(["tokens=1..64"])
+
+
+def test_memory_plan_is_an_expression_of_the_dims():
+    """Offsets and the arena are polynomials of the dims (no max), 16-byte aligned at every size, and
+    no two buffers alive at once overlap at the range ends."""
+    from aotfuse.contract.sizes import evaluate
+    from aotfuse.examples.gpt import demo
+
+    m, (tok,) = demo(batch=2)
+    res = aotfuse.build(m, (tok,), targets=["sm_90"], dynamic_shapes=["tokens.0=1..4", "tokens.1=1..64"])
+    art = aotfuse.load(res.data, device="cpu")
+    prog = art.programs["forward"]
+    assert isinstance(prog.arena_bytes, str) and "max" not in prog.arena_bytes
+    from aotfuse.contract.program import Alloc
+
+    allocs = [i for i in prog.instructions if isinstance(i, Alloc) and i.offset != -1]
+    for env in ({"s0": 1, "s1": 1}, {"s0": 4, "s1": 64}, {"s0": 3, "s1": 17}):
+        arena = evaluate(prog.arena_bytes, env)
+        for a in allocs:
+            off = evaluate(a.offset, env)
+            n = 1
+            for d in a.shape:
+                n *= evaluate(d, env)
+            assert off % 16 == 0 and off + n * {"float32": 4}.get(a.dtype, 8) <= arena
