@@ -44,8 +44,10 @@ def test_rows_and_reduction_lengths_on_the_gpu():
         x = torch.randn(b, t, 100, device="cuda")
         torch.testing.assert_close(art(x, y), m(x, y), rtol=1e-5, atol=1e-5)
     st = art.shape_stats()["forward"]
-    assert st["captures"] == len(set(shapes)), st  # one capture per new shape, none repeated
-    assert st["eager_calls"] == 0, st
+    # each shape linked once (no compile); captures: one per shape, plus one whenever a keyed input
+    # (x: read in place) arrives at a new address, as for a static archive
+    assert st["linked"] == len(set(shapes)) and st["cached"] == len(set(shapes)), st
+    assert len(set(shapes)) <= st["captures"] <= len(shapes) and st["eager_calls"] == 0, st
 
     r = RowSoftmax()
     res = aotfuse.build(r, (torch.randn(4, 50),), targets=_arch(), dynamic_shapes=["x.1=1..5000"])
