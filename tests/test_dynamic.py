@@ -47,12 +47,26 @@ def test_rows_dynamic_match_eager_at_many_shapes():
 
 @pytest.mark.parametrize("hi", [300, 5000])  # persistent (RBLOCK covers 512) and looped over r
 def test_reduction_length_dynamic(hi):
+    """One launch, kernel variants per sub-range of the row length: rows of at most 64, 256, ... held in
+    registers with blocks for that length, the rest of the range by the range's own kernel (persistent
+    up to 4096, looped beyond); each shape runs the variant of its length."""
+    from aotfuse.contract.program import Launch, specialize
+
     torch.manual_seed(1)
     m = RowSoftmax()
     art, res = _load(m, (torch.randn(4, 50),), [f"x.1=1..{hi}"])
-    kinds = {k.kind for k in art.kernels.values()}
-    assert kinds == ({"looped_reduction"} if hi > 1024 else {"persistent_reduction"})
-    for n in [50, 1, 2, 129, hi, hi - 1]:
+    (launch,) = [i for i in art.programs["forward"].instructions if isinstance(i, Launch)]
+    bounds = [c.upto for c in launch.choose]
+    assert bounds == ([64, 256] if hi == 300 else [64, 256, 1024, 4096]) and launch.on == "s0"
+    assert art.kernels[launch.kernel].kind == ("looped_reduction" if hi > 4096 else "persistent_reduction")
+    assert {art.kernels[c.kernel].rblock for c in launch.choose} == set(bounds)
+    picked = [i.kernel for n in (1, 64, 65, 256, 257) for i in specialize(art.programs["forward"], {"s0": n}).instructions
+              if isinstance(i, Launch)]
+    assert picked == [launch.choose[0].kernel] * 2 + [launch.choose[1].kernel] * 2 + \
+        [launch.choose[2].kernel if hi > 300 else launch.kernel]
+    for n in [50, 1, 2, 64, 65, 129, 700, 3000, hi, hi - 1]:
+        if n > hi:
+            continue
         x = torch.randn(4, n)
         got, want = art(x), m(x)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
@@ -138,3 +152,31 @@ def test_memory_plan_is_an_expression_of_the_dims():
             for d in a.shape:
                 n *= evaluate(d, env)
             assert off % 16 == 0 and off + n * {"float32": 4}.get(a.dtype, 8) <= arena
+
+
+def test_launch_variants_round_trip_and_are_checked_at_load():
+    """Launch.choose/on survive the program encoding; a variant naming no kernel, or taking other
+    arguments, is an ArchiveError at load."""
+    import dataclasses
+
+    from aotfuse.contract.program import Launch, LaunchCase, Program
+    from aotfuse.errors import ArchiveError
+    from aotfuse.runtime.validate_dims import _variants
+
+    art, _ = _load(RowSoftmax(), (torch.randn(4, 50),), ["x.1=1..300"])
+    prog = art.programs["forward"]
+    assert Program.from_dict(prog.to_dict(), "forward") == prog
+    (launch,) = [i for i in prog.instructions if isinstance(i, Launch)]
+    _variants("here", launch, art.kernels)  # the archive's own: accepted
+    bad = dataclasses.replace(launch, choose=(LaunchCase(64, "aotf_missing", launch.grid),))
+    with pytest.raises(ArchiveError, match="no kernel"):
+        _variants("here", bad, art.kernels)
+    other = next(n for n, k in art.kernels.items() if n != launch.kernel)
+    kernels = dict(art.kernels)
+    kernels[other] = dataclasses.replace(kernels[other], size_args=())
+    with pytest.raises(ArchiveError, match="other arguments"):
+        _variants("here", launch, kernels)
+    d = launch.to_dict()
+    d["choose"] = list(reversed(d["choose"]))
+    with pytest.raises(ArchiveError, match="increasing"):
+        Launch.from_dict(d)

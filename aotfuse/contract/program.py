@@ -135,16 +135,62 @@ class Launch:
     # version 5: int32 scalars passed after the buffers (the kernel's `size_args`, in order): the
     # dims or sizes a kernel compiled for a range reads at run time; written only when non-empty
     sizes: tuple[SizeExpr, ...] = ()
+    # version 5: kernel variants per sub-range of a dynamic size `on` (a reduction's length): a shape whose
+    # `on` is at most a case's bound runs the first such case's kernel and grid (same buffers and sizes);
+    # larger values run `kernel` / `grid`. Chosen once per shape, when the program is specialized.
+    choose: tuple["LaunchCase", ...] = ()
+    on: SizeExpr | None = None
 
     def to_dict(self) -> dict:
         d = {"op": "launch", "kernel": self.kernel, "grid": list(self.grid), "args": list(self.args)}
-        return put_optional(d, "sizes", list(self.sizes), [])
+        put_optional(d, "sizes", list(self.sizes), [])
+        if self.choose:
+            d["on"] = self.on
+            d["choose"] = [c.to_dict() for c in self.choose]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Launch":
-        d = fields(d, "launch", ("op", "kernel", "grid", "args"), ("sizes",))
+        d = fields(d, "launch", ("op", "kernel", "grid", "args"), ("sizes", "choose", "on"))
+        choose = tuple(LaunchCase.from_dict(c) for c in (d.get("choose") or ()))
+        if choose and d.get("on") is None:
+            raise ArchiveError("launch: kernel variants (choose) without the size they are chosen by (on)",
+                               remedy="the archive is damaged; rebuild it")
+        if any(a.upto >= b.upto for a, b in zip(choose, choose[1:])):
+            raise ArchiveError("launch: kernel variants must be listed by increasing bound",
+                               remedy="the archive is damaged; rebuild it")
         return cls(d["kernel"], size_tuple(d["grid"], "launch grid"), strs(d["args"]),
-                   size_tuple(d.get("sizes", ()), "launch sizes"))
+                   size_tuple(d.get("sizes", ()), "launch sizes"), choose,
+                   None if d.get("on") is None else check_size(d["on"], "launch on"))
+
+    def pick(self, value: int) -> tuple[str, tuple]:
+        """(kernel, grid) of the variant for this value of `on`."""
+        for c in self.choose:
+            if value <= c.upto:
+                return c.kernel, c.grid
+        return self.kernel, self.grid
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCase:
+    """One kernel variant of a launch: used when the launch's `on` size is at most `upto`."""
+
+    upto: int
+    kernel: str
+    grid: tuple[SizeExpr, SizeExpr, SizeExpr]
+
+    def to_dict(self) -> dict:
+        return {"upto": self.upto, "kernel": self.kernel, "grid": list(self.grid)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "LaunchCase":
+        d = fields(d, "launch variant", ("upto", "kernel", "grid"))
+        if type(d["upto"]) is not int or not 0 <= d["upto"] < 1 << 31:
+            raise ArchiveError(f"launch variant: bound {d['upto']!r} is not an int32 size",
+                               remedy="the archive is damaged; rebuild it")
+        if not isinstance(d["kernel"], str):
+            raise ArchiveError("launch variant: kernel is not a name", remedy="the archive is damaged; rebuild it")
+        return cls(d["upto"], d["kernel"], size_tuple(d["grid"], "launch variant grid"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +384,10 @@ def sizes_of(program: Program) -> Iterator[SizeExpr]:
         elif isinstance(ins, Launch):
             yield from ins.grid
             yield from ins.sizes
+            if ins.choose:
+                yield ins.on
+                for c in ins.choose:
+                    yield from c.grid
         elif isinstance(ins, Extern):
             yield from ins.shape
             yield from _ref_sizes(ins.out_view)
@@ -404,7 +454,8 @@ def specialize(program: Program, env: Mapping[str, int]) -> Program:
         if isinstance(i, Alloc):
             return Alloc(i.buf, ev(i.offset), evs(i.shape), i.dtype)
         if isinstance(i, Launch):
-            return Launch(i.kernel, evs(i.grid), i.args, evs(i.sizes))
+            kernel, grid = i.pick(ev(i.on)) if i.choose else (i.kernel, i.grid)
+            return Launch(kernel, evs(grid), i.args, evs(i.sizes))
         if isinstance(i, Extern):
             return Extern(i.target, arg(i.args), {k: arg(v) for k, v in i.kwargs.items()}, i.out, ref(i.out_view),
                           i.out_variant, evs(i.shape), i.dtype,

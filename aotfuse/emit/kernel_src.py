@@ -34,7 +34,7 @@ from .online import update as online_update
 from .predicate import condition_bounds, index_only, merge, resolve_clamps
 from .printer import PTR_TYPE, TL_DTYPE, index_value, literal, op_source, print_index
 # the iteration space's symbols and block heuristic, also read through this module (ks.SX, ks.block_choice)
-from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, reduction_pattern, same_index  # noqa: F401
+from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, reduction_pattern, same_index, variant_blocks  # noqa: F401
 from ..ir.sizes import current_dims, hi, hint, same, static
 
 
@@ -112,6 +112,10 @@ class KernelSource:
     why: str = ""  # why these blocks (block_choice), for explain
     num_stages: int = 0  # software-pipelining stages for the compiler (0: Triton's default); matmul templates
     sizes: tuple[str, ...] = ()  # dynamic dims the kernel takes after its buffers (int32 "s0", "s1", ...)
+    # kernels for sub-ranges of a dynamic reduced length: ((upto, KernelSource), ...) by increasing bound, the
+    # length's expression; this kernel serves the rest of the range
+    variants: tuple = ()
+    variant_on: str | None = None
 
     @property
     def signature(self) -> dict[str, str]:
@@ -450,8 +454,36 @@ def _combine(rtype: str, acc: str, v: str, dtype: str = "") -> str:
 
 def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
              evict: dict[str, set[int]] | None = None) -> KernelSource:
+    """The kernel of one fusion group. A group whose reduced length is dynamic gets kernel variants
+    per sub-range of that length (`KernelSource.variants`; space.variant_blocks): the program picks
+    one per shape."""
+    main = _generate(group, graph, stored, evict)
+    if group.kind in ("template", "scan", "mix_order") or main.kind == "pointwise" or static(group.rnumel):
+        return main
+    cases = variant_blocks(group.xnumel, group.rnumel, main.pattern)
+    if not cases:
+        return main
+    variants = [(upto, _generate(group, graph, stored, evict, blocks=b)) for upto, b in cases]
+    dims = tuple(sorted({d for k in [main] + [v for _, v in variants] for d in k.sizes}, key=lambda d: int(d[1:])))
+    if any(k.sizes != dims for k in [main] + [v for _, v in variants]):  # one signature for every variant
+        main = _generate(group, graph, stored, evict, dims=dims)
+        variants = [(upto, _generate(group, graph, stored, evict, blocks=b, dims=dims)) for upto, b in cases]
+    from ..ir.sizes import text
+
+    note = "; variants by r (" + text(group.rnumel) + "): " + ", ".join(
+        f"r <= {upto}: {v.kind.replace('_reduction', '')} {v.xblock}x{v.rblock}/{v.num_warps}w" for upto, v in variants) + \
+        f", else this kernel"
+    return dataclasses.replace(main, why=main.why + note, variants=tuple(variants), variant_on=text(group.rnumel))
+
+
+def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
+              evict: dict[str, set[int]] | None = None, blocks: Blocks | None = None,
+              dims: tuple[str, ...] | None = None) -> KernelSource:
     """`evict`: a looped kernel's second writing, with the loop levels each input is read in (first writing's
-    record), so its loads carry L2 eviction hints (_Emitter.policy)."""
+    record), so its loads carry L2 eviction hints (_Emitter.policy). blocks: the launch shape to use (a
+    variant's) instead of the heuristic's; dims: the dim arguments to take (every variant of a launch
+    takes the same)."""
+    forced = blocks
     if group.kind == "template":  # a matmul and its epilogue: emit/template_mm.py
         from .template_mm import generate_mm
 
@@ -474,7 +506,8 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     pattern = "inner" if _one(r) else reduction_pattern(
         [_at_hint(k) for k in knodes], hint(x), hint(r), lambda b: b not in names,
         lambda b: ITEMSIZE[graph.buffer(b).dtype])
-    blocks = block_choice(x, r, pattern) if static(x) and static(r) else dynamic_blocks(x, r, pattern)
+    if blocks is None:
+        blocks = block_choice(x, r, pattern) if static(x) and static(r) else dynamic_blocks(x, r, pattern)
     kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
     from ..ir.loop import expr_loads
 
@@ -603,7 +636,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                 if n.name in out_name:
                     store(n, em.red_vars[n.name], "x")
     if evict is None and knobs.eviction_hints and any(len(v) > 1 for v in em.load_levels.values()):
-        return generate(group, graph, stored, evict=em.load_levels)
+        return _generate(group, graph, stored, evict=em.load_levels, blocks=forced, dims=dims)
     if evict is not None:
         reread = sorted(b for b, v in evict.items() if len(v) > 1)
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; L2 hints: {', '.join(reread)} kept for the "
@@ -614,7 +647,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     if em.predicated:
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.predicated} positional select(s): each branch "
                                      f"loads under its predicate, the clamps it decides dropped (emit/predicate.py)")
-    dims = kernel_dims(body)
+    dims = kernel_dims(body) if dims is None else dims
     params = ", ".join([a.name for a in args] + list(dims))
     head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"

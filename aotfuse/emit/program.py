@@ -4,7 +4,7 @@ Its schema (instructions, fields, versions) is aotfuse/contract/program.py and a
 """
 from __future__ import annotations
 
-from ..contract.program import (PROGRAM_VERSION, Alloc, Extern as ExternIns, ExternOut, Free, Launch, Program, ProgramInput,
+from ..contract.program import (PROGRAM_VERSION, Alloc, Extern as ExternIns, ExternOut, Free, Launch, LaunchCase, Program, ProgramInput,
                                 Return, TensorRef, WeightSpec)
 from ..ir.loop import Extern, LoopGraph, TensorArg
 from ..schedule.fusion import Schedule
@@ -67,7 +67,9 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         else:
             k = kernels[g.name]
             instrs += [alloc(a.buf, a.buf in separate) for a in k.args if a.role == "out"]
-            instrs.append(Launch(k.name, tuple(k.grid), tuple(a.buf for a in k.args), sizes=tuple(k.sizes)))
+            choose = tuple(LaunchCase(upto, v.name, tuple(v.grid)) for upto, v in k.variants)
+            instrs.append(Launch(k.name, tuple(k.grid), tuple(a.buf for a in k.args), sizes=tuple(k.sizes),
+                                 choose=choose, on=k.variant_on if choose else None))
         if step in frees:
             instrs.append(Free(tuple(frees[step])))
     instrs.append(Return(tuple(program_arg(o.view) for o in graph.outputs)))

@@ -105,6 +105,28 @@ def dynamic_blocks(x, r, pattern: str = "inner") -> Blocks:
                                + ("held for the longest row)" if b.kind == "persistent_reduction" else "looped)"))
 
 
+VARIANT_BOUNDS = (64, 256, 1024, 4096)  # sub-ranges of a dynamic reduced length that get kernels of their own
+
+
+def variant_blocks(x, r, pattern: str = "inner") -> list[tuple[int, Blocks]]:
+    """Kernel variants for a dynamic reduced length r: for each bound b in VARIANT_BOUNDS inside r's
+    range (lo <= b < hi), the blocks the heuristic gives rows of b elements: held in registers with
+    RBLOCK = b (rows packed per program) where one kernel for the whole range would hold the longest
+    row (a quarter of the lanes or less busy for rows 4x shorter) or loop over r. Beyond the last bound,
+    the range's own kernel (dynamic_blocks)."""
+    from ..ir.sizes import hi, hint, lo, static
+
+    if static(r) or pattern != "inner":
+        return []
+    rlo, rhi = lo(r), hi(r)
+    out = []
+    for b in VARIANT_BOUNDS:
+        if rlo <= b < rhi and b <= knobs.persistent_rblock_max:
+            blk = block_choice(hint(x), b, pattern)
+            out.append((b, dataclasses.replace(blk, why=blk.why + f"; variant for r <= {b}")))
+    return out
+
+
 def _step(index, at: tuple[int, int], var) -> int | None:
     """How far `index` moves when `var` (SX or SR) steps by one from the point `at`; None if unknown."""
     try:

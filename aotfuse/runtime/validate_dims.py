@@ -116,14 +116,37 @@ def read_dynamic(m: dict, kernels: dict, programs: dict,
         _only_declared(f"program {name!r}", program_dims(p), declared)
     for name, k in typed_kernels.items():
         _only_declared(f"kernel {name}", kernel_dims(k), declared)
+    for name, p in typed_programs.items():
+        for i, ins in enumerate(p.instructions):
+            if isinstance(ins, Launch) and ins.choose:
+                _variants(f"program {name!r}, instruction {i} (launch {ins.kernel})", ins, typed_kernels)
     for env in range_ends(manifest):
         try:
+            progs = {n: specialize(p, env) for n, p in typed_programs.items()}
+            # the kernels these shapes launch (a variant for another sub-range is checked at its shapes)
+            used = {i.kernel for p in progs.values() for i in p.instructions if isinstance(i, Launch)}
             validate_archive(_specialize_manifest(m, env), kernels_to_dict(
-                {n: specialize_kernel(k, env) for n, k in typed_kernels.items()}),
-                {n: specialize(p, env).to_dict() for n, p in typed_programs.items()}, weights, empty_ok=True)
+                {n: specialize_kernel(k, env) for n, k in typed_kernels.items() if n in used}),
+                {n: p.to_dict() for n, p in progs.items()}, weights, empty_ok=True)
         except ArchiveError as e:
             raise ArchiveError(f"at {dims_text(manifest, env)}: {e.message}", remedy=e.remedy) from None
     return manifest, typed_kernels, typed_programs
+
+
+def _variants(where: str, ins: Launch, kernels: dict[str, KernelEntry]) -> None:
+    """A launch's kernel variants (one per sub-range of its `on` size) exist and take what it passes:
+    the same buffers (count and roles) and the same int32 sizes. Each runs only at the shapes whose `on`
+    falls in its sub-range; validate_shape checks it, with its grid, before its first launch."""
+    base = kernels.get(ins.kernel)
+    if base is None:
+        raise ArchiveError(f"{where}: no kernel {ins.kernel!r}", remedy=_REMEDY)
+    for c in ins.choose:
+        k = kernels.get(c.kernel)
+        if k is None:
+            raise ArchiveError(f"{where}: variant for {ins.on} <= {c.upto} names no kernel {c.kernel!r}", remedy=_REMEDY)
+        if [(a.dtype, a.role) for a in k.args] != [(a.dtype, a.role) for a in base.args] or \
+                tuple(k.size_args) != tuple(base.size_args):
+            raise ArchiveError(f"{where}: variant {c.kernel} takes other arguments than {ins.kernel}", remedy=_REMEDY)
 
 
 def _only_declared(where: str, used: frozenset, declared: set) -> None:
