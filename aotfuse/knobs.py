@@ -28,6 +28,7 @@
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
 | graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
 | graph_instances | AOTFUSE_GRAPH_INSTANCES | 4 | runtime: CUDA graphs per program and caller stream (input addresses x output sets, runtime/graphs.py); beyond, a call runs without a graph |
+| dynamic_variants | AOTFUSE_DYNAMIC_VARIANTS | 1 | build, dynamic dims: kernel variants per sub-range of a dynamic reduction length (emit/space.variant_blocks); 0: one kernel for the whole range |
 | shape_cache | AOTFUSE_SHAPE_CACHE | 16 | runtime, archives with dynamic dims: shapes (tuples of dim values) kept linked per program, each with its executor (arena) and, on CUDA, its graphs; the least recently used shape beyond is released (runtime/shapes.py) |
 | graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (a loss kept by the caller pins no output set); larger ones are read and returned in place (runtime/graphs.py says which) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
@@ -90,6 +91,7 @@ class Knobs:
     graph_streams: int = _env_int("AOTFUSE_GRAPH_STREAMS", 4)
     graph_instances: int = _env_int("AOTFUSE_GRAPH_INSTANCES", 4)
     graph_copy_bytes: int = _env_int("AOTFUSE_GRAPH_COPY_BYTES", 4096)
+    dynamic_variants: bool = _env_int("AOTFUSE_DYNAMIC_VARIANTS", 1) != 0
     shape_cache: int = _env_int("AOTFUSE_SHAPE_CACHE", 16)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
     mm: str = os.environ.get("AOTFUSE_MM", "extern") or "extern"

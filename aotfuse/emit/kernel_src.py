@@ -458,7 +458,8 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     per sub-range of that length (`KernelSource.variants`; space.variant_blocks): the program picks
     one per shape."""
     main = _generate(group, graph, stored, evict)
-    if group.kind in ("template", "scan", "mix_order") or main.kind == "pointwise" or static(group.rnumel):
+    if group.kind in ("template", "scan", "mix_order") or main.kind == "pointwise" or static(group.rnumel) \
+            or not knobs.dynamic_variants:
         return main
     cases = variant_blocks(group.xnumel, group.rnumel, main.pattern)
     if not cases:
