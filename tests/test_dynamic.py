@@ -56,14 +56,19 @@ def test_reduction_length_dynamic(hi):
     m = RowSoftmax()
     art, res = _load(m, (torch.randn(4, 50),), [f"x.1=1..{hi}"])
     (launch,) = [i for i in art.programs["forward"].instructions if isinstance(i, Launch)]
-    bounds = [c.upto for c in launch.choose]
+    bounds = [c.upto for c in launch.choose if not c.aligned]
     assert bounds == ([64, 256] if hi == 300 else [64, 256, 1024, 4096]) and launch.on == "s0"
+    # each sub-range also has a twin for a length that is a multiple of 16 (aligned rows), listed first
+    assert [c.upto for c in launch.choose if c.aligned] == bounds + [2**31 - 1]
+    assert all(c.aligned == ("s0",) for c in launch.choose if c.aligned)
     assert art.kernels[launch.kernel].kind == ("looped_reduction" if hi > 4096 else "persistent_reduction")
-    assert {art.kernels[c.kernel].rblock for c in launch.choose} == set(bounds)
-    picked = [i.kernel for n in (1, 64, 65, 256, 257) for i in specialize(art.programs["forward"], {"s0": n}).instructions
-              if isinstance(i, Launch)]
-    assert picked == [launch.choose[0].kernel] * 2 + [launch.choose[1].kernel] * 2 + \
-        [launch.choose[2].kernel if hi > 300 else launch.kernel]
+    assert {art.kernels[c.kernel].rblock for c in launch.choose if c.upto in bounds} == set(bounds)
+    case = {(c.upto, bool(c.aligned)): c.kernel for c in launch.choose}
+    picked = {n: next(i.kernel for i in specialize(art.programs["forward"], {"s0": n}).instructions
+                      if isinstance(i, Launch)) for n in (1, 64, 65, 256, 257, 272)}
+    big = 1024 if hi > 300 else 2**31 - 1
+    assert picked == {1: case[64, False], 64: case[64, True], 65: case[256, False], 256: case[256, True],
+                      257: case[1024, False] if hi > 300 else launch.kernel, 272: case[big, True]}
     for n in [50, 1, 2, 64, 65, 129, 700, 3000, hi, hi - 1]:
         if n > hi:
             continue

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Iterator, Mapping, Union
 
 from ..errors import ArchiveError
 from ._codec import UPGRADE, decoding, fields, ints, put_optional, size_tuple, strs
-from .sizes import SizeExpr, check_size, evaluate, free_dims
+from .sizes import SYMBOL, SizeExpr, check_size, evaluate, free_dims
 
 PROGRAM_VERSION = 4  # what this aotfuse writes for a program without size expressions
 DIMS_VERSION = 5  # ... and for one with size expressions or launch sizes (dynamic dims)
@@ -156,19 +156,23 @@ class Launch:
         if choose and d.get("on") is None:
             raise ArchiveError("launch: kernel variants (choose) without the size they are chosen by (on)",
                                remedy="the archive is damaged; rebuild it")
-        if any(a.upto >= b.upto for a, b in zip(choose, choose[1:])):
+        if any(a.upto > b.upto for a, b in zip(choose, choose[1:])):
             raise ArchiveError("launch: kernel variants must be listed by increasing bound",
                                remedy="the archive is damaged; rebuild it")
         return cls(d["kernel"], size_tuple(d["grid"], "launch grid"), strs(d["args"]),
                    size_tuple(d.get("sizes", ()), "launch sizes"), choose,
                    None if d.get("on") is None else check_size(d["on"], "launch on"))
 
-    def pick(self, value: int) -> tuple[str, tuple]:
-        """(kernel, grid) of the variant for this value of `on`."""
+    def pick(self, value: int, env: Mapping[str, int]) -> tuple[str, tuple]:
+        """(kernel, grid) of the first variant for this value of `on` whose aligned dims are multiples of
+        ALIGNED_MULTIPLE in `env`; else the launch's own."""
         for c in self.choose:
-            if value <= c.upto:
+            if value <= c.upto and all(env[d] % ALIGNED_MULTIPLE == 0 for d in c.aligned):
                 return c.kernel, c.grid
         return self.kernel, self.grid
+
+
+ALIGNED_MULTIPLE = 16  # a variant's `aligned` dims are multiples of this (its kernel is compiled knowing so)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,19 +182,25 @@ class LaunchCase:
     upto: int
     kernel: str
     grid: tuple[SizeExpr, SizeExpr, SizeExpr]
+    aligned: tuple[str, ...] = ()  # dims that must be multiples of ALIGNED_MULTIPLE for this variant
 
     def to_dict(self) -> dict:
-        return {"upto": self.upto, "kernel": self.kernel, "grid": list(self.grid)}
+        d = {"upto": self.upto, "kernel": self.kernel, "grid": list(self.grid)}
+        return put_optional(d, "aligned", list(self.aligned), [])
 
     @classmethod
     def from_dict(cls, d: Any) -> "LaunchCase":
-        d = fields(d, "launch variant", ("upto", "kernel", "grid"))
+        d = fields(d, "launch variant", ("upto", "kernel", "grid"), ("aligned",))
+        aligned = strs(d.get("aligned", ()))
+        if any(not SYMBOL.match(x) for x in aligned):
+            raise ArchiveError(f"launch variant: aligned dims {list(aligned)} are not dim symbols",
+                               remedy="the archive is damaged; rebuild it")
         if type(d["upto"]) is not int or not 0 <= d["upto"] < 1 << 31:
             raise ArchiveError(f"launch variant: bound {d['upto']!r} is not an int32 size",
                                remedy="the archive is damaged; rebuild it")
         if not isinstance(d["kernel"], str):
             raise ArchiveError("launch variant: kernel is not a name", remedy="the archive is damaged; rebuild it")
-        return cls(d["upto"], d["kernel"], size_tuple(d["grid"], "launch variant grid"))
+        return cls(d["upto"], d["kernel"], size_tuple(d["grid"], "launch variant grid"), aligned)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +464,7 @@ def specialize(program: Program, env: Mapping[str, int]) -> Program:
         if isinstance(i, Alloc):
             return Alloc(i.buf, ev(i.offset), evs(i.shape), i.dtype)
         if isinstance(i, Launch):
-            kernel, grid = i.pick(ev(i.on)) if i.choose else (i.kernel, i.grid)
+            kernel, grid = i.pick(ev(i.on), env) if i.choose else (i.kernel, i.grid)
             return Launch(kernel, evs(grid), i.args, evs(i.sizes))
         if isinstance(i, Extern):
             return Extern(i.target, arg(i.args), {k: arg(v) for k, v in i.kwargs.items()}, i.out, ref(i.out_view),

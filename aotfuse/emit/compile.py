@@ -77,7 +77,8 @@ def _stages_hook(triton_root: str):
     return hook
 
 
-def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: str, num_stages: int = 0) -> Binary:
+def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: str, num_stages: int = 0,
+                 aligned_sizes: bool = False) -> Binary:
     import triton
     from triton import knobs as tknobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
@@ -88,7 +89,10 @@ def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: 
     fn = getattr(mod, name)
     # Pointers are 16-byte aligned (the runtime's guards and allocations); sizes (int32 dims) are not
     # specialized at all: one cubin serves every value in range.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t.startswith("*")}
+    # aligned_sizes: a variant for dims that are multiples of 16 (the program picks it only then), so row
+    # starts of a dynamic length are 16-element aligned and its loads vectorize.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values())
+             if t.startswith("*") or (aligned_sizes and t == "i32")}
     src = ASTSource(fn, signature, constexprs={}, attrs=attrs)
     triton_root = os.path.dirname(os.path.realpath(triton.__file__))
     # Triton's cache key does not cover the stages hook: add our remap's version to the key's env vars,
@@ -124,7 +128,7 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     unique = {}
     for k in kernels:
         unique.setdefault(k.name, k)
-    jobs = [(k.name, k.source, k.signature, k.num_warps, arch) + ((k.num_stages,) if k.num_stages else ())
+    jobs = [(k.name, k.source, k.signature, k.num_warps, arch, k.num_stages, k.aligned_sizes)
             for k in unique.values() for arch in targets]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)

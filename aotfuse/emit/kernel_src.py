@@ -116,6 +116,9 @@ class KernelSource:
     # length's expression; this kernel serves the rest of the range
     variants: tuple = ()
     variant_on: str | None = None
+    # a variant for dims that are all multiples of 16 (compiled with that divisibility: aligned row starts
+    # vectorize); `variants` entries are (upto, KernelSource) and the aligned ones say so here
+    aligned_sizes: bool = False
 
     @property
     def signature(self) -> dict[str, str]:
@@ -471,10 +474,32 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         variants = [(upto, _generate(group, graph, stored, evict, blocks=b, dims=dims)) for upto, b in cases]
     from ..ir.sizes import text
 
+    # Each sub-range also gets a twin for dims that are multiples of 16 (listed first: the program takes it
+    # when they are): with a dynamic row length, a row's start is aligned only if the length is, and
+    # Triton vectorizes a load only where it knows the alignment.
+    both = []
+    for upto, v in variants + [(INT32_MAX, main)]:
+        both += [(upto, _aligned(v)), (upto, v)]
+    both = both[:-1]  # the last (unaligned, whole range) is the launch's own kernel
     note = "; variants by r (" + text(group.rnumel) + "): " + ", ".join(
         f"r <= {upto}: {v.kind.replace('_reduction', '')} {v.xblock}x{v.rblock}/{v.num_warps}w" for upto, v in variants) + \
-        f", else this kernel"
-    return dataclasses.replace(main, why=main.why + note, variants=tuple(variants), variant_on=text(group.rnumel))
+        f", else this kernel; each also compiled for dims that are multiples of 16 ({', '.join(dims)}: aligned rows, " \
+        f"vectorized loads)"
+    return dataclasses.replace(main, why=main.why + note, variants=tuple(both), variant_on=text(group.rnumel))
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _aligned(k: KernelSource) -> KernelSource:
+    """The same kernel compiled for dims that are all multiples of 16 (a source comment makes it a kernel of
+    its own name; the compile gives its int32 arguments Triton's divisibility-by-16 attribute)."""
+    old = k.name
+    text = k.source.replace(f"def {old}(", "def KERNEL_NAME(").replace(
+        "@triton.jit\n", "# sizes: multiples of 16\n@triton.jit\n", 1)
+    name = f"{old[:old.rindex('_') + 1]}{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return dataclasses.replace(k, name=name, source=text.replace("KERNEL_NAME", name), aligned_sizes=True,
+                               why=k.why + "; dims multiples of 16")
 
 
 def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,

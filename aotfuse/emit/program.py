@@ -67,7 +67,8 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         else:
             k = kernels[g.name]
             instrs += [alloc(a.buf, a.buf in separate) for a in k.args if a.role == "out"]
-            choose = tuple(LaunchCase(upto, v.name, tuple(v.grid)) for upto, v in k.variants)
+            choose = tuple(LaunchCase(upto, v.name, tuple(v.grid), tuple(v.sizes) if v.aligned_sizes else ())
+                           for upto, v in k.variants)
             instrs.append(Launch(k.name, tuple(k.grid), tuple(a.buf for a in k.args), sizes=tuple(k.sizes),
                                  choose=choose, on=k.variant_on if choose else None))
         if step in frees:

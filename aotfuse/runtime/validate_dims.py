@@ -145,7 +145,7 @@ def _variants(where: str, ins: Launch, kernels: dict[str, KernelEntry]) -> None:
         if k is None:
             raise ArchiveError(f"{where}: variant for {ins.on} <= {c.upto} names no kernel {c.kernel!r}", remedy=_REMEDY)
         if [(a.dtype, a.role) for a in k.args] != [(a.dtype, a.role) for a in base.args] or \
-                tuple(k.size_args) != tuple(base.size_args):
+                tuple(k.size_args) != tuple(base.size_args) or not set(c.aligned) <= set(base.size_args):
             raise ArchiveError(f"{where}: variant {c.kernel} takes other arguments than {ins.kernel}", remedy=_REMEDY)
 
 
