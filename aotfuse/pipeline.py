@@ -26,9 +26,9 @@ from .emit.compile import compile_all
 from .emit.kernel_src import generate
 from .emit.program import build_program
 from .export import capture
-from .errors import BuildError
+from .errors import AotfuseError, BuildError
 from .knobs import knobs
-from .ir.sizes import dims_scope, foreign_symbols, hint, text as size_text
+from .ir.sizes import current_dims, dims_scope, foreign_symbols, hint, text as size_text
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
 from .schedule.trivial import trivial_reductions
@@ -65,7 +65,16 @@ class _Stages:
         if self.progress:
             self.progress("stage", {"name": name, "status": "start"})
         t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            if not current_dims() or isinstance(exc, AotfuseError):
+                raise
+            # a pass met a size it could only handle as an int: name the stage, never a bare TypeError
+            raise BuildError(f"stage {name}: this model's graph needs a case that is not supported with dynamic "
+                             f"dims yet ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                             remedy="build it with static shapes (drop --dynamic), or make fewer dims dynamic; "
+                                    "report the model") from exc
         self.timings[name] = round(time.perf_counter() - t0, 4)
         if self.progress:
             self.progress("stage", {"name": name, "status": "done", "seconds": self.timings[name]})

@@ -186,3 +186,31 @@ def test_launch_variants_round_trip_and_are_checked_at_load():
     d["choose"] = list(reversed(d["choose"]))
     with pytest.raises(ArchiveError, match="increasing"):
         Launch.from_dict(d)
+
+
+def test_cnn_dynamic_batch_matches_eager():
+    """Convolutions (cuDNN externs), BatchNorm, max pool and the classifier with a dynamic batch."""
+    from aotfuse.specs import load_spec
+
+    m, ex = load_spec("aotfuse.examples.cnn:cnn")
+    ex = tuple(x.contiguous() for x in ex)
+    art, _ = _load(m, ex, ["x.0=1..16"])
+    for b in (1, 3, 16):
+        x = torch.randn(b, *ex[0].shape[1:])
+        with torch.no_grad():
+            want = m(x)
+        torch.testing.assert_close(art(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_lowering_that_would_fix_a_dim_is_refused(monkeypatch):
+    """A rule that reads a dynamic size as a Python int would bake the example's size into the program
+    (right at the example, wrong elsewhere): torch's shape environment records the guard, and the build
+    refuses the op by name instead."""
+    from aotfuse.errors import UnsupportedOpError
+    from aotfuse.lower import pool
+    from aotfuse.specs import load_spec
+
+    monkeypatch.setattr(pool, "sizes", lambda shape: tuple(int(s) for s in shape))
+    m, ex = load_spec("aotfuse.examples.cnn:cnn")
+    with pytest.raises(UnsupportedOpError, match="max_pool2d.*fix a dynamic dim"):
+        aotfuse.build(m, tuple(x.contiguous() for x in ex), targets=["sm_90"], dynamic_shapes=["x.0=1..16"])

@@ -75,6 +75,7 @@ class CapturedGraph:
     # Dynamic dims (ir/sizes.Dim, symbols s0, s1, ...) and torch's size symbols -> ours (export/dynamic.py)
     dims: tuple = ()
     symmap: dict = dataclasses.field(default_factory=dict)
+    shape_env: Any = None  # torch's ShapeEnv of the dynamic dims: a guard it gains while lowering is a specialization
 
 
 def _qualname(t: type) -> str:
@@ -236,7 +237,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
                          time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
                          outputs_tree=output_structure(out_spec) if out_spec is not None else None,
-                         dims=dims, symmap=symmap)
+                         dims=dims, symmap=symmap, shape_env=_shape_env(ph_by_name, user_inputs) if dims else None)
+
+
+def _shape_env(ph_by_name, user_inputs):
+    for n in user_inputs:
+        for s in getattr(ph_by_name[n].meta.get("val"), "shape", ()):
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env
+    return None
 
 
 def _flat_names(model, n_pos: int, kw_order) -> list[str]:

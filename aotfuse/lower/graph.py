@@ -13,7 +13,7 @@ from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
 from ..layouts import channels_last_perm
 from .registry import registry
-from ..ir.sizes import size
+from ..ir.sizes import current_dims, size, sizes
 
 
 def _map_args(x, env):
@@ -96,11 +96,25 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             if info.category == "pointwise":  # channels-last values stay channels-last (aotfuse/layouts.py)
                 ctx.layout = channels_last_perm(node.meta.get("val"))
                 ctx.layout_shape = out_shape(node) if ctx.layout is not None else None
+            guards = len(cg.shape_env.guards) if cg.shape_env is not None else 0
             try:
                 env[node] = info.fn(ctx, node, args, kwargs)
+                if cg.shape_env is not None and len(cg.shape_env.guards) != guards:
+                    # the rule read a dynamic size as a Python int or bool: torch specialized it to the
+                    # example's value (a wrong program at every other size): refuse, naming the op
+                    new = cg.shape_env.guards[guards:]
+                    raise UnsupportedOpError(str(node.target), node.name,
+                                             f"its lowering would fix a dynamic dim to the example's size "
+                                             f"({', '.join(str(g.expr) for g in new[:3])})",
+                                             remedy="build with static shapes, or keep the dims this op sees static")
             except UnsupportedOpError:
                 raise
             except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+                if current_dims() and any(not isinstance(d, int) for d in _shapes_of(node)):
+                    raise UnsupportedOpError(str(node.target), node.name,
+                                             f"not supported with dynamic dims yet (sizes {_shapes_of(node)}; "
+                                             f"{type(exc).__name__}: {exc})",
+                                             remedy="build with static shapes, or keep the dims this op sees static") from exc
                 raise UnsupportedOpError(str(node.target), node.name,
                                          f"this form of the op cannot be lowered ({type(exc).__name__}: {exc})") from exc
             finally:
@@ -139,3 +153,16 @@ def _where(node) -> str:
         last = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
         return f"from {last[-2] if len(last) > 1 else last[-1]}"
     return "no lowering registered"
+
+
+def _shapes_of(node) -> list:
+    """The sizes of a node's tensor inputs and result, as the IR holds them (dims as expressions)."""
+    out = []
+    for n in [*node.all_input_nodes, node]:
+        val = n.meta.get("val")
+        if hasattr(val, "shape"):
+            try:
+                out.extend(sizes(val.shape))
+            except ValueError:
+                pass
+    return out

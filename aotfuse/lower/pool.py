@@ -18,6 +18,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from ..ir.sizes import sizes
 from ..ir.indexing import FloorDiv, ModIdx, bounds, simplify, syms
 from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
 from .ctx import as_dtype, meta, out_dtype, out_shape
@@ -94,7 +95,7 @@ def _max_pool2d(ctx, node, args, kwargs):
     k, stride, pad = _pool_args(args)
     dil = _pair(args[4] if len(args) > 4 else 1)
     m = meta(node)[0] if isinstance(meta(node), (tuple, list)) else meta(node)
-    shape = tuple(int(s) for s in m.shape)
+    shape = sizes(m.shape)
     dt = x.dtype
     cdt = compute_dtype(dt)
     with_idx = node.target is aten.max_pool2d_with_indices.default

@@ -53,6 +53,8 @@ def _as_strided(ctx, node, args, kwargs):
     val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
     if not isinstance(v, View) or not isinstance(val, torch.Tensor):
         raise UnsupportedOpError(str(node.target), node.name, "as_strided of a value without a recorded layout")
+    if _identity(v, val, size, stride, offset):  # x.as_strided(x.shape, x.stride(), its offset): x itself
+        return v
     out = v.restride((val.stride(), val.storage_offset()), size, stride,
                      val.storage_offset() if offset is None else offset)
     if out is None:
@@ -96,3 +98,20 @@ def register_all(register) -> None:
     """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
     for r in RULES:
         register(*r.ops, category=r.category, note=r.note)(r.fn)
+
+
+def _identity(v, val, size, stride, offset) -> bool:
+    """as_strided that restates the input's own layout (decompositions write them, e.g. around a pool's
+    1x1 output): checked symbolically, so it holds for dynamic dims too."""
+    from ..ir.sizes import same, size as as_size, sizes
+
+    try:
+        want_off = as_size(val.storage_offset())
+        got = (sizes(size), sizes(stride), want_off if offset is None else as_size(offset))
+        have = (v.shape, sizes(val.stride()), want_off)
+    except (TypeError, ValueError):
+        return False
+    return len(got[0]) == len(have[0]) and len(got[1]) == len(have[1]) and \
+        all(same(a, b) for a, b in zip(got[0], have[0])) and \
+        all(same(a, b) or (same(n, 1)) for a, b, n in zip(got[1], have[1], got[0])) and same(got[2], have[2]) and \
+        v.as_strided() is not None and all(same(a, b) or same(n, 1) for a, b, n in zip(v.as_strided().stride, got[1], got[0]))
