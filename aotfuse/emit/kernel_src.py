@@ -38,6 +38,18 @@ from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, red
 from ..ir.sizes import current_dims, hi, hint, same, static
 
 
+def _dim_value(v: sympy.Expr, dtype: str) -> str:
+    """A constant that is an expression of the dims (a size used as a value: a mean's count, a scale):
+    computed from the kernel's int32 dim arguments, in `dtype` (a quotient only in a float dtype)."""
+    num, den = sympy.fraction(sympy.together(v))
+    base = f"(tl.zeros([1], {TL_DTYPE[dtype]}) + {ktext(num)})"
+    if den == 1:
+        return base
+    if not dtype.startswith(("float", "bfloat")):
+        raise BuildError(f"constant {v} (a quotient of dims) in integer dtype {dtype}")
+    return f"({base} / {ktext(den)})"
+
+
 def _one(n) -> bool:
     """A reduced extent of exactly one element (a static 1: the group runs as a pointwise kernel)."""
     return static(n) and int(n) == 1
@@ -234,6 +246,8 @@ class _Emitter:
                 return f"tl.load({self.args[e.buf]} + {idx}, {mask}, other=0{self.policy(e.buf)})"
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0{self.policy(e.buf)})"
         if isinstance(e, Const):
+            if isinstance(e.value, sympy.Basic) and not e.value.is_Number:
+                return _dim_value(e.value, e.dtype)
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         if isinstance(e, IndexValue):
             return index_value(e.expr, {SX: 'xindex', SR: 'rindex'}, e.dtype)
@@ -697,10 +711,11 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     x, r = group.xnumel, group.rnumel
     if len(group.nodes) != 1:
         raise BuildError(f"internal: scan group {group.name} has {len(group.nodes)} nodes (scans are not fused)")
-    if r == 1:
-        kind, xb, rb, warps = "persistent_reduction", min(1024, _next_pow2(x)), 1, 1
-    else:
-        kind, xb, rb, warps = _blocks(x, r)
+    if _one(r):
+        kind, xb, rb, warps = "persistent_reduction", min(1024, _next_pow2(hint(x))), 1, 1
+    else:  # a dynamic scan length: a loop sized for the range's longest row
+        b = block_choice(x, r) if static(x) and static(r) else dynamic_blocks(x, r)
+        kind, xb, rb, warps = b.kind, b.xblock, b.rblock, b.num_warps
     knode, st = _kernelize(node, x, r)
     from ..ir.loop import expr_loads
 
@@ -711,22 +726,22 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", norm_size(graph.buffer(b).numel))
             for i, b in enumerate(ins)]
     args.append(KernelArg("out_ptr0", node.name, graph.buffer(node.name).dtype, "out",
-                          int(graph.buffer(node.name).numel)))
+                          norm_size(graph.buffer(node.name).numel)))
     em = _Emitter(graph, {}, {a.buf: a.name for a in args if a.role == "in"}, kind)
     em.xnumel, em.rnumel, em.stores = x, r, {}
     acc, ident = TL_DTYPE[node.acc_dtype], _SCAN_IDENT[node.stype]
     looped = kind == "looped_reduction"
     em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
-    em.line(f"xmask = xindex < {x}")
+    em.line(f"xmask = xindex < {ktext(x)}")
     if looped:
         em.line(f"carry = tl.full([{xb}, 1], {ident}, {acc})")
-        em.line(f"for roffset in range(0, {r}, {rb}):")
+        em.line(f"for roffset in range(0, {ktext(r)}, {rb}):")
         em.depth += 1
         em.scopes.append({})
         em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")
     else:
         em.line(f"rindex = tl.arange(0, {rb})[None, :]")
-    em.line(f"rmask = rindex < {r}")
+    em.line(f"rmask = rindex < {ktext(r)}")
     em.ctx = "xr"
     v = em.emit(knode.body)
     v = em.tmp(f"tl.where(xmask & rmask, {v}, tl.full([1], {ident}, {acc}))")
@@ -741,12 +756,13 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
         em.scopes.pop()
         em.depth -= 1
     body = "\n".join(em.lines)
-    params = ", ".join(a.name for a in args)
+    dims = kernel_dims(body)
+    params = ", ".join([a.name for a in args] + list(dims))
     head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (-(-x // xb), 1, 1), warps,
-                        group.name, kind, group.nodes, xb, rb, int(x), int(r))
+    return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
+                        group.name, kind, group.nodes, xb, rb, norm_size(x), norm_size(r), sizes=dims)
 
 
 _HEADER = """import triton

@@ -161,7 +161,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     if dyn_spec is not None and kw_consts:
         dyn_spec.update({k: None for k in kw_consts})
     try:
-        ep = torch.export.export(model, example_inputs, kwargs or None, strict=False, dynamic_shapes=dyn_spec)
+        try:
+            ep = torch.export.export(model, example_inputs, kwargs or None, strict=False, dynamic_shapes=dyn_spec)
+        except Exception as exc:
+            if not dynamic or "Constraints violated" not in str(exc):
+                raise
+            # named Dims must name equal axes alike; let torch find the relations (export/dynamic.py)
+            dyn_spec = export_spec(model, dynamic, len(example_inputs), list(kw_tensors), hints=True)
+            if kw_consts:
+                dyn_spec.update({k: None for k in kw_consts})
+            ep = torch.export.export(model, example_inputs, kwargs or None, strict=False, dynamic_shapes=dyn_spec)
         ep = ep.run_decompositions(decomposition_table())
     except Exception as exc:  # torch raises many types here; name the stage and the cause
         from ..joint.trace import data_dependent_error
@@ -169,8 +178,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
         dd = data_dependent_error(exc, "torch.export")
         if dd is not None:
             raise dd from exc
-        raise BuildError(f"torch.export failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                         remedy="check that the model exports with torch.export.export(model, inputs)") from exc
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = lines[0] if lines else ""
+        if dynamic and "Constraints violated" in why:  # say which dim and why: torch's next lines tell
+            why += " " + " ".join(ln for ln in lines[1:] if "specializ" in ln or "must" in ln or "equal" in ln)[:400]
+        raise BuildError(f"torch.export failed: {type(exc).__name__}: {why}",
+                         remedy="check that the model exports with torch.export.export(model, inputs)" + (
+                             "; with dynamic dims, mark every input axis that must equal a dynamic one dynamic too"
+                             if dynamic else "")) from exc
+    env0 = _shape_env_of(ep) if dynamic else None
+    n_guards = len(env0.guards) if env0 is not None else 0
     sig = ep.graph_signature
     state = dict(ep.state_dict)
     state.update(ep.constants)
@@ -181,6 +198,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     # constant subgraphs die instead of being folded into stored weights.
     simplify_attention_masks(ep.graph_module, seeds=fixed)
     folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(), seeds=fixed)
+    if env0 is not None and len(env0.guards) != n_guards:
+        raise BuildError("dynamic dims: folding the model's constant subgraphs (an attention mask built from "
+                         f"positions, say) would fix a dynamic dim ({', '.join(str(g.expr) for g in env0.guards[n_guards:][:3])})",
+                         remedy="not supported yet for this model: build with static shapes, or keep that dim static")
     folded_fqn = {name: fqn for name, fqn, _ in folded}
     state.update({fqn: val for _, fqn, val in folded})
     ph_map: dict[str, Any] = {}
@@ -238,6 +259,15 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
                          time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
                          outputs_tree=output_structure(out_spec) if out_spec is not None else None,
                          dims=dims, symmap=symmap, shape_env=_shape_env(ph_by_name, user_inputs) if dims else None)
+
+
+def _shape_env_of(ep):
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            for s in getattr(node.meta.get("val"), "shape", ()):
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+    return None
 
 
 def _shape_env(ph_by_name, user_inputs):

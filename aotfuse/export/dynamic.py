@@ -127,17 +127,29 @@ def _from_torch(spec, names: list[str]) -> list[DynamicDim]:
     return out
 
 
-def export_spec(model, reqs: Sequence[DynamicDim], n_pos: int, kw_names: Sequence[str]) -> dict | None:
-    """torch.export's `dynamic_shapes` for the requests: by forward parameter name, one Dim each."""
+def export_spec(model, reqs: Sequence[DynamicDim], n_pos: int, kw_names: Sequence[str],
+                hints: bool = False) -> dict | None:
+    """torch.export's `dynamic_shapes` for the requests: by forward parameter name, one named Dim each
+    (the range is kept as asked, 1 included). hints=True: `Dim.DYNAMIC(min=, max=)` instead, which lets
+    torch find which requested axes must be equal (two inputs' batch) where named Dims would need the user
+    to say so; torch then starts a range at 2 at the least (the manifest and guards say so)."""
     if not reqs:
         return None
     names = _input_names(model, n_pos, kw_names)
     spec: dict[str, Any] = {n: None for n in names}
     for r in reqs:
-        ident = re.sub(r"\W", "_", r.label)
-        dim = torch.export.Dim(ident if ident.isidentifier() else f"d_{ident}", min=r.lo, max=r.hi)
-        spec[r.input] = {**(spec[r.input] or {}), r.axis: dim}
+        spec[r.input] = {**(spec[r.input] or {}), r.axis: _dim(r, hints)}
     return spec
+
+
+def _dim(r: DynamicDim, hints: bool):
+    if hints:
+        try:
+            return torch.export.Dim.DYNAMIC(min=r.lo, max=r.hi)
+        except (AttributeError, TypeError):
+            pass
+    ident = re.sub(r"\W", "_", r.label)
+    return torch.export.Dim(ident if ident.isidentifier() else f"d_{ident}", min=r.lo, max=r.hi)
 
 
 def read_dims(placeholders: Sequence[torch.fx.Node], examples: Sequence[torch.Tensor], names: Sequence[str],
@@ -157,6 +169,10 @@ def read_dims(placeholders: Sequence[torch.fx.Node], examples: Sequence[torch.Te
                                      f"needs that size)", remedy="drop --dynamic for it, or change the model")
                 continue
             e = s.node.expr
+            if e.is_Integer:
+                raise BuildError(f"dynamic dim {r.label if r else f'{name}.{axis}'}: torch.export fixed it to {int(e)}: "
+                                 f"the model needs that size, or another input's axis must equal it",
+                                 remedy="mark that input's axis dynamic too (e.g. attention_mask.1 with input_ids.1)")
             if not isinstance(e, sympy.Symbol):
                 raise BuildError(f"input {name}.{axis}: torch.export made its size {e}, an expression of other dims",
                                  remedy="mark the dims it depends on dynamic instead")

@@ -100,8 +100,12 @@ class View:
     def slice(self, dim: int, start: int | None, end: int | None, step: int = 1) -> "View":
         dim = dim % len(self.shape)
         n = self.shape[dim]
-        start, end, step = slice(start, end, step).indices(n)
-        length = max(0, (end - start + step - 1) // step)
+        if static(n) and all(v is None or static(v) for v in (start, end)):
+            start, end, step = slice(None if start is None else int(start), None if end is None else int(end),
+                                     step).indices(int(n))
+            length = max(0, (end - start + step - 1) // step)
+        else:
+            start, length = _dynamic_slice(n, start, end, step)
         nv = syms("v", len(self.shape))
         old_idx = list(nv)
         old_idx[dim] = start + step * nv[dim]
@@ -180,3 +184,23 @@ def _resolve_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
                 raise ValueError(f"reshape to {shape}: {numel} elements do not divide into {known}")
             shape[holes[0]] = norm(sympy.expand(q))
     return tuple(shape)
+
+
+def _dynamic_slice(n, start, end, step: int):
+    """(start, length) of x[start:end:step] along a dim of dynamic size n (or with dynamic bounds), for the
+    forms that hold at every size in range: a start in [0, lo(n)], an end that is n itself (None, torch's
+    INT64_MAX sentinel, at least hi(n), or an expression equal to n) or an int at most lo(n). Anything else
+    is a ValueError (the op is refused by name)."""
+    from .sizes import hi, lo, same, size as as_size
+
+    start = 0 if start is None else as_size(start)
+    if not static(start) or not 0 <= int(start) <= lo(n) or step < 1:
+        raise ValueError(f"slice start {start} (step {step}) of a dim of dynamic size {n}")
+    if end is None or (static(end) and int(end) >= hi(n)) or same(as_size(end), n):
+        end = n
+    elif static(end) and 0 <= int(end) <= lo(n):
+        end = int(end)
+    else:
+        raise ValueError(f"slice end {end} of a dim of dynamic size {n} (not known to lie inside it at every size)")
+    length = sympy.expand(end - start) if step == 1 else FloorDiv(sympy.expand(end - start + step - 1), step)
+    return int(start), norm(length)

@@ -107,7 +107,7 @@ def _index(ctx, node, args, kwargs):
         raise UnsupportedOpError(str(node.target), node.name, "boolean-mask indexing (its shape depends on the data)")
     if len(where) > len(_K):
         raise UnsupportedOpError(str(node.target), node.name, f"more than {len(_K)} index tensors")
-    bshape = torch.broadcast_shapes(*[tuple(indices[d].shape) for d in where])
+    bshape = _broadcast([tuple(indices[d].shape) for d in where])
     nb = len(bshape)
     adjacent = where == list(range(where[0], where[-1] + 1))
     first = where[0] if adjacent else 0
@@ -180,3 +180,27 @@ def register_all(register) -> None:
     """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
     for r in RULES:
         register(*r.ops, category=r.category, note=r.note)(r.fn)
+
+
+def _broadcast(shapes) -> tuple:
+    """torch.broadcast_shapes for sizes that may be dim expressions: per axis (right-aligned) the one size
+    that is not 1; two different non-1 sizes do not broadcast."""
+    from ..ir.sizes import same, static
+
+    nd = max(len(sh) for sh in shapes)
+    out = []
+    for i in range(nd):
+        cur = 1
+        for sh in shapes:
+            k = i - (nd - len(sh))
+            if k < 0:
+                continue
+            d = sh[k]
+            if static(d) and int(d) == 1:
+                continue
+            if static(cur) and int(cur) == 1:
+                cur = d
+            elif not same(cur, d):
+                raise ValueError(f"index shapes {shapes} do not broadcast")
+        out.append(cur)
+    return tuple(out)
