@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aotfuse
+from test_dynamic import NormSoftmax, RowSoftmax  # the CPU tier's models (tests/ is on sys.path)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -16,19 +17,6 @@ def _arch():
     major, minor = torch.cuda.get_device_capability()
     return [f"sm_{major}{minor}"]
 
-
-class NormSoftmax(torch.nn.Module):
-    def __init__(self, d: int = 100):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(d)
-
-    def forward(self, x, y):
-        return torch.softmax(self.ln(x * 2 + y), dim=-1)
-
-
-class RowSoftmax(torch.nn.Module):
-    def forward(self, x):
-        return torch.softmax(x * 1.5, dim=-1), x.sum(dim=-1)
 
 
 def test_rows_and_reduction_lengths_on_the_gpu():

@@ -104,20 +104,7 @@ class Artifact:
             if tuple(x.shape) != spec.shape:
                 raise GuardError(f"{where}: expected shape {spec.shape}, got {tuple(x.shape)}",
                                  remedy="this archive was built for static shapes; rebuild for this shape")
-            if str(x.dtype) != spec.dtype:
-                raise GuardError(f"{where}: expected dtype {spec.dtype}, got {x.dtype}")
-            if x.device != self.device:
-                raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
-                                 remedy=f"move it with .to('{self.device}')")
-            if spec.stride is not None:
-                if not same_layout(spec.shape, x.stride(), spec.stride):
-                    raise _stride_error(where, spec, x)
-            elif not x.is_contiguous():
-                raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
-                                 remedy="pass x.contiguous()")
-            if x.numel() and x.data_ptr() % 16:
-                raise GuardError(f"{where}: expected 16-byte aligned data, got address {x.data_ptr():#x}",
-                                 remedy="pass x.clone()")
+            self._check_tensor(where, x, spec)
         return None
 
     def _check_inputs_dims(self, inputs: tuple) -> dict:
@@ -131,22 +118,26 @@ class Artifact:
                 raise GuardError(f"input {spec.name!r} (#{i}): expected a tensor, got {type(x).__name__}")
         env = bind_dims(self.input_specs, self.dims, inputs)
         for i, (x, spec) in enumerate(zip(inputs, self.input_specs)):
-            where = f"input {spec.name!r} (#{i})"
-            if str(x.dtype) != spec.dtype:
-                raise GuardError(f"{where}: expected dtype {spec.dtype}, got {x.dtype}")
-            if x.device != self.device:
-                raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
-                                 remedy=f"move it with .to('{self.device}')")
-            if spec.stride is not None:  # a static shape (load refuses strides with dims)
-                if not same_layout(spec.shape, x.stride(), spec.stride):
-                    raise _stride_error(where, spec, x)
-            elif not x.is_contiguous():
-                raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
-                                 remedy="pass x.contiguous()")
-            if x.numel() and x.data_ptr() % 16:
-                raise GuardError(f"{where}: expected 16-byte aligned data, got address {x.data_ptr():#x}",
-                                 remedy="pass x.clone()")
+            self._check_tensor(f"input {spec.name!r} (#{i})", x, spec)
         return env
+
+    def _check_tensor(self, where: str, x: torch.Tensor, spec) -> None:
+        """The guards of one input besides its shape: dtype, device, layout, alignment. (A spec with
+        strides has a static shape: load refuses strides with dims.)"""
+        if str(x.dtype) != spec.dtype:
+            raise GuardError(f"{where}: expected dtype {spec.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise GuardError(f"{where}: expected device {self.device}, got {x.device}",
+                             remedy=f"move it with .to('{self.device}')")
+        if spec.stride is not None:
+            if not same_layout(spec.shape, x.stride(), spec.stride):
+                raise _stride_error(where, spec, x)
+        elif not x.is_contiguous():
+            raise GuardError(f"{where}: expected a contiguous tensor, got strides {tuple(x.stride())}",
+                             remedy="pass x.contiguous()")
+        if x.numel() and x.data_ptr() % 16:
+            raise GuardError(f"{where}: expected 16-byte aligned data, got address {x.data_ptr():#x}",
+                             remedy="pass x.clone()")
 
     # ---------------------------------------------------------------- call
     def __call__(self, *args, **kwargs):
