@@ -75,18 +75,31 @@ def _by_owner(module, ctx, grads) -> tuple:
     return (None, *out_param, *out_input)
 
 
-def _unshared(grads: list) -> list:
+def _unshared(grads: list, keep: int | None = None) -> list:
     """A program may return one buffer for two gradients (equal values): each owner gets its own tensor,
-    so an in-place change to one `.grad` (clipping, scaling) never reaches another."""
+    so an in-place change to one `.grad` (clipping, scaling, DDP's averaging) never reaches another.
+    keep: outputs from this index on (a stage's carries) keep their buffers and a gradient sharing one is
+    the copy: the next stage's CUDA graph reads the carries at the addresses the previous graph wrote them
+    (keyed by address), so a carry copied on every call would make it capture again for each new address
+    (2 x H100, anchor GPT, 4 stages: backward_2 and backward_3 held two graph instances each)."""
     seen = set()
+    if keep is not None:
+        for g in grads[keep:]:
+            if g.numel():
+                seen.add((g.untyped_storage().data_ptr(), g.storage_offset()))
     out = []
-    for g in grads:
+    for i, g in enumerate(grads):
         key = (g.untyped_storage().data_ptr(), g.storage_offset()) if g.numel() else None
+        if keep is not None and i >= keep:
+            out.append(g)  # a carry: as the program wrote it (seen above)
+            continue
         if key is not None and key in seen:
             g = g.clone()
         elif key is not None:
             seen.add(key)
         out.append(g)
+    if keep is not None:  # carries sharing a buffer with each other: later ones copied, as before
+        return out[:keep] + _unshared(out[keep:])
     return out
 
 
@@ -119,8 +132,8 @@ class _Run:
                                "stages run in order, within one backward call",
                                remedy="call backward (or autograd.grad) on the loss the packaged module returned")
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
-        outs = _unshared(list(module._run(name, list(saved) + [tangent] + self.carry)))
         n = len(idx)
+        outs = _unshared(list(module._run(name, list(saved) + [tangent] + self.carry)), keep=n)
         self.carry = list(outs[n:])
         self.next = (k + 1) % len(module._stages)
         grads = outs[:n]
