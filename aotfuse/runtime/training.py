@@ -78,8 +78,8 @@ def _by_owner(module, ctx, grads) -> tuple:
 def _unshared(grads: list, keep: int | None = None) -> list:
     """A program may return one buffer for two gradients (equal values): each owner gets its own tensor,
     so an in-place change to one `.grad` (clipping, scaling, DDP's averaging) never reaches another.
-    keep: outputs from this index on (a stage's carries) keep their buffers and a gradient sharing one is
-    the copy: the next stage's CUDA graph reads the carries at the addresses the previous graph wrote them
+    keep: outputs from this index on (a stage's carries, which the next stage only reads) keep their
+    buffers, shared or not, and a gradient sharing one is the copy: the next stage's CUDA graph reads the carries at the addresses the previous graph wrote them
     (keyed by address), so a carry copied on every call would make it capture again for each new address
     (2 x H100, anchor GPT, 4 stages: backward_2 and backward_3 held two graph instances each)."""
     seen = set()
@@ -98,9 +98,7 @@ def _unshared(grads: list, keep: int | None = None) -> list:
         elif key is not None:
             seen.add(key)
         out.append(g)
-    if keep is not None:  # carries sharing a buffer with each other: later ones copied, as before
-        return out[:keep] + _unshared(out[keep:])
-    return out
+    return out  # carries may share a buffer with each other: the next stage only reads them
 
 
 class _Run:
