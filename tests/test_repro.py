@@ -171,7 +171,7 @@ def test_parallel_compile_results_keep_job_order(monkeypatch):
 
     fake_cf = types.SimpleNamespace(ProcessPoolExecutor=InlinePool, as_completed=lambda futs: reversed(list(futs)))
     monkeypatch.setattr(comp, "cf", fake_cf)
-    monkeypatch.setattr(comp, "_compile_one", lambda name, src, sig, warps, arch: comp.Binary(
+    monkeypatch.setattr(comp, "_compile_one", lambda name, src, sig, warps, arch, *opts: comp.Binary(
         arch, f"{name}@{arch}".encode(), name, warps, 0, 0, 0))
     args = (KernelArg("in_ptr0", "x", "float32", "in", 1),)
     kernels = [KernelSource(f"k{i}", "", args, (1, 1, 1), 1, f"g{i}", "pointwise", (), 1, 1, 1, 1) for i in range(3)]
