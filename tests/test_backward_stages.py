@@ -218,3 +218,27 @@ def test_a_partial_backward_then_a_full_one(gpt):
     want = dict(ref.named_parameters())
     for n, p in pm.named_parameters():
         assert _rel(p.grad, want[n].grad) < 1e-4, n
+
+
+def test_carries_keep_their_buffers_and_gradients_are_unshared():
+    """A stage's carries are read by the next stage's CUDA graph at the addresses this stage's graph
+    wrote (keyed by address): they are never copied, even when two carries share one buffer; a gradient
+    sharing a buffer with a carry or with another gradient gets its own copy (an in-place change to a
+    `.grad` must not reach anything else)."""
+    import torch
+
+    from aotfuse.runtime.training import _unshared
+
+    a, b = torch.randn(8), torch.randn(8)
+    g0, g1, g2 = a, a, b  # two gradients on one buffer, one on its own
+    c0, c1 = a, a  # two carries on that buffer too
+    out = _unshared([g0, g1, g2, c0, c1], keep=3)
+    assert out[3] is c0 and out[4] is c1
+    assert out[2] is g2  # shares with nothing
+    for g in out[:2]:
+        assert g.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+        assert torch.equal(g, a)
+    assert out[0].untyped_storage().data_ptr() != out[1].untyped_storage().data_ptr()
+    # without carries (a single backward program): the first owner keeps the buffer, as before
+    plain = _unshared([g0, g1, g2])
+    assert plain[0] is g0 and plain[1] is not g1 and plain[2] is g2
