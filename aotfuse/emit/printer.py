@@ -26,6 +26,8 @@ def print_index(e: sympy.Expr, names: dict) -> str:
     if e.is_Mul:
         parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
         return "(" + " * ".join(parts) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
+        return "(" + " * ".join([print_index(e.base, names)] * int(e.exp)) + ")"
     if isinstance(e, FloorDiv):
         return f"({print_index(e.args[0], names)} // {print_index(e.args[1], names)})"
     if isinstance(e, ModIdx):
@@ -54,6 +56,8 @@ def size_code(e: sympy.Expr) -> str:
         return "(" + " + ".join(size_code(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
     if e.is_Mul:
         return "(" + " * ".join(size_code(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:  # s1**2: a product (the grammar has no power)
+        return "(" + " * ".join([size_code(e.base)] * int(e.exp)) + ")"
     if isinstance(e, FloorDiv):
         return f"({size_code(e.args[0])} // {size_code(e.args[1])})"
     if isinstance(e, ModIdx):

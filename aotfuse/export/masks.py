@@ -151,7 +151,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
             continue
         qi = 1 if node.target is torch.ops.aotfuse.attention_backward.default else 0  # after grad_out
         q, k = node.args[qi], node.args[qi + 1]
-        L, S = int(q.meta["val"].shape[-2]), int(k.meta["val"].shape[-2])
+        L, S = _hint(q.meta["val"].shape[-2]), _hint(k.meta["val"].shape[-2])
         mval = mask.meta.get("val")
         rec = {"attention": node.name, "mask": mask.name}
         if mval is not None and mval.numel() > MAX_MASK_ELEMENTS:
@@ -184,3 +184,12 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         gm.graph.lint()
         gm.recompile()
     return decisions
+
+
+def _hint(n) -> int:
+    """A size at the build's example, read without a guard: int() of a dynamic dim's SymInt would make
+    torch fix the dim to that value (export/dynamic.py)."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    return int(hint) if hint is not None else int(n)

@@ -160,6 +160,8 @@ def _join(terms: Iterable[tuple[int, sympy.Expr]]) -> sympy.Expr:
 
 def _simplify_floordiv(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
     if isinstance(a, FloorDiv):  # (x // b) // d == x // (b*d)
+        if not a.args[1].is_Integer:  # b a dim expression: the symbolic rules
+            return _floordiv_sym(a.args[0], sympy.expand(a.args[1] * d), ranges)
         return _simplify_floordiv(a.args[0], int(a.args[1]) * d, ranges)
     terms = _terms(a)
     exact = [(c // d, r) for c, r in terms if c % d == 0]
@@ -179,7 +181,7 @@ def _simplify_floordiv(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
 
 
 def _simplify_mod(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
-    if isinstance(a, FloorDiv):
+    if isinstance(a, FloorDiv) and a.args[1].is_Integer:
         x, b = a.args[0], int(a.args[1])
         lo, hi = bounds(x, ranges)
         if lo >= 0 and hi < b * d:

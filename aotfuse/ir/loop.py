@@ -174,7 +174,8 @@ class Scan(_OuterLoops):
 
     @property
     def rnumel(self) -> int:
-        return int(self.ranges[self.dim])
+        n = self.ranges[self.dim]
+        return int(n) if isinstance(n, int) or n.is_Integer else n  # a dynamic scan length: its expression
 
     @property
     def rows(self) -> int:

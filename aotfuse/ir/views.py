@@ -200,6 +200,8 @@ def _dynamic_slice(n, start, end, step: int):
         end = n
     elif static(end) and 0 <= int(end) <= lo(n):
         end = int(end)
+    elif not static(as_size(end)) and lo(sympy.expand(n - as_size(end))) >= 0 and lo(as_size(end)) >= int(start):
+        end = as_size(end)  # an expression of the dims inside the dim at every size (x[:, :s] of s + 1 rows)
     else:
         raise ValueError(f"slice end {end} of a dim of dynamic size {n} (not known to lie inside it at every size)")
     length = sympy.expand(end - start) if step == 1 else FloorDiv(sympy.expand(end - start + step - 1), step)

@@ -43,9 +43,9 @@ def _gather(ctx, node, x: View, coords: list, indexed: dict, ranges) -> View:
     strides, rest = {}, e
     for d, k in ks.items():
         c = e.coeff(k)
-        if not c.is_Integer:
+        if not (c.is_Integer or _dims_only(c)):
             break
-        strides[d] = int(c)
+        strides[d] = int(c) if c.is_Integer else c  # a dynamic view's stride: an expression of the dims
         rest = sympy.expand(rest - c * k)
     if len(strides) != len(ks) or rest.free_symbols & set(ks.values()):
         # The view is not affine in an indexed dim (a reshape of a permute): index a contiguous copy.
@@ -53,7 +53,8 @@ def _gather(ctx, node, x: View, coords: list, indexed: dict, ranges) -> View:
                        ranges)
     offset = None
     for d in sorted(indexed):
-        term = indexed[d] if strides[d] == 1 else Op("mul", (indexed[d], Const(strides[d], "int64")), "int64")
+        term = indexed[d] if (isinstance(strides[d], int) and strides[d] == 1) else \
+            Op("mul", (indexed[d], Const(strides[d], "int64")), "int64")
         offset = term if offset is None else Op("add", (offset, term), "int64")
     body = Gather(x.buf, simplify(rest, ranges), offset, x.dtype)
     dt = out_dtype(node)
@@ -204,3 +205,10 @@ def _broadcast(shapes) -> tuple:
                 raise ValueError(f"index shapes {shapes} do not broadcast")
         out.append(cur)
     return tuple(out)
+
+
+def _dims_only(c) -> bool:
+    """A coefficient that is a polynomial of the dynamic dims (no loop variable)."""
+    from ..ir.sizes import current_dims
+
+    return bool(c.free_symbols) and c.free_symbols <= set(current_dims())

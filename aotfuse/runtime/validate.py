@@ -291,6 +291,10 @@ class _Walk:
         self.where = f"program {pname!r}"
         self.arena = _int(prog["arena_bytes"], f"{self.where}: arena_bytes", 0, MAX_BYTES)
         self.arena_end = 0  # furthest byte an arena alloc reaches
+        self.arena_sum = 0  # every arena alloc's bytes, aligned: the arena of a plan that reused nothing
+        # a program specialized from dims: its arena is a plan for the whole range (schedule/memplan.py
+        # _symbolic_plan), at least this shape's reach and at most the allocations stacked
+        self.dynamic = prog.get("version", 0) >= 5
         self.arena_live: dict[str, tuple[int, int]] = {}  # live arena buffers: name -> [start, end) bytes
         self.own_bytes = 0  # allocations outside the arena (offset -1) and extern results
         self.outputs: tuple = ()
@@ -395,7 +399,8 @@ class _Walk:
         return base, v
 
     def _check_totals(self) -> None:
-        if self.arena > _align(self.arena_end, ARENA_ALIGN):
+        if self.arena > _align(self.arena_end, ARENA_ALIGN) and not (
+                self.dynamic and self.arena <= _align(self.arena_sum, ARENA_ALIGN)):
             _fail(self.where, f"arena_bytes {self.arena} is more than its allocations reach "
                               f"({self.arena_end} bytes, {_align(self.arena_end, ARENA_ALIGN)} aligned)")
         if self.arena + self.own_bytes > MAX_BYTES:
@@ -417,6 +422,7 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
         if off + nbytes > w.arena:
             _fail(where, f"bytes {off}..{off + nbytes} lie outside the arena of {w.arena} bytes")
         w.arena_end = max(w.arena_end, off + nbytes)
+        w.arena_sum += _align(nbytes, ARENA_ALIGN)
         for other, (lo, hi) in w.arena_live.items():
             if off < hi and lo < off + nbytes:  # two live buffers in the same bytes: silent wrong results
                 _fail(where, f"bytes {off}..{off + nbytes} overlap live buffer {other!r} at {lo}..{hi}")
