@@ -154,7 +154,11 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         L, S = _hint(q.meta["val"].shape[-2]), _hint(k.meta["val"].shape[-2])
         mval = mask.meta.get("val")
         rec = {"attention": node.name, "mask": mask.name}
-        if mval is not None and mval.numel() > MAX_MASK_ELEMENTS:
+        if mval is not None and any(isinstance(d, torch.SymInt) for d in mval.shape):
+            # a mask whose size is a dynamic dim: a value at the example would say nothing of other sizes
+            # (a sliding window wider than the example looks causal there): kept, computed per call
+            rec.update(kept=True, why="the mask's size is a dynamic dim: kept (computed per call)")
+        elif mval is not None and mval.numel() > MAX_MASK_ELEMENTS:
             rec.update(kept=True, why=f"mask of {mval.numel()} elements: not evaluated at build time")
         else:
             try:
