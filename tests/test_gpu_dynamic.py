@@ -62,3 +62,21 @@ def test_gpt_bf16_one_archive_many_shapes():
         got = art(x).float()
         err = float((got - want).abs().max() / want.abs().max())
         assert err < 3e-2, (b, t, err)
+
+
+def test_transformers_llama_dynamic_batch_and_sequence_on_the_gpu():
+    from aotfuse.testing.zoo import entry, have_transformers
+
+    if not have_transformers():
+        pytest.skip("needs transformers")
+    ex = entry("llama").tiny()
+    res = aotfuse.build(ex.model, ex.args, example_kwargs=ex.kwargs, targets=_arch(),
+                        dynamic_shapes=["input_ids.0=1..8", "input_ids.1=2..32"])
+    art = aotfuse.load(res.data, device="cuda")
+    model = ex.model.cuda()
+    g = torch.Generator().manual_seed(2)
+    for b, t in ((1, 2), (3, 7), (8, 32), (2, 16)):
+        ids = torch.randint(0, 100, (b, t), generator=g).cuda()
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+        torch.testing.assert_close(art(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
