@@ -236,3 +236,38 @@ def test_transformers_causal_lm_dynamic_batch_and_sequence(name):
         with torch.no_grad():
             want = ex.model(input_ids=ids).logits
         torch.testing.assert_close(art(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+class _Cat(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.cat([x, y * 2], 1)
+
+
+class _RowStats(torch.nn.Module):  # an fp32 [s0] intermediate: 4*s0 bytes in the memory plan
+    def forward(self, x):
+        r = x.sum(-1)
+        return (r - r.amax(0)).exp() + x.mean(-1)
+
+
+class _Shifted(torch.nn.Module):  # x[:, 1:] (s1 - 1 columns) and x[:, ::2] ((s1 + 1) // 2 columns)
+    def forward(self, x):
+        return (x[:, 1:] * 2).softmax(-1).sum(-1) + torch.softmax(x[:, ::2] * 2, -1).amax(-1)
+
+
+@pytest.mark.parametrize("case", ["cat", "stats", "shifted"])
+def test_review_cases_match_eager(case):
+    """Found in review: a concatenation along dynamic dims (the CPU path), a per-row fp32 vector and a mean
+    over a dynamic dim (the plan's room and load validation), slices whose sizes are s - 1 and (s + 1) // 2."""
+    if case == "cat":
+        m, ex, dyn = _Cat(), (torch.randn(3, 5), torch.randn(3, 4)), ["x.1=1..20", "y.1=1..20"]
+        shapes = [((3, 7), (3, 2)), ((3, 1), (3, 20)), ((3, 20), (3, 1))]
+    elif case == "stats":
+        m, ex, dyn = _RowStats(), (torch.randn(5, 3),), ["x.0=2..300", "x.1=1..37"]
+        shapes = [((7, 3),), ((300, 37),), ((2, 1),)]
+    else:
+        m, ex, dyn = _Shifted(), (torch.randn(3, 6),), ["x.1=2..64"]
+        shapes = [((3, 7),), ((3, 64),), ((3, 2),)]
+    art, _ = _load(m, ex, dyn)
+    for sh in shapes:
+        xs = [torch.randn(*s) for s in sh]
+        torch.testing.assert_close(art(*xs), m(*xs), rtol=1e-5, atol=1e-5)

@@ -41,7 +41,7 @@ from ..ir.sizes import current_dims, hi, hint, same, static
 def _dim_value(v: sympy.Expr, dtype: str) -> str:
     """A constant that is an expression of the dims (a size used as a value: a mean's count, a scale):
     computed from the kernel's int32 dim arguments, in `dtype` (a quotient only in a float dtype)."""
-    num, den = sympy.fraction(sympy.together(v))
+    num, den = sympy.fraction(sympy.together(sympy.nsimplify(v)))
     base = f"(tl.zeros([1], {TL_DTYPE[dtype]}) + {ktext(num)})"
     if den == 1:
         return base
@@ -628,7 +628,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                         continue
                     em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
                              f"{TL_DTYPE[n.acc_dtype]})")
-                em.line(f"for roffset in {loop_range(0, ktext(r), rb, knobs.loop_stages)}:")
+                em.line(f"for roffset in {loop_range(0, int(r) if static(r) else ktext(r), rb, knobs.loop_stages)}:")
                 em.depth += 1
                 em.scopes.append({})
                 em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")

@@ -24,7 +24,9 @@ def print_index(e: sympy.Expr, names: dict) -> str:
         parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
         return "(" + " + ".join(parts) + ")"
     if e.is_Mul:
-        parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
+        # dims last: on the CPU path a dim is a constexpr, and constexpr * tensor would wrap the tensor
+        args = sorted(e.args, key=lambda a: (a.is_Symbol and a not in names and is_dim(a), sympy.default_sort_key(a)))
+        parts = [print_index(a, names) for a in args]
         return "(" + " * ".join(parts) + ")"
     if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
         return "(" + " * ".join([print_index(e.base, names)] * int(e.exp)) + ")"

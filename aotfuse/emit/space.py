@@ -191,8 +191,14 @@ def same_index(a: sympy.Expr, b: sympy.Expr, xnumel: int, rnumel: int) -> bool:
         ranges = {SX: xnumel, SR: rnumel}
         if sympy.expand(simplify(a - b, ranges)) == 0:
             return True
-        for field in ("hint", "lo", "hi"):
-            sub = {d: getattr(v, field) for d, v in current_dims().items()}
+        import random
+
+        dims = current_dims()
+        rng = random.Random(0)
+        envs = [{d: getattr(v, f) for d, v in dims.items()} for f in ("hint", "lo", "hi")]
+        envs += [{d: min(v.hi, v.lo + 1) for d, v in dims.items()}, {d: max(v.lo, v.hi - 1) for d, v in dims.items()}]
+        envs += [{d: rng.randint(v.lo, v.hi) for d, v in dims.items()} for _ in range(6)]
+        for sub in envs:  # not a proof: every point of the space at 11 sets of dim values
             at = lambda e: sympy.sympify(e).xreplace(sub)  # noqa: E731
             if not same_index(at(a), at(b), int(at(xnumel)), int(at(rnumel))):
                 return False

@@ -415,7 +415,16 @@ def _size_like(c: sympy.Expr) -> bool:
     dims = current_dims()
     if not c.free_symbols or not c.free_symbols <= set(dims):
         return False
-    try:
-        return all(x.is_Integer for x in sympy.Poly(c, *sorted(c.free_symbols, key=str)).coeffs())
-    except sympy.PolynomialError:
-        return False
+    return _dims_expr(c)
+
+
+def _dims_expr(c: sympy.Expr) -> bool:
+    """An integer expression of the dims: integers, dims, + and *, and our FloorDiv / ModIdx of such
+    (x[:, ::2] of s1 columns has (s1 + 1) // 2)."""
+    if c.is_Integer or c.is_Symbol:
+        return True
+    if c.is_Add or c.is_Mul or isinstance(c, (FloorDiv, ModIdx)):
+        return all(_dims_expr(a) for a in c.args)
+    if c.is_Pow:
+        return c.exp.is_Integer and int(c.exp) > 0 and _dims_expr(c.base)
+    return False

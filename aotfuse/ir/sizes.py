@@ -175,7 +175,7 @@ def size(s) -> Size:
         missing = [x for x in e.free_symbols if x not in fm]
         if missing:
             raise ValueError(f"size {e} depends on {missing}, which are not dynamic dims of this build")
-        return norm(sympy.expand(e.xreplace(fm)))
+        return norm(sympy.expand(_ours(e.xreplace(fm))))
     if isinstance(s, sympy.Basic):
         return norm(s)
     return int(s)
@@ -201,3 +201,25 @@ def reduces(r: Size) -> bool:
     """Whether a reduced extent makes a reduction space (more than one element): a dynamic one always
     does (its kernel masks any length in range, 1 included)."""
     return not static(r) or int(r) > 1
+
+
+def _ours(e: sympy.Expr) -> sympy.Expr:
+    """torch's integer functions in a size (its FloorDiv, Mod, CeilDiv: x[:, ::2] of s1 columns) as ours
+    (indexing.FloorDiv / ModIdx), which the passes and the printers know; any other function is refused."""
+    from .indexing import FloorDiv, ModIdx
+
+    def conv(x):
+        if x.is_Atom:
+            return x
+        args = [conv(a) for a in x.args]
+        name = type(x).__name__
+        if name in ("FloorDiv", "floor_div"):
+            return FloorDiv(*args)
+        if name in ("Mod", "PythonMod", "ModularIndexing") and len(args) == 2:
+            return ModIdx(*args)
+        if name == "CeilDiv":
+            return FloorDiv(sympy.expand(args[0] + args[1] - 1), args[1])
+        if x.is_Add or x.is_Mul or x.is_Pow:
+            return x.func(*args)
+        raise ValueError(f"size {e} uses {name}, which a program size cannot spell")
+    return conv(e)

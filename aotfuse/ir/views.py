@@ -204,5 +204,7 @@ def _dynamic_slice(n, start, end, step: int):
         end = as_size(end)  # an expression of the dims inside the dim at every size (x[:, :s] of s + 1 rows)
     else:
         raise ValueError(f"slice end {end} of a dim of dynamic size {n} (not known to lie inside it at every size)")
+    if static(end):
+        return int(start), max(0, (int(end) - int(start) + step - 1) // step)
     length = sympy.expand(end - start) if step == 1 else FloorDiv(sympy.expand(end - start + step - 1), step)
     return int(start), norm(length)

@@ -176,4 +176,8 @@ class LoweringCtx:
         t = view.as_strided()
         if t is None:
             t = self.realize(view, why).as_strided()
+        if t is None:  # a copy whose strides are not sizes the program can spell (a dynamic dim's quotient)
+            raise BuildError(f"a view of {view.buf} with shape {view.shape} has no strided form "
+                             "(dynamic dims: a size that is a quotient of dims)",
+                             remedy="build with static shapes, or keep the dims this view sees static")
         return t

@@ -1,9 +1,12 @@
 """Reduction lowerings: sum / mean / max / min / prod / any / argmax / argmin along any set of dims."""
 from __future__ import annotations
 
+import sympy
+
 import torch
 
 from ..ir.indexing import syms
+from ..ir.sizes import static
 from ..ir.loop import ARG_REDUCTIONS, FLOATS, Const, Op, compute_dtype
 from ..ir.views import View
 from .ctx import as_dtype, meta, out_dtype, out_shape
@@ -67,7 +70,8 @@ def _mean(ctx, node, args, kwargs):
     n = 1
     for d in set(ds):
         n *= src.shape[d]
-    return _reduce(ctx, node, src, dims, keep, "sum", scale=1.0 / n)
+    # a dynamic count: an exact quotient of dims (its kernel computes 1 / n from the dim arguments)
+    return _reduce(ctx, node, src, dims, keep, "sum", scale=1.0 / n if static(n) else sympy.Integer(1) / n)
 
 
 @rule(aten.amax.default, category="reduction")

@@ -120,16 +120,15 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
 def _symbolic_plan(nbytes: dict, life: dict[str, tuple[int, int]]) -> tuple[dict, object]:
     """Offsets that are expressions of the dims, valid for every size in range, and short.
 
-    A buffer's bytes are a polynomial in the dims with non-negative coefficients. Its room in the arena
-    is that polynomial with each coefficient rounded up to a multiple of DYN_ALIGN (the constant term
-    to ALIGN): at least its bytes at every size, and a multiple of DYN_ALIGN whatever the dims are, so
+    A buffer's room in the arena (`_room`) is a sum of non-negative terms (monomials of the dims, or its
+    bytes rounded up as one atom), each with a coefficient that is a multiple of DYN_ALIGN: at least its
+    bytes at every size, at most 15 bytes more, and a multiple of DYN_ALIGN whatever the dims are, so
     every offset stays 16-byte aligned. Greedy-by-size places the buffers at the example's sizes; that
     placement fixes, for every two buffers alive at once, which lies below the other. Each offset is
-    then the coefficient-wise maximum of (offset + room) over the buffers directly below it: at least
-    each of them at every size (all monomials are non-negative), so no two buffers alive at once
-    overlap anywhere in range, and the expression stays one polynomial (no max) however deep the plan.
-    The arena is the coefficient-wise maximum of the ends. At the example it is close to the greedy
-    plan (the rounding adds at most DYN_ALIGN bytes per monomial unit of a buffer)."""
+    then the term-wise maximum of (offset + room) over the buffers directly below it: at least each of
+    them at every size (all terms are non-negative), so no two buffers alive at once overlap anywhere in
+    range, and the expression stays one sum (no max) however deep the plan. The arena is the term-wise
+    maximum of the ends: at least every shape's reach, at most the rooms stacked."""
     room = {b: _room(n) for b, n in nbytes.items()}
     hints = {b: hint(_poly_expr(r)) for b, r in room.items()}
     at, _ = _greedy_by_size(hints, life)
@@ -159,18 +158,24 @@ DYN_ALIGN = 16  # bytes: what vectorized kernel loads need (the kernels assume 1
 
 
 def _room(n) -> dict:
-    """{monomial: coefficient} of an upper bound of n bytes, each coefficient a multiple of DYN_ALIGN."""
+    """An upper bound of n bytes as {key: coefficient}, every coefficient a multiple of DYN_ALIGN and every
+    key a non-negative quantity: a monomial of the dims when n's coefficients are non-negative multiples
+    of DYN_ALIGN (activations: elements x an itemsize x a width), the constant rounded up; else n itself
+    rounded up to DYN_ALIGN as one atom, 16 * ((n + 15) // 16) (a [s0] fp32 vector: 4*s0 bytes, not 16*s0;
+    a slice's 12*s0 - 12). So at most 15 bytes of slack a buffer, and the plan's arena never exceeds its
+    allocations stacked (what load validation allows a dynamic plan)."""
     e = sympy.expand(sympy.sympify(n))
     gens = sorted(e.free_symbols, key=str)
-    terms = sympy.Poly(e, *gens).terms() if gens else [((), int(e))]
-    out = {}
-    for mono, c in terms:
-        key = tuple((str(g), k) for g, k in zip(gens, mono) if k)
-        step = ALIGN if not key else DYN_ALIGN
-        if c < 0:
-            raise ValueError(f"buffer bytes {n} have a negative coefficient")
-        out[key] = -(-int(c) // step) * step
-    return out
+    if not gens:
+        return {(): -(-int(e) // DYN_ALIGN) * DYN_ALIGN}
+    terms = sympy.Poly(e, *gens).terms()
+    const = sum(int(c) for mono, c in terms if not any(mono))
+    if const >= 0 and all(int(c) >= 0 and int(c) % DYN_ALIGN == 0 for mono, c in terms if any(mono)):
+        out = {tuple((str(g), k) for g, k in zip(gens, mono) if k): int(c) for mono, c in terms if any(mono)}
+        if const:
+            out[()] = -(-const // DYN_ALIGN) * DYN_ALIGN
+        return out
+    return {(("@", e),): DYN_ALIGN}
 
 
 def _cadd(a: dict, b: dict) -> dict:
@@ -193,7 +198,10 @@ def _poly_expr(d: dict):
     for key, c in d.items():
         m = sympy.Integer(c)
         for name, k in key:
-            m = m * syms[name] ** k
+            if name == "@":  # an atom: its bytes rounded up to DYN_ALIGN, counted in DYN_ALIGN units
+                m = m * FloorDiv(sympy.expand(k + DYN_ALIGN - 1), sympy.Integer(DYN_ALIGN))
+            else:
+                m = m * syms[name] ** k
         e = e + m
     return sympy.expand(e)
 
