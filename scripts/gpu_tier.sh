@@ -3,7 +3,8 @@
 # Archives under build/gpu are built on the machine itself if missing (building needs no GPU).
 # STAGES picks what runs (default: all but the opt-in ones): repro host pytest sanitize check driver train bench
 # kernels trainbench; opt-in: profile (scripts/profile_train.py: per-kernel GPU time of the anchor step, aotfuse vs
-# torch.compile), knobs (scripts/knob_ab.py of KNOB_VARIANTS on KNOB_CASES: opt-in knobs vs the defaults) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
+# torch.compile), knobs (scripts/knob_ab.py of KNOB_VARIANTS on KNOB_CASES: opt-in knobs vs the defaults), dynamic
+# (one dynamic archive at many shapes, reduction-length variants) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
 # docs/zoo_gpu.json and run scripts/gen_models_doc.py).
 # kernels: scripts/bench_kernels.py (memory-bound cases, % of copy); trainbench: `aotfuse bench --train` of
 # TRAIN_SPECS (default: the anchor GPT, batch 8 x 1024, bf16).
@@ -60,6 +61,14 @@ want profile && run profile python3 scripts/profile_train.py
 # knobs: the opt-in knobs against the defaults (scripts/knob_ab.py: GPU kernel time next to torch.compile)
 want knobs && run knobs python3 scripts/knob_ab.py --cases ${KNOB_CASES:-anchor,ce} \
   ${KNOB_VARIANTS:-base: pred:predicated_selects=1}
+# dynamic: one dynamic archive of the anchor GPT at 9 shapes (scripts/bench_dynamic.py) and the reduction-length
+# variants (scripts/variants_ab.py), issue 10
+if want dynamic; then
+  python3 -m aotfuse build aotfuse.examples.gpt:anchor --dynamic tokens.0=1..16 --dynamic tokens.1=1..1024 \
+    -o build/anchor_dyn.aotf --arch "${DYN_ARCH:-sm_90}" >"$OUT/dyn_build.log" 2>&1
+  run dynamic python3 scripts/bench_dynamic.py build/anchor_dyn.aotf --iters ${DYN_ITERS:-30} --json "$OUT/bench_dynamic.json"
+  run variants python3 scripts/variants_ab.py --iters ${DYN_ITERS:-30}
+fi
 want zoo && run zoo python3 scripts/zoo_gpu.py ${ZOO_NAMES:-} --json "$OUT/zoo_gpu.json" --markdown "$OUT/zoo.md"
 echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
@@ -75,4 +84,6 @@ for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "E
 [ -f "$OUT/kernels.md" ] && grep -h "^|" "$OUT/kernels.md"
 [ -f "$OUT/trainbench.md" ] && grep -h "^|" "$OUT/trainbench.md"
 [ -f "$OUT/knobs.log" ] && grep -h "^|" "$OUT/knobs.log"
+[ -f "$OUT/dynamic.log" ] && grep -h "^|" "$OUT/dynamic.log"
+[ -f "$OUT/variants.log" ] && grep -h "^|" "$OUT/variants.log"
 exit 0
