@@ -28,7 +28,7 @@ from .emit.program import build_program
 from .export import capture
 from .errors import AotfuseError, BuildError
 from .knobs import knobs
-from .ir.sizes import current_dims, dims_scope, foreign_symbols, hint, text as size_text
+from .ir.sizes import current_dims, dims_scope, foreign_symbols, hint, spelled
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
 from .schedule.trivial import trivial_reductions
@@ -324,7 +324,7 @@ def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train
     fwd = progs[0]
     bufs = fwd.graph.buffer_map
     inputs = tuple(s.to_contract() for s in fwd.cg.inputs)
-    outputs = tuple(OutputSpec(tuple(d if isinstance(d, int) else size_text(d) for d in o.view.shape),
+    outputs = tuple(OutputSpec(tuple(spelled(d) for d in o.view.shape),
                                str(TORCH[bufs[o.view.buf].dtype])) for o in fwd.graph.outputs)
     single = fwd.cg.single_output
     if fwd.cg.dims:

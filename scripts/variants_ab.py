@@ -11,12 +11,12 @@ median latency (CUDA events, stream drained before each call) and percent of the
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import aotfuse
 from aotfuse.knobs import override
+from bench_dynamic import _lat  # scripts/ is the script's own directory
 
 
 class RowSoftmax(torch.nn.Module):
@@ -25,18 +25,7 @@ class RowSoftmax(torch.nn.Module):
 
 
 def _lat_us(fn, x, iters: int) -> float:
-    for _ in range(5):
-        fn(x)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    out = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        s.record()
-        fn(x)
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(out)
+    return _lat(fn, x, iters) * 1e3  # bench_dynamic's CUDA-event median, in us
 
 
 def _copy_gbs() -> float:

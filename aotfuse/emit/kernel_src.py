@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 
 import sympy
 
@@ -32,56 +31,16 @@ from .argreduce import update as arg_update
 from .online import finish as online_finish, init as online_init, pairs as online_pairs
 from .online import update as online_update
 from .predicate import condition_bounds, index_only, merge, resolve_clamps
-from .printer import PTR_TYPE, TL_DTYPE, index_value, literal, op_source, print_index
+from .printer import (PTR_TYPE, TL_DTYPE, dim_value, grid_size, index_value, kernel_dims, ktext, literal,
+                      op_source, print_index)
 # the iteration space's symbols and block heuristic, also read through this module (ks.SX, ks.block_choice)
-from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, reduction_pattern, same_index, variant_blocks  # noqa: F401
-from ..ir.sizes import current_dims, hi, hint, same, static
-
-
-def _dim_value(v: sympy.Expr, dtype: str) -> str:
-    """A constant that is an expression of the dims (a size used as a value: a mean's count, a scale):
-    computed from the kernel's int32 dim arguments, in `dtype` (a quotient only in a float dtype)."""
-    num, den = sympy.fraction(sympy.together(sympy.nsimplify(v)))
-    base = f"(tl.zeros([1], {TL_DTYPE[dtype]}) + {ktext(num)})"
-    if den == 1:
-        return base
-    if not dtype.startswith(("float", "bfloat")):
-        raise BuildError(f"constant {v} (a quotient of dims) in integer dtype {dtype}")
-    return f"({base} / {ktext(den)})"
+from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, reduction_pattern, same_index  # noqa: F401
+from ..ir.sizes import current_dims, hi, hint, same, spelled, static
 
 
 def _one(n) -> bool:
     """A reduced extent of exactly one element (a static 1: the group runs as a pointwise kernel)."""
     return static(n) and int(n) == 1
-
-
-def ktext(n) -> str:
-    """A size in kernel source: a literal, or an expression of the dims (the kernel's int32 arguments)."""
-    return str(int(n)) if static(n) else print_index(n, {})
-
-
-def norm_size(n):
-    """A size as the program and the kernel record spell it: an int, or its expression text (contract/sizes.py)."""
-    from ..ir.sizes import text
-
-    return int(n) if static(n) else text(n)
-
-
-def grid_size(x, xb: int):
-    """Programs of a launch: ceil(x / xb), an expression when x is dynamic."""
-    from ..ir.sizes import text
-
-    return -(-int(x) // xb) if static(x) else f"cdiv({text(x)}, {xb})"
-
-
-_DIM_NAME = re.compile(r"\bs(\d+)\b")
-
-
-def kernel_dims(body: str) -> tuple[str, ...]:
-    """The dynamic dims a kernel's source reads (its int32 arguments), in symbol order."""
-    names = {d.name for d in current_dims()}
-    used = sorted({int(m.group(1)) for m in _DIM_NAME.finditer(body) if f"s{m.group(1)}" in names})
-    return tuple(f"s{i}" for i in used)
 
 
 def _at_hint(node):
@@ -149,12 +108,6 @@ def loop_range(start: int, stop: int, step: int, stages: int) -> str:
 def loop_note(stages: int) -> str:
     """What explain says about loop pipelining."""
     return f"; loads pipelined {stages} stages (tl.range, cp.async into shared memory)"
-
-
-def _blocks(x: int, r: int, pattern: str = "inner") -> tuple[str, int, int, int]:
-    """(kind, XBLOCK, RBLOCK, num_warps) for an x-by-r iteration space (`block_choice` without the why)."""
-    b = block_choice(x, r, pattern)
-    return b.kind, b.xblock, b.rblock, b.num_warps
 
 
 class _Emitter:
@@ -247,7 +200,7 @@ class _Emitter:
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0{self.policy(e.buf)})"
         if isinstance(e, Const):
             if isinstance(e.value, sympy.Basic) and not e.value.is_Number:
-                return _dim_value(e.value, e.dtype)
+                return dim_value(e.value, e.dtype)
             return f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         if isinstance(e, IndexValue):
             return index_value(e.expr, {SX: 'xindex', SR: 'rindex'}, e.dtype)
@@ -472,54 +425,15 @@ def _combine(rtype: str, acc: str, v: str, dtype: str = "") -> str:
 def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
              evict: dict[str, set[int]] | None = None) -> KernelSource:
     """The kernel of one fusion group. A group whose reduced length is dynamic gets kernel variants
-    per sub-range of that length (`KernelSource.variants`; space.variant_blocks): the program picks
-    one per shape."""
+    per sub-range of that length (emit/variants.py): the program picks one per shape."""
     main = _generate(group, graph, stored, evict)
     if group.kind in ("template", "scan", "mix_order") or main.kind == "pointwise" or static(group.rnumel) \
             or not knobs.dynamic_variants:
         return main
-    cases = variant_blocks(group.xnumel, group.rnumel, main.pattern)
-    if not cases:
-        return main
-    variants = [(upto, _generate(group, graph, stored, evict, blocks=b)) for upto, b in cases]
-    dims = tuple(sorted({d for k in [main] + [v for _, v in variants] for d in k.sizes}, key=lambda d: int(d[1:])))
-    if any(k.sizes != dims for k in [main] + [v for _, v in variants]):  # one signature for every variant
-        main = _generate(group, graph, stored, evict, dims=dims)
-        variants = [(upto, _generate(group, graph, stored, evict, blocks=b, dims=dims)) for upto, b in cases]
-    from ..ir.sizes import text
+    from .variants import with_variants
 
-    # Each sub-range also gets a twin for dims that are multiples of 16 (listed first: the program takes it
-    # when they are): with a dynamic row length, a row's start is aligned only if the length is, and
-    # Triton vectorizes a load only where it knows the alignment.
-    # Unaligned rows longer than UNALIGNED_PERSISTENT_MAX run the range's own kernel: held in registers
-    # with scalar loads they lost to looping (H100, softmax [16384, 3000] bf16: 178 us persistent 4096
-    # vs 162 us looped; aligned 3072: 102 us persistent).
-    both = []
-    for upto, v in variants + [(INT32_MAX, main)]:
-        both.append((upto, _aligned(v)))
-        if upto <= UNALIGNED_PERSISTENT_MAX or v is main:
-            both.append((upto, v))
-    both = both[:-1]  # the last (unaligned, whole range) is the launch's own kernel
-    note = "; variants by r (" + text(group.rnumel) + "): " + ", ".join(
-        f"r <= {upto}: {v.kind.replace('_reduction', '')} {v.xblock}x{v.rblock}/{v.num_warps}w" for upto, v in variants) + \
-        f", else this kernel; each also compiled for dims that are multiples of 16 ({', '.join(dims)}: aligned rows, " \
-        f"vectorized loads)"
-    return dataclasses.replace(main, why=main.why + note, variants=tuple(both), variant_on=text(group.rnumel))
-
-
-INT32_MAX = 2**31 - 1
-UNALIGNED_PERSISTENT_MAX = 1024
-
-
-def _aligned(k: KernelSource) -> KernelSource:
-    """The same kernel compiled for dims that are all multiples of 16 (a source comment makes it a kernel of
-    its own name; the compile gives its int32 arguments Triton's divisibility-by-16 attribute)."""
-    old = k.name
-    text = k.source.replace(f"def {old}(", "def KERNEL_NAME(").replace(
-        "@triton.jit\n", "# sizes: multiples of 16\n@triton.jit\n", 1)
-    name = f"{old[:old.rindex('_') + 1]}{hashlib.sha256(text.encode()).hexdigest()[:12]}"
-    return dataclasses.replace(k, name=name, source=text.replace("KERNEL_NAME", name), aligned_sizes=True,
-                               why=k.why + "; dims multiples of 16")
+    return with_variants(group, main, lambda blocks=None, dims=None: _generate(group, graph, stored, evict,
+                                                                                 blocks=blocks, dims=dims))
 
 
 def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
@@ -563,9 +477,9 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
             if ld.buf not in names and ld.buf not in ins:
                 ins.append(ld.buf)
     outs = [n.name for n in knodes if n.name in stored]
-    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", norm_size(graph.buffer(b).numel))
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", spelled(graph.buffer(b).numel))
             for i, b in enumerate(ins)]
-    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", norm_size(graph.buffer(b).numel))
+    args += [KernelArg(f"out_ptr{i}", b, graph.buffer(b).dtype, "out", spelled(graph.buffer(b).numel))
              for i, b in enumerate(outs)]
     out_name = {a.buf: a.name for a in args if a.role == "out"}
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
@@ -700,7 +614,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
-                        group.name, kind, group.nodes, xb, rb, norm_size(x), norm_size(r), pattern, blocks.why,
+                        group.name, kind, group.nodes, xb, rb, spelled(x), spelled(r), pattern, blocks.why,
                         sizes=dims)
 
 
@@ -723,10 +637,10 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     for ld in expr_loads(knode.body):
         if ld.buf not in ins:
             ins.append(ld.buf)
-    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", norm_size(graph.buffer(b).numel))
+    args = [KernelArg(f"in_ptr{i}", b, graph.buffer(b).dtype, "in", spelled(graph.buffer(b).numel))
             for i, b in enumerate(ins)]
     args.append(KernelArg("out_ptr0", node.name, graph.buffer(node.name).dtype, "out",
-                          norm_size(graph.buffer(node.name).numel)))
+                          spelled(graph.buffer(node.name).numel)))
     em = _Emitter(graph, {}, {a.buf: a.name for a in args if a.role == "in"}, kind)
     em.xnumel, em.rnumel, em.stores = x, r, {}
     acc, ident = TL_DTYPE[node.acc_dtype], _SCAN_IDENT[node.stype]
@@ -762,7 +676,7 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
-                        group.name, kind, group.nodes, xb, rb, norm_size(x), norm_size(r), sizes=dims)
+                        group.name, kind, group.nodes, xb, rb, spelled(x), spelled(r), sizes=dims)
 
 
 _HEADER = """import triton

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import math
+import re
 
 import sympy
 
 from ..dtypes import NAMES, TRITON
 from ..ir.indexing import FloorDiv, ModIdx
-from ..ir.sizes import is_dim
+from ..errors import BuildError
+from ..ir.sizes import current_dims, is_dim, static, text
 
 # Source spellings of the one dtype table (aotfuse/dtypes.py): `tl.float32` in casts, `*fp32` in signatures.
 TL_DTYPE = {n: "tl.int1" if n == "bool" else f"tl.{n}" for n in NAMES}
@@ -15,29 +17,45 @@ PTR_TYPE = {n: "*" + TRITON[n] for n in NAMES}
 
 
 def print_index(e: sympy.Expr, names: dict) -> str:
-    """sympy index -> Triton integer expression; `names` maps symbols to source names."""
+    """sympy index -> Triton integer expression; `names` maps symbols to source names (a dynamic dim not
+    in `names` is the kernel argument of its own name)."""
+    return _spell(e, names, program=False)
+
+
+def size_code(e: sympy.Expr) -> str:
+    """A size expression over the dims as the program spells it (Python integer syntax: contract/sizes.py)."""
+    return _spell(e, {}, program=True)
+
+
+def _spell(e: sympy.Expr, names: dict, program: bool) -> str:
+    """The one walk behind both: kernel source (Min / Max as nested tl.minimum / tl.maximum) or a program
+    size (Python's min / max)."""
+    def rec(x):
+        return _spell(x, names, program)
+
     if e.is_Integer:
         return str(int(e))
     if e.is_Symbol:
         return names[e] if e in names else _dim_name(e)
     if e.is_Add:
-        parts = [print_index(a, names) for a in sorted(e.args, key=sympy.default_sort_key)]
-        return "(" + " + ".join(parts) + ")"
+        return "(" + " + ".join(rec(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
     if e.is_Mul:
         # dims last: on the CPU path a dim is a constexpr, and constexpr * tensor would wrap the tensor
         args = sorted(e.args, key=lambda a: (a.is_Symbol and a not in names and is_dim(a), sympy.default_sort_key(a)))
-        parts = [print_index(a, names) for a in args]
-        return "(" + " * ".join(parts) + ")"
-    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:
-        return "(" + " * ".join([print_index(e.base, names)] * int(e.exp)) + ")"
+        return "(" + " * ".join(rec(a) for a in args) + ")"
+    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:  # s1**2: a product (a program size has no power)
+        return "(" + " * ".join([rec(e.base)] * int(e.exp)) + ")"
     if isinstance(e, FloorDiv):
-        return f"({print_index(e.args[0], names)} // {print_index(e.args[1], names)})"
+        return f"({rec(e.args[0])} // {rec(e.args[1])})"
     if isinstance(e, ModIdx):
-        return f"({print_index(e.args[0], names)} % {print_index(e.args[1], names)})"
+        return f"({rec(e.args[0])} % {rec(e.args[1])})"
     if isinstance(e, (sympy.Min, sympy.Max)):
+        if program:
+            return f"{'min' if isinstance(e, sympy.Min) else 'max'}({', '.join(rec(a) for a in e.args)})"
         fn = "tl.minimum" if isinstance(e, sympy.Min) else "tl.maximum"
-        a, b = e.args[0], e.func(*e.args[1:])
-        return f"{fn}({print_index(a, names)}, {print_index(b, names)})"
+        return f"{fn}({rec(e.args[0])}, {rec(e.func(*e.args[1:]))})"
+    if program:
+        raise ValueError(f"size expression {e} has no program spelling (only + * // % min max of dims)")
     raise ValueError(f"cannot print index expression {e}")
 
 
@@ -46,28 +64,6 @@ def _dim_name(e: sympy.Symbol) -> str:
     if not is_dim(e):
         raise ValueError(f"index symbol {e} is neither a loop variable nor a dynamic dim")
     return e.name
-
-
-def size_code(e: sympy.Expr) -> str:
-    """A size expression over the dims as the program spells it (Python integer syntax: contract/sizes.py)."""
-    if e.is_Integer:
-        return str(int(e))
-    if e.is_Symbol:
-        return _dim_name(e)
-    if e.is_Add:
-        return "(" + " + ".join(size_code(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
-    if e.is_Mul:
-        return "(" + " * ".join(size_code(a) for a in sorted(e.args, key=sympy.default_sort_key)) + ")"
-    if e.is_Pow and e.exp.is_Integer and int(e.exp) > 0:  # s1**2: a product (the grammar has no power)
-        return "(" + " * ".join([size_code(e.base)] * int(e.exp)) + ")"
-    if isinstance(e, FloorDiv):
-        return f"({size_code(e.args[0])} // {size_code(e.args[1])})"
-    if isinstance(e, ModIdx):
-        return f"({size_code(e.args[0])} % {size_code(e.args[1])})"
-    if isinstance(e, (sympy.Min, sympy.Max)):
-        fn = "min" if isinstance(e, sympy.Min) else "max"
-        return f"{fn}({', '.join(size_code(a) for a in e.args)})"
-    raise ValueError(f"size expression {e} has no program spelling (only + * // % min max of dims)")
 
 
 def index_value(e: sympy.Expr, names: dict, dtype: str) -> str:
@@ -143,3 +139,37 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
 
 def _trunc(x: str) -> str:
     return f"tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"
+
+
+# ---------------------------------------------------------------- sizes in kernel source (dynamic dims)
+
+def ktext(n) -> str:
+    """A size in kernel source: a literal, or an expression of the dims (the kernel's int32 arguments)."""
+    return str(int(n)) if static(n) else print_index(n, {})
+
+
+def grid_size(x, xb: int):
+    """Programs of a launch: ceil(x / xb), an expression when x is dynamic."""
+    return -(-int(x) // xb) if static(x) else f"cdiv({text(x)}, {xb})"
+
+
+_DIM_NAME = re.compile(r"\bs(\d+)\b")
+
+
+def kernel_dims(body: str) -> tuple[str, ...]:
+    """The dynamic dims a kernel's source reads (its int32 arguments), in symbol order."""
+    names = {d.name for d in current_dims()}
+    used = sorted({int(m.group(1)) for m in _DIM_NAME.finditer(body) if f"s{m.group(1)}" in names})
+    return tuple(f"s{i}" for i in used)
+
+
+def dim_value(v: sympy.Expr, dtype: str) -> str:
+    """A constant that is an expression of the dims (a size used as a value: a mean's count, a scale):
+    computed from the kernel's int32 dim arguments, in `dtype` (a quotient only in a float dtype)."""
+    num, den = sympy.fraction(sympy.together(sympy.nsimplify(v)))
+    base = f"(tl.zeros([1], {TL_DTYPE[dtype]}) + {ktext(num)})"
+    if den == 1:
+        return base
+    if not dtype.startswith(("float", "bfloat")):
+        raise BuildError(f"constant {v} (a quotient of dims) in integer dtype {dtype}")
+    return f"({base} / {ktext(den)})"

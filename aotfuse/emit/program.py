@@ -10,22 +10,17 @@ from ..ir.loop import Extern, LoopGraph, TensorArg
 from ..schedule.fusion import Schedule
 from ..schedule.memplan import MemoryPlan
 from .kernel_src import KernelSource
-from ..ir.sizes import static, text
-
-
-def _size(n):
-    """A size as the program spells it: an int, or an expression text over the dims (contract/sizes.py)."""
-    return int(n) if static(n) else text(n)
+from ..ir.sizes import spelled
 
 
 def _sizes(ns) -> tuple:
-    return tuple(_size(n) for n in ns)
+    return tuple(spelled(n) for n in ns)
 
 
 def program_arg(a):
     """An IR extern argument as a program argument: TensorArg -> TensorRef, sequences -> tuples."""
     if isinstance(a, TensorArg):
-        return TensorRef(a.buf, _sizes(a.shape), _sizes(a.stride), _size(a.offset))
+        return TensorRef(a.buf, _sizes(a.shape), _sizes(a.stride), spelled(a.offset))
     if isinstance(a, (list, tuple)):
         return tuple(program_arg(x) for x in a)
     if a is None or isinstance(a, (bool, int, float, str)):
@@ -43,7 +38,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
 
     def alloc(name: str, own: bool) -> Alloc:  # own: an allocation of its own, not in the arena
         b = bufs[name]
-        return Alloc(name, -1 if own else _size(alloc_of[name].offset), _sizes(b.shape), b.dtype)
+        return Alloc(name, -1 if own else spelled(alloc_of[name].offset), _sizes(b.shape), b.dtype)
 
     # multi-output externs: the call's further results (ir.loop.Extern.result), defined by its instruction
     results: dict[str, list] = {}
@@ -79,7 +74,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         inputs=tuple(ProgramInput(name, _sizes(bufs[name].shape), bufs[name].dtype) for name in graph.inputs),
         weights={buf: fqn for buf, fqn in graph.weights},
         weight_specs={buf: WeightSpec(tuple(bufs[buf].shape), bufs[buf].dtype) for buf, _ in graph.weights},
-        arena_bytes=_size(plan.arena_bytes),
+        arena_bytes=spelled(plan.arena_bytes),
         rng=graph.rng,
         instructions=tuple(instrs),
     )

@@ -258,23 +258,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
                          time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
                          outputs_tree=output_structure(out_spec) if out_spec is not None else None,
-                         dims=dims, symmap=symmap, shape_env=_shape_env(ph_by_name, user_inputs) if dims else None)
+                         dims=dims, symmap=symmap, shape_env=env0 if dims else None)
 
 
 def _shape_env_of(ep):
+    """torch's ShapeEnv of an export with dynamic dims (the one every SymInt of the graph belongs to)."""
     for node in ep.graph_module.graph.nodes:
         if node.op == "placeholder":
             for s in getattr(node.meta.get("val"), "shape", ()):
                 if isinstance(s, torch.SymInt):
                     return s.node.shape_env
-    return None
-
-
-def _shape_env(ph_by_name, user_inputs):
-    for n in user_inputs:
-        for s in getattr(ph_by_name[n].meta.get("val"), "shape", ()):
-            if isinstance(s, torch.SymInt):
-                return s.node.shape_env
     return None
 
 

@@ -399,16 +399,16 @@ def linear_strides(e: sympy.Expr, variables: Sequence[sympy.Symbol]) -> tuple[in
     coeffs = []
     for v in variables:
         c = e.coeff(v)
-        if not _size_like(c):
+        if not size_like(c):
             return None
         coeffs.append(int(c) if c.is_Integer else c)
     rest = sympy.expand(e - sum(c * v for c, v in zip(coeffs, variables)))
-    if not _size_like(rest):
+    if not size_like(rest):
         return None
     return (int(rest) if rest.is_Integer else rest), tuple(coeffs)
 
 
-def _size_like(c: sympy.Expr) -> bool:
+def size_like(c: sympy.Expr) -> bool:
     """An integer, or a polynomial in dynamic dims with integer coefficients (a stride of a dynamic view)."""
     if c.is_Integer:
         return True

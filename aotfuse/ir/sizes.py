@@ -137,6 +137,11 @@ def prod(xs) -> Size:
     return norm(sympy.expand(out)) if not isinstance(out, int) else out
 
 
+def spelled(n: Size):
+    """A size as the program and the kernel records hold it: an int, or its expression text."""
+    return int(n) if static(n) else text(n)
+
+
 def text(n: Size) -> str:
     """A size as the program and the kernels spell it: an int, or a Python expression over s0, s1, ..."""
     if static(n):

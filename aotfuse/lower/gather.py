@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from ..errors import UnsupportedOpError
-from ..ir.indexing import simplify, sym, syms
+from ..ir.indexing import simplify, size_like, sym, syms
 from ..ir.loop import Const, Gather, IndexValue, Op, compute_dtype
 from ..ir.views import View
 from .ctx import as_dtype, out_dtype, out_shape
@@ -43,7 +43,7 @@ def _gather(ctx, node, x: View, coords: list, indexed: dict, ranges) -> View:
     strides, rest = {}, e
     for d, k in ks.items():
         c = e.coeff(k)
-        if not (c.is_Integer or _dims_only(c)):
+        if not size_like(c):
             break
         strides[d] = int(c) if c.is_Integer else c  # a dynamic view's stride: an expression of the dims
         rest = sympy.expand(rest - c * k)
@@ -205,10 +205,3 @@ def _broadcast(shapes) -> tuple:
                 raise ValueError(f"index shapes {shapes} do not broadcast")
         out.append(cur)
     return tuple(out)
-
-
-def _dims_only(c) -> bool:
-    """A coefficient that is a polynomial of the dynamic dims (no loop variable)."""
-    from ..ir.sizes import current_dims
-
-    return bool(c.free_symbols) and c.free_symbols <= set(current_dims())

@@ -45,13 +45,8 @@ class MemoryPlan:
     how: str = "slots"  # "greedy-by-size" | "slots": the plan that gave the smaller arena
 
 
-def _align(n):
-    if static(n):
-        return (int(n) + ALIGN - 1) // ALIGN * ALIGN
-    n = sympy.expand(n)
-    if all(c % ALIGN == 0 for c in sympy.Poly(n, *sorted(n.free_symbols, key=str)).coeffs()):
-        return n  # bytes per element of the dims already a multiple of the alignment (most activations)
-    return FloorDiv(sympy.expand(n + ALIGN - 1), sympy.Integer(ALIGN)) * ALIGN
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
@@ -79,7 +74,7 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
         for b in by_step.get(step, []):
             if b in bound or b in outputs:
                 continue  # outputs get their own allocation: they outlive the call (and the arena)
-            need = hint(_align(bufs[b].nbytes))  # the slot plan compares at the example only
+            need = _align(hint(bufs[b].nbytes))  # with dynamic dims, the slot plan compares at the example only
             fits = [s for s in free if slots[s] >= need] if b not in outputs else []
             if fits:
                 s = min(fits, key=lambda k: slots[k])
@@ -99,12 +94,11 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
         offsets.append(acc)
         acc += cap
     life = {b: (defined_at[b], last_use.get(b, end)) for b in slot_of}
-    need = {b: _align(bufs[b].nbytes) for b in slot_of}
-    dynamic = not all(static(n) for n in need.values())
-    if dynamic:  # sizes are expressions of the dims: offsets too (one plan for every size in range)
+    need = {b: _align(hint(bufs[b].nbytes)) for b in slot_of}  # the report's figures: at the example
+    if not all(static(bufs[b].nbytes) for b in slot_of):
+        # sizes are expressions of the dims: offsets too (one plan for every size in range)
         placed, arena = _symbolic_plan({b: bufs[b].nbytes for b in slot_of}, life)
         how = "greedy-by-size, offsets as expressions of the dims"
-        need = {b: hint(n) for b, n in need.items()}  # the figures of the report: at the example
     else:
         placed, arena = _greedy_by_size(need, life)
         how = "greedy-by-size"
@@ -112,7 +106,7 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
             placed, arena, how = {b: offsets[s] for b, s in slot_of.items()}, acc, "slots"
     allocs = tuple(Allocation(b, placed[b], placed[b], bufs[b].nbytes, defined_at[b], last_use.get(b, end))
                    for b in slot_of)
-    naive = sum(hint(_align(bufs[b].nbytes)) for b in defined_at if b not in outputs)
+    naive = sum(_align(hint(bufs[b].nbytes)) for b in defined_at if b not in outputs)
     return MemoryPlan(allocs, arena, naive, bound, tuple(frees),
                       tuple(b for b in defined_at if b in outputs and b not in bound), _peak(need, life, end), how)
 
