@@ -215,7 +215,7 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
         scope.enter_context(dims_scope(dims))  # sizes are expressions of these until the build ends
         scope.enter_context(foreign_symbols(cg.symmap))
         progs = [_schedule_program(st, "forward", cg)]
-    # each group's kernel, and its variants per sub-range of a dynamic length (emit/kernel_src.generate)
+    # each group's kernel, and its variants per sub-range of a dynamic length (emit/variants.py)
     all_kernels = [x for p in progs for k in p.kernels.values() for x in (k, *(v for _, v in k.variants))] + scales
     binaries = st.run("compile", compile_all, all_kernels, targets, knobs.compile_workers, progress)
     programs = {p.name: st.run("program" + _suffix(p.name), build_program,
