@@ -26,3 +26,12 @@ def ancestors(nodes: Iterable) -> set:
 def descendants(node: torch.fx.Node) -> set:
     """`node` and every node that reads it, transitively."""
     return closure([node], lambda n: n.users)
+
+
+def size_hint(s) -> int:
+    """An int, or a torch SymInt's value at the example, read without adding a guard (a dynamic dim stays
+    dynamic)."""
+    if isinstance(s, torch.SymInt):
+        h = s.node.hint
+        return int(h) if h is not None else int(s.node.shape_env.size_hint(s.node.expr))
+    return int(s)

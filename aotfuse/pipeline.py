@@ -175,9 +175,6 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
 
         pos, kw, _ = split_example(model, tuple(example_inputs), example_kwargs)
         dynamic = requests(model, dynamic_shapes, pos, kw)
-        if train:
-            raise BuildError("dynamic dims in a training build are not supported yet",
-                             remedy="build the training archive at one shape (inference archives take --dynamic)")
     st = _Stages(progress)
     t_all = time.perf_counter()
     example_inputs = tuple(example_inputs)
@@ -188,7 +185,10 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
         from .joint import trace_joint
         from .partition import partition, step_graphs, step_mode, train_graphs as _train_graphs
 
-        joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs)
+        joint = st.run("joint", trace_joint, model, example_inputs, example_kwargs=example_kwargs, dynamic=dynamic)
+        dims = joint.dims
+        scope.enter_context(dims_scope(dims))  # sizes are expressions of these until the build ends
+        scope.enter_context(foreign_symbols(joint.symmap))
         call = {"inputs": joint.call, "outputs": joint.outputs_tree, "loss_leaf": joint.loss_leaf}
         mode, mode_why = step_mode(joint, step or knobs.train_step)
         stage_why = None

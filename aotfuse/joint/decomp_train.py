@@ -45,6 +45,7 @@ import math
 from typing import Sequence
 
 import torch
+from ..fxgraph import size_hint
 from torch.overrides import TorchFunctionMode
 
 from ..export.decomp import OURS
@@ -381,7 +382,7 @@ class sdpa_math_mode(TorchFunctionMode):
         why = fused_attention_refusal(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) \
             if self.fused else "fused attention is off"
         i = len(self.decisions)
-        shape = [int(s) for s in q.shape]
+        shape = [size_hint(s) for s in q.shape]  # a dynamic dim: its example size (no guard)
         if why is None:
             from ..runtime.attention import attention
 

@@ -22,6 +22,7 @@ Routed: logits [N, C] or [C] of a float dtype, class-index targets (integer dtyp
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
@@ -35,13 +36,14 @@ def _routable(x, target, weight, size_average, reduce, reduction, label_smoothin
         return False
     if target.is_floating_point() or target.dtype == torch.bool:
         return False  # class probabilities: torch's path
-    if x.dim() == 2:
-        ok = target.dim() == 1 and target.shape[0] == x.shape[0]
+    if x.dim() == 2:  # sizes compared without a guard (a dynamic batch: equal or not known to be)
+        ok = target.dim() == 1 and statically_known_true(target.shape[0] == x.shape[0])
     elif x.dim() == 1:
         ok = target.dim() == 0
     else:
         return False
-    return ok and (weight is None or (isinstance(weight, torch.Tensor) and weight.shape == (x.shape[-1],)))
+    return ok and (weight is None or (isinstance(weight, torch.Tensor) and weight.dim() == 1 and
+                                      statically_known_true(weight.shape[0] == x.shape[-1])))
 
 
 def cross_entropy_lse(x, target, weight=None, ignore_index: int = -100, reduction: str = "mean"):

@@ -64,6 +64,11 @@ class JointGraph:
     # fqn of the buffer each buffer-update output writes (gm outputs after the user outputs), in order;
     # a subset of buffer_names
     mutated_buffers: tuple[str, ...] = ()
+    # dynamic dims (joint/dims.py): our Dim records, torch's size symbols -> ours, and torch's ShapeEnv
+    # (a guard it gains while the programs are lowered would fix a dim: lowering refuses it)
+    dims: tuple = ()
+    symmap: dict = dataclasses.field(default_factory=dict)
+    shape_env: Any = None
 
     @property
     def num_forward_outputs(self) -> int:
@@ -444,18 +449,23 @@ def _buffer_updates(outs: list, sig, weights: dict) -> tuple[list, list[str]]:
 
 # ---------------------------------------------------------------- trace
 
-def _faked(model: torch.nn.Module, example_inputs: tuple):
+def _faked(model: torch.nn.Module, example_inputs: tuple, symbolic=None):
     """A copy of the model whose parameters and buffers are fake tensors, and the example inputs as fake
     tensors, of one fake mode: aot_autograd traces with it, so the joint trace never runs the model's
     real math (it did: 53 s of the anchor GPT's 59 s build on 2 cores). The real values are read from
-    the original model afterwards (weights, folded constants)."""
+    the original model afterwards (weights, folded constants).
+
+    symbolic: dynamic dims (joint/dims.SymbolicInputs): the mode gets a ShapeEnv, the inputs it names
+    get symbolic sizes on their dynamic axes (everything else, weights included, stays static)."""
     import copy
 
     from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 
-    mode = FakeTensorMode()
+    mode = symbolic.mode() if symbolic is not None else FakeTensorMode()
     with FakeCopyMode(mode):
         fake_model = copy.deepcopy(model)
+    if symbolic is not None:
+        return mode, fake_model, symbolic.fake_inputs(mode, example_inputs)
     return mode, fake_model, tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs)
 
 
@@ -479,13 +489,26 @@ def _compiling():
 
 
 def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None,
-                loss_index: int = 0) -> JointGraph:
+                loss_index: int = 0, dynamic: tuple = ()) -> JointGraph:
     """Trace `model(*example_inputs, **example_kwargs)` into a joint forward/backward FX graph.
 
     The call returns the loss: a scalar tensor, output `loss_index` of a tuple, or the "loss" entry
     of a dict / transformers ModelOutput (`model(input_ids=ids, labels=ids)`). In the joint graph's
     outputs the loss comes first (`JointGraph.loss_index` is then 0); `outputs_tree` records the
-    model's output structure and `loss_leaf` where the loss sits in it."""
+    model's output structure and `loss_leaf` where the loss sits in it.
+
+    dynamic: DynamicDim requests (export/dynamic.py, checked): those axes are traced as symbols
+    (joint/dims.py); the graph's sizes are expressions of them, and `dims` / `symmap` / `shape_env`
+    say which."""
+    if not dynamic:
+        return _trace_joint(model, example_inputs, example_kwargs, loss_index, None)
+    from .dims import trace_symbolic
+
+    return trace_symbolic(lambda symbolic: _trace_joint(model, example_inputs, example_kwargs, loss_index, symbolic),
+                          model, example_inputs, example_kwargs, dynamic)
+
+
+def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symbolic) -> JointGraph:
     from torch._functorch.aot_autograd import aot_export_module
 
     from ..export.capture import split_example
@@ -494,7 +517,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
     args, kw_tensors, kw_consts = split_example(model, example_inputs, example_kwargs)
     example_inputs = args + tuple(kw_tensors.values())
     try:
-        mode, fake_model, fake_inputs = _faked(model, example_inputs)
+        mode, fake_model, fake_inputs = _faked(model, example_inputs, symbolic)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
         with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), \
                 cumulative_average_batchnorm(fake_model):

@@ -64,7 +64,7 @@ import torch.fx
 
 from ..dtypes import name_of
 from ..errors import BuildError
-from ..fxgraph import ancestors, descendants
+from ..fxgraph import ancestors, descendants, size_hint
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
 from ..packops import PACK, UNPACK, packed_nbytes
 
@@ -80,13 +80,20 @@ def _val(node):
 
 
 def tensor_nbytes(val) -> int:
+    """Bytes of a tensor value (a dynamic dim at the build's example: costs compare at the example)."""
     if isinstance(val, torch.Tensor):
-        return int(val.numel()) * val.element_size()
+        return size_hint(val.numel()) * val.element_size()
     return 0
 
 
 def _packable(val) -> bool:
-    return isinstance(val, torch.Tensor) and val.dtype == torch.bool and packed_nbytes(val.numel()) < val.numel()
+    """A bool tensor saved bit-packed. Not with a dynamic dim: the backward unpacks to a shape it must
+    spell, and its program holds no symbol of its own (a mask of a dynamic shape is saved as bytes)."""
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool:
+        return False
+    if any(isinstance(s, torch.SymInt) for s in val.shape):
+        return False
+    return packed_nbytes(val.numel()) < val.numel()
 
 
 def save_nbytes(val) -> int:
@@ -107,7 +114,7 @@ def recompute_cost(node: torch.fx.Node) -> int | None:
     if cls in BANNED_CLASSES:
         return None
     val = _val(node)
-    numel = int(val.numel()) if isinstance(val, torch.Tensor) else 0
+    numel = size_hint(val.numel()) if isinstance(val, torch.Tensor) else 0
     if cls in ("view", "constant", "item"):
         return 0
     if cls == "pointwise":  # ~1 flop/element, fused into the consumer: 1/128 byte per element
@@ -296,10 +303,14 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
     # Saved: v_in on the source side, v_out on the sink side. Walk back from the gradients.
     saved_nodes: set = set()
     bwd_compute: set = set()
+    sizes: set = set()  # a dynamic size (a SymInt node): neither saved nor recomputed (see dim_value)
     todo = [g for g in grad_outputs if isinstance(g, torch.fx.Node)]
     while todo:
         n = todo.pop()
         if n is tangent or n in saved_nodes or n in bwd_compute:
+            continue
+        if isinstance(_val(n), torch.SymInt):
+            sizes.add(n)
             continue
         if n.op == "placeholder" or ((n in fwd or n in floating) and in_src(n, ".in")):
             if n.op != "placeholder" and (op_class(n) == "view" or isinstance(_val(n), (tuple, list))):
@@ -353,12 +364,12 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             saved_bytes += nbytes
         saved_infos.append(SavedTensor(
             name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
-            shape=tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
+            shape=tuple(size_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
             dtype=name_of(val.dtype) if isinstance(val, torch.Tensor) else ""))
 
     fwd_nodes = ancestors(list(user_outputs) + saved_list)
     fwd_gm = _build_forward(gm, nodes, fwd_nodes, tangent, user_outputs, saved_list, saved_infos)
-    bwd_gm = _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos)
+    bwd_gm = _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos, sizes)
     return Partition(fwd_gm=fwd_gm, bwd_gm=bwd_gm, saved=tuple(saved_infos),
                      recomputed=tuple(n.name for n in recomputed), saved_bytes=saved_bytes,
                      memory_budget=float(memory_budget), num_user_outputs=joint.num_user_outputs,
@@ -395,9 +406,20 @@ def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_info
     return torch.fx.GraphModule(gm, g, class_name="AotfuseForward")
 
 
-def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos):
+def dim_value() -> int:
+    """Stands in a backward graph for a size of the dynamic dims that the joint graph computed in its
+    forward part (`sym_size(tokens, 1)`, `s0 * s1`): a program knows its dims (they are bound once per
+    call, runtime/dims.py), so such a size is neither saved nor recomputed; lowering reads the node's
+    meta['val'] (lower/graph.py). Never called."""
+    raise AssertionError("dim_value is a placeholder for lowering, not a function to run")
+
+
+def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, saved_infos, sizes=frozenset()):
     g = torch.fx.Graph()
     env: dict = {}
+    for n in sorted(sizes, key=nodes.index):
+        env[n] = g.create_node("call_function", dim_value, (), {}, name=n.name)
+        env[n].meta["val"] = n.meta["val"]
     packed_ph = []
     for n, info in zip(saved_list, saved_infos):
         if info.packed:

@@ -18,6 +18,7 @@ import dataclasses
 from ..contract.manifest import TrainInfo
 from ..errors import BuildError
 from ..export import CapturedGraph, InputSpec
+from ..ir.sizes import sizes
 
 
 def _placeholders(gm):
@@ -28,7 +29,7 @@ def _spec(node, name: str) -> InputSpec:
     val = node.meta["val"]
     kind = "bool" if val.dtype.is_floating_point is False and str(val.dtype) == "torch.bool" else (
         "float" if val.dtype.is_floating_point else "int")
-    return InputSpec(name, tuple(int(s) for s in val.shape), val.dtype, kind)
+    return InputSpec(name, sizes(val.shape), val.dtype, kind)  # ints, or expressions of the dims
 
 
 def _physical(val):
@@ -191,7 +192,8 @@ def train_graphs(joint, part, stages: int = 1):
     first_user = len(joint.param_names) + len(joint.mutated_buffers)
     strided = frozenset(by_input[first_user + j].name for j, spec in enumerate(joint.inputs) if spec.stride is not None)
     _saved_in_memory_order(part.fwd_gm, part.bwd_gm, joint.num_forward_outputs, strided)
-    fwd = CapturedGraph(part.fwd_gm, placeholders, buffers, fwd_specs, False, 0.0, contiguous_outputs=True)
+    fwd = CapturedGraph(part.fwd_gm, placeholders, buffers, fwd_specs, False, 0.0, contiguous_outputs=True,
+                        **_dims(joint))
     n_saved = len(_placeholders(part.bwd_gm)) - 1
     pinned = _saved_params(joint, part.fwd_gm, by_input) if stages > 1 else {}
     staging = stage_backward(part.bwd_gm, min(stages, 7), pinned)  # manifest: at most 8 programs
@@ -200,7 +202,7 @@ def train_graphs(joint, part, stages: int = 1):
         bph = _placeholders(gm)
         specs = tuple(_spec(n, n.name) for n in bph)
         bwds.append(CapturedGraph(gm, tuple((n.name, "input", i) for i, n in enumerate(bph)), {}, specs,
-                                  False, 0.0, contiguous_outputs=True))
+                                  False, 0.0, contiguous_outputs=True, **_dims(joint)))
     info = _train_info(joint, buffers, n_saved, part.saved_bytes)
     if len(bwds) > 1:
         info = dataclasses.replace(info, stages=staging.stages, carries=staging.carries)
@@ -214,5 +216,10 @@ def step_graphs(joint, part):
 
     gm = step_graph(part)
     placeholders, specs, buffers, _ = _forward_inputs(joint, gm)
-    step = CapturedGraph(gm, placeholders, buffers, specs, False, 0.0, contiguous_outputs=True)
+    step = CapturedGraph(gm, placeholders, buffers, specs, False, 0.0, contiguous_outputs=True, **_dims(joint))
     return step, _train_info(joint, buffers, 0, 0, mode="step")
+
+
+def _dims(joint) -> dict:
+    """A program's dynamic dims: the joint trace's (every program of a step runs at the forward's dims)."""
+    return {"dims": joint.dims, "symmap": joint.symmap, "shape_env": joint.shape_env} if joint.dims else {}

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import BuildError
+from ..fxgraph import size_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Staging:
 
 
 def _nbytes(val) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    return size_hint(val.numel()) * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 _VIEW_NAMES = frozenset(("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze",

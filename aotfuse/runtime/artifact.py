@@ -33,7 +33,6 @@ class Artifact:
     def __init__(self, archive: Archive, device: str | torch.device = "cuda", cuda_graphs: bool | None = None):
         t0 = time.perf_counter()
         self.archive = archive
-        _refuse_dynamic_train(archive.manifest)
         payload = read_payload(archive)  # validated, then typed (aotfuse.contract)
         self.manifest = payload.manifest
         self.dims = self.manifest.dims  # dynamic dims (DimSpec per symbol); empty: a static archive
@@ -79,7 +78,8 @@ class Artifact:
     def _link_shapes(self, launchers) -> None:
         from .shapes import ShapeCache
 
-        make_graph = self._shape_graph if self.use_graphs else None  # inference only (train + dims is refused)
+        # inference: each shape's graphs are made here; a train archive's module makes its own (runtime/training.py)
+        make_graph = self._shape_graph if self.use_graphs and self.manifest.train is None else None
         syms = tuple(d.sym for d in self.dims)
         self.shapes = {name: ShapeCache(name, p, self.kernels, self.weights, launchers, self.device, syms, make_graph)
                        for name, p in self.programs.items()}
@@ -169,6 +169,8 @@ class Artifact:
             # archive; their new values are dropped: as_module() keeps them) are program inputs; return the loss
             # (a fused step's program computes the gradients too: as_module() hands them to autograd)
             params = [self.weights[n] for n in train.state_inputs]
+            if env is not None:
+                return self.shapes[train.programs[0]].run(env, params + list(inputs))[0]
             return self.executors[train.programs[0]].run(params + list(inputs))[0]
         outs = self._run_flat(program, inputs, env)
         return outs[0] if self.manifest.single_output and len(outs) == 1 else tuple(outs)
@@ -199,14 +201,26 @@ class Artifact:
                 key: bool | None = None, arenas=None):
         """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact; `arenas`: an
         ArenaPool shared with other programs whose calls on a stream are ordered."""
-        from .graphs import GraphedProgram
-
         if self.dims:
             raise AotfuseError(f"program {program!r} has dynamic dims: its graphs are made per shape",
                                remedy="call the artifact; shape_stats() reports each shape's graphs")
-        g = GraphedProgram(self.executors[program], self.device, bound, volatile, key, arenas)
+        return self.graph_of(self.executors[program], bound, volatile, key, arenas)
+
+    def graph_of(self, executor, bound: frozenset[int] = frozenset(), volatile: frozenset[int] = frozenset(),
+                 key: bool | None = None, arenas=None):
+        """graphed() of any executor of this artifact (a shape's, with dynamic dims)."""
+        from .graphs import GraphedProgram
+
+        g = GraphedProgram(executor, self.device, bound, volatile, key, arenas)
         self._graphs.append(g)
         return g
+
+    def drop_graphs(self, graphs) -> None:
+        """Release graphs made by graph_of (after their streams drained) and forget them."""
+        graphs = list(graphs)
+        for g in graphs:
+            g.release()
+        self._graphs = [g for g in self._graphs if all(g is not d for d in graphs)]
 
     def shape_stats(self) -> dict:
         """Dynamic dims: per program, the shapes linked and cached (each with its dims, calls, link
@@ -234,13 +248,6 @@ def _stride_error(where: str, spec, x: torch.Tensor) -> GuardError:
                       f"got {tuple(x.stride())}",
                       remedy="pass x.contiguous(memory_format=torch.channels_last)" if cl else
                       "pass a tensor laid out as the example was (or rebuild with a contiguous one)")
-
-
-def _refuse_dynamic_train(manifest) -> None:
-    """Train archives with dynamic dims are refused before anything is read (not supported yet)."""
-    if type(manifest) is dict and manifest.get("dims") and manifest.get("train") is not None:
-        raise AotfuseError("dynamic dims in a train archive are not supported yet",
-                           remedy="build the train archive without --dynamic (one archive per input shape)")
 
 
 def load(src: Any, device: str | torch.device = "cuda", *, cuda_graphs: bool | None = None,

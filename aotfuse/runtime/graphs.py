@@ -185,6 +185,10 @@ class GraphedProgram:
     def captures(self) -> int:
         return self.stats["captures"]
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         fam = self._family(current_stream(self.device.index))
         with fam.lock:

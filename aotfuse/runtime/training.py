@@ -15,6 +15,7 @@ when it is 1) and hands them over, once: a second backward through the same forw
 """
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
@@ -22,18 +23,19 @@ import torch.nn as nn
 
 from ..dtypes import TORCH
 from ..errors import AotfuseError, ArchiveError, GuardError
+from ..knobs import knobs
 from .calling import flatten, loss_tree, rebuild
 from .train_state import UpdatedBuffers, original_state_dict_names
 
 
-def _run_first(ctx, module, program: str, args) -> tuple:
+def _run_first(ctx, module, progs, program: str, args) -> tuple:
     """Run the forward (or fused step) program on (parameters, updated buffers, inputs), write the buffer
     updates back, and return (loss, the outputs after the buffer updates)."""
     n_p = len(module._param_list)
     n_m = len(module._bufs.names)
-    outs = module._run(program, list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
+    outs = module._run(progs, program, list(args[:n_p]) + module._bufs.tensors() + list(args[n_p:]))
     module._bufs.write_back(outs[1:1 + n_m])  # after the program read them: as eager updates in place
-    ctx.module = module
+    ctx.module, ctx.progs = module, progs
     ctx.n_inputs = len(args) - n_p
     return outs[0], outs[1 + n_m:]
 
@@ -44,8 +46,8 @@ def _handed_out(loss):
 
 class _Packaged(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, module, *args):
-        loss, saved = _run_first(ctx, module, "forward", args)
+    def forward(ctx, module, progs, *args):
+        loss, saved = _run_first(ctx, module, progs, "forward", args)
         for i, t in enumerate(saved):
             if not t.is_contiguous():  # the backward program reads each saved tensor as a row-major buffer
                 raise ArchiveError(f"saved tensor #{i} of the forward program is not row-major (strides "
@@ -59,8 +61,8 @@ class _Packaged(torch.autograd.Function):
         module = ctx.module
         saved = ctx.saved_tensors
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
-        grads = module._run("backward", list(saved) + [tangent])
-        return _by_owner(module, ctx, _unshared(grads))
+        grads = module._run(ctx.progs, "backward", list(saved) + [tangent])
+        return (None, *_by_owner(module, ctx, _unshared(grads)))
 
 
 def _by_owner(module, ctx, grads) -> tuple:
@@ -104,10 +106,11 @@ def _unshared(grads: list, keep: int | None = None) -> list:
 class _Run:
     """One forward of a staged backward: what its stages share (the forward node's context, whose saved
     tensors every stage reads; carried values; the input gradients the last stage hands over)."""
-    __slots__ = ("module", "ctx", "aliased", "carry", "input_grads", "next")
+    __slots__ = ("module", "progs", "ctx", "aliased", "carry", "input_grads", "next")
 
-    def __init__(self, module):
-        self.module, self.ctx, self.aliased, self.carry, self.input_grads, self.next = module, None, (), [], {}, 0
+    def __init__(self, module, progs):
+        self.module, self.progs = module, progs
+        self.ctx, self.aliased, self.carry, self.input_grads, self.next = None, (), [], {}, 0
 
     def saved(self, ctx) -> list:
         """The saved tensors: those on the context, with the parameters (and views of them) put back."""
@@ -131,7 +134,7 @@ class _Run:
                                remedy="call backward (or autograd.grad) on the loss the packaged module returned")
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
         n = len(idx)
-        outs = _unshared(list(module._run(name, list(saved) + [tangent] + self.carry)), keep=n)
+        outs = _unshared(list(module._run(self.progs, name, list(saved) + [tangent] + self.carry)), keep=n)
         self.carry = list(outs[n:])
         self.next = (k + 1) % len(module._stages)
         grads = outs[:n]
@@ -155,7 +158,7 @@ class _StagedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module, run, n_last, *args):
         params = list(module._param_list)
-        loss, saved = _run_first(ctx, module, "forward", (*params, *args[n_last:]))
+        loss, saved = _run_first(ctx, module, run.progs, "forward", (*params, *args[n_last:]))
         ctx.n_inputs = len(args) - n_last
         # a parameter the forward returns as a saved tensor (or a view of it) is held as it is, not saved on the
         # context: an optimizer step in a gradient hook changes it in place once no later stage reads it
@@ -190,10 +193,10 @@ class _Stage(torch.autograd.Function):
         return (grad_loss, None, None, *grads)
 
 
-def _staged(module, inputs: tuple):
+def _staged(module, progs, inputs: tuple):
     """loss = Stage_0(Stage_1(... StagedForward(params of the last stage, inputs))): autograd runs Stage_0's
     backward first (stage 0 of the backward), the forward node's last."""
-    run = _Run(module)
+    run = _Run(module, progs)
     params = module._param_list
     last = [params[i] for i in module._stage_params[-1]]
     loss = _StagedForward.apply(module, run, len(last), *last, *inputs)
@@ -206,8 +209,8 @@ class _Step(torch.autograd.Function):
     """A fused-step archive: the program computes loss and gradients (for loss gradient 1) in the forward."""
 
     @staticmethod
-    def forward(ctx, module, *args):
-        loss, ctx.grads = _run_first(ctx, module, "step", args)
+    def forward(ctx, module, progs, *args):
+        loss, ctx.grads = _run_first(ctx, module, progs, "step", args)
         return _handed_out(loss)
 
     @staticmethod
@@ -222,8 +225,35 @@ class _Step(torch.autograd.Function):
         ctx.grads = None
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
         grads = _unshared(grads)  # before scaling: a buffer returned twice is scaled once per owner
-        module._scale(grads, tangent)
-        return _by_owner(module, ctx, grads)
+        module._scale(ctx.progs, grads, tangent)
+        return (None, *_by_owner(module, ctx, grads))
+
+
+class _Programs:
+    """What one call runs: executors by program name and their CUDA graphs (or None), at the dims `env`
+    (None: a static archive). A forward's context keeps it, so its backward runs at the forward's shape."""
+    __slots__ = ("executors", "graphs", "env")
+
+    def __init__(self, executors: dict, graphs: dict | None, env: dict | None):
+        self.executors, self.graphs, self.env = executors, graphs, env
+
+
+def _grid(kernel, env) -> tuple:
+    """A kernel's grid: ints, or size expressions evaluated at the dims (a gradient of a dynamic input)."""
+    if env is None or all(isinstance(g, int) for g in kernel.grid):
+        return tuple(kernel.grid)
+    from ..contract.sizes import evaluate
+
+    return tuple(g if isinstance(g, int) else evaluate(g, env) for g in kernel.grid)
+
+
+def _size_args(kernel, env) -> list:
+    """The int32 dims a kernel takes after its pointers (KernelEntry.size_args), at the dims `env`."""
+    if not kernel.size_args:
+        return []
+    from ..contract.sizes import evaluate
+
+    return [evaluate(s, env) for s in kernel.size_args]
 
 
 class PackagedModule(nn.Module):
@@ -258,58 +288,104 @@ class PackagedModule(nn.Module):
         self._stage_params = [[self._param_index[ref] for i in st for kind, ref in [info.grads[i]] if kind == "param"]
                               for _, st in self._stages]
         if self._step:  # per gradient: its in-place scaling kernel's launcher and grid
-            self._scalers = [(art.launchers[k], tuple(art.kernels[k].grid)) for k in info.scale_kernels]
-        graphs = art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs)
+            self._scalers = [(art.launchers[k], art.kernels[k]) for k in info.scale_kernels]
+        self._use_graphs = art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs)
+        self._graphs_asked = art.graphs_asked if cuda_graphs is None else cuda_graphs
+        self.graphs_why = "no CUDA graphs: " + ("not on a GPU" if art.device.type != "cuda" else "turned off")
+        if art.dims:  # dynamic dims: each shape its executors and graphs, linked at its first call
+            self._static = None
+            self._shapes: collections.OrderedDict = collections.OrderedDict()
+            self._graphs = None
+            if self._use_graphs:
+                self.graphs_why = "CUDA graphs per shape (decided at each shape's first call, see shape_stats())"
+        else:
+            self._graphs, why = self._make_graphs(art.executors) if self._use_graphs else (None, self.graphs_why)
+            self.graphs_why = why
+            self._static = _Programs(art.executors, self._graphs, None)
+        loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
+        self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+    def _make_graphs(self, executors: dict) -> tuple[dict | None, str]:
+        """The programs' CUDA graphs over `executors` (the archive's, or one shape's), or None where they
+        would not pay (runtime/graphs.graphs_pay), and why."""
+        art, info = self._art, self._art.manifest.train
         n_p, n_m = len(self._names), len(self._bufs.names)
-        if graphs and self._step:
+        if self._step:
             # the step reads parameters and updated buffers in place and copies the batch (a new tensor
             # every step) into static buffers; its outputs (the gradients) are fresh per held set
-            self._graphs = {"step": art.graphed("step", frozenset(range(n_p + n_m)), key=False)}
-        elif graphs:
+            graphs = {"step": art.graph_of(executors["step"], frozenset(range(n_p + n_m)), key=False)}
+        else:
             # the forward copies the batch (a new tensor every step) and reads parameters and updated
             # buffers in place; the backward reads the saved tensors where the forward's graph wrote
             # them (keyed by address), parameters passed through in place, and copies the batch tensors
             # passed through. One arena per stream for both programs (graphs.ArenaPool): max, not sum.
             from .graphs import ArenaPool
 
-            arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in info.programs), art.device)
-            fwd = art.graphed("forward", frozenset(range(n_p + n_m)), key=False, arenas=arenas)
+            arenas = ArenaPool(max(executors[p].program.arena_bytes for p in info.programs), art.device)
+            fwd = art.graph_of(executors["forward"], frozenset(range(n_p + n_m)), key=False, arenas=arenas)
             # forward outputs: loss, n_m buffer updates, then the saved tensors (the backward's inputs)
             through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
-            self._graphs = {"forward": fwd}
+            graphs = {"forward": fwd}
             for name in info.programs[1:]:  # a staged backward's programs read what the previous one carried, keyed
-                self._graphs[name] = art.graphed(name, params, frozenset(through) - params, key=True, arenas=arenas)
-        self.graphs_why = "no CUDA graphs: " + ("not on a GPU" if art.device.type != "cuda" else "turned off")
-        if self._graphs is not None:
-            from .graphs import graphs_pay
+                graphs[name] = art.graph_of(executors[name], params, frozenset(through) - params, key=True,
+                                            arenas=arenas)
+        from .graphs import graphs_pay
 
-            use, self.graphs_why = graphs_pay(list(self._graphs.values()))
-            if (art.graphs_asked if cuda_graphs is None else cuda_graphs):  # asked for explicitly: kept whatever they cost
-                self.graphs_why = "CUDA graphs: asked for (cuda_graphs=True); " + self.graphs_why
-            elif not use:
-                self._graphs = None
-        loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
-        self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+        use, why = graphs_pay(list(graphs.values()))
+        if self._graphs_asked:  # asked for explicitly: kept whatever they cost
+            return graphs, "CUDA graphs: asked for (cuda_graphs=True); " + why
+        if not use:
+            art.drop_graphs(graphs.values())
+            return None, why
+        return graphs, why
 
-    def _scale(self, grads: list, tangent: torch.Tensor) -> None:
+    def _programs(self, env: dict | None) -> "_Programs":
+        """What a call at the dims `env` runs: the archive's programs (static), or that shape's executors and
+        graphs (dynamic dims; at most knobs.shape_cache shapes kept, the least recently used released)."""
+        if env is None:
+            return self._static
+        key = tuple(env[d.sym] for d in self._art.dims)
+        progs = self._shapes.get(key)
+        if progs is not None:
+            self._shapes.move_to_end(key)
+            return progs
+        art = self._art
+        executors = {name: art.shapes[name].executor(env) for name in art.manifest.train.programs}
+        graphs = self._make_graphs(executors)[0] if self._use_graphs else None
+        progs = self._shapes[key] = _Programs(executors, graphs, dict(env))
+        while len(self._shapes) > max(1, knobs.shape_cache):
+            _, old = self._shapes.popitem(last=False)
+            if old.graphs:  # a forward still waiting for its backward runs that backward without a graph
+                art.drop_graphs(old.graphs.values())
+        return progs
+
+    def shape_stats(self) -> dict:
+        """Dynamic dims: the shapes this module holds (dims, each program's graph captures and replays)."""
+        return {"cached": len(getattr(self, "_shapes", ())), "capacity": max(1, knobs.shape_cache),
+                "shapes": [{"dims": p.env, "graphs": {n: g.stats for n, g in (p.graphs or {}).items()}}
+                           for p in getattr(self, "_shapes", {}).values()]}
+
+    def _scale(self, progs, grads: list, tangent: torch.Tensor) -> None:
         """grads[i] *= tangent in place, on the current stream (emit/scale.py: nothing when it is 1)."""
+        grids = [_grid(k, progs.env) for _, k in self._scalers]
         if self._art.device.type == "cuda":
             from .executor import current_stream
 
             stream = current_stream(self._art.device.index)
             with self._art.device_scope():
-                for (launch, grid), g in zip(self._scalers, grads):
-                    launch(grid, stream, [g.data_ptr(), tangent.data_ptr()])
+                for (launch, k), grid, g in zip(self._scalers, grids, grads):
+                    launch(grid, stream, [g.data_ptr(), tangent.data_ptr(), *_size_args(k, progs.env)])
         else:
-            for (launch, grid), g in zip(self._scalers, grads):
-                launch(grid, 0, [g, tangent])
+            for (launch, k), grid, g in zip(self._scalers, grids, grads):
+                launch(grid, 0, [g, tangent, *_size_args(k, progs.env)])
 
-    def _run(self, program: str, inputs: list):
+    def _run(self, progs, program: str, inputs: list):
         with self._art.device_scope():
-            if self._graphs is not None:
-                return self._graphs[program](inputs)
-            return self._art.executors[program].run(inputs)
+            g = progs.graphs.get(program) if progs.graphs is not None else None
+            if g is not None and not g.released:
+                return g(inputs)
+            return progs.executors[program].run(inputs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for name, p in zip(self._names, self._param_list):
@@ -358,7 +434,7 @@ class PackagedModule(nn.Module):
         if type(self) is not PackagedModule or (self._param_list and self._params._parameters.get(
                 self._first_key) is not self._param_list[0]):
             self._refuse_replaced_parameters()
-        self._art.check_inputs(inputs)
+        env = self._art.check_inputs(inputs)  # dynamic dims: their values (None: a static archive)
         self._bufs.check_mode(self.training)
         with_grad = {int(ref) for kind, ref in self._grad_map if kind == "input"}
         for i, x in enumerate(inputs):
@@ -366,6 +442,7 @@ class PackagedModule(nn.Module):
                 name = self._art.input_specs[i].name
                 raise GuardError(f"input {name!r} (#{i}) requires grad, but the archive has no gradient for it",
                                  remedy="build with an example input that requires grad (x.requires_grad_())")
+        progs = self._programs(env)
         if self._stages:
-            return _staged(self, inputs)
-        return (_Step if self._step else _Packaged).apply(self, *self._param_list, *inputs)
+            return _staged(self, progs, inputs)
+        return (_Step if self._step else _Packaged).apply(self, progs, *self._param_list, *inputs)
