@@ -553,14 +553,6 @@ def test_manifest_dims_are_validated():
         _load(m, k, p)
 
 
-def test_a_train_archive_with_dims_is_refused_at_load():
-    m, k, p = _payload()
-    m["train"] = {"params": [], "grads": [], "n_saved": 0}
-    with pytest.raises(AotfuseError, match="dynamic dims in a train archive are not supported yet") as e:
-        _load(m, k, p)
-    assert "--dynamic" in e.value.remedy
-
-
 def test_a_static_archive_refuses_expressions(static_archive):
     ar = read_archive(static_archive)
     parts = {n: ar.part(n) for n in ar.part_names}

@@ -115,8 +115,6 @@ def test_bad_requests_are_typed_errors_before_tracing():
             aotfuse.build(m, (x, y), targets=["sm_90"], dynamic_shapes=spec)
     with pytest.raises(BuildError, match="specializes"):
         aotfuse.build(m, (torch.randn(1, 5, 100), y), targets=["sm_90"], dynamic_shapes=["x.0=1..8"])
-    with pytest.raises(BuildError, match="training"):
-        aotfuse.build(m, (x, y), targets=["sm_90"], dynamic_shapes=["x.0=1..8"], train=True)
 
 
 def test_torch_export_dims_are_accepted():

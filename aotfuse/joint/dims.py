@@ -152,16 +152,19 @@ def trace_symbolic(trace: Callable, model, example_inputs, example_kwargs, reqs:
     return dataclasses.replace(joint, inputs=specs, dims=dims, symmap=symmap, shape_env=env)
 
 
+def _label(src) -> str:
+    """`x.0` for a size symbol made from input x's axis 0 (a TensorPropertySource over our LocalSource)."""
+    base, idx = getattr(src, "base", None), getattr(src, "idx", None)
+    if base is not None and idx is not None and getattr(base, "local_name", None):
+        return f"{base.local_name}.{idx}"
+    name = getattr(src, "name", None)
+    return str(name() if callable(name) else name or src)
+
+
 def _guard_message(guards, env) -> str:
-    """The first guards, spelled with the inputs' axes (`tokens.size()[1] == 64`)."""
-    labels = {}
-    for sym, srcs in getattr(env, "var_to_sources", {}).items():
-        if srcs:
-            labels[sym] = srcs[0].name() if callable(getattr(srcs[0], "name", None)) else str(srcs[0])
-    text = []
-    for g in guards[:3]:
-        e = str(g)
-        for sym in sorted(labels, key=lambda x: -len(str(x))):
-            e = e.replace(str(sym), labels[sym])
-        text.append(e)
+    """The first guards, spelled with the inputs' axes (`Eq(x.0, 2)`)."""
+    import sympy
+
+    labels = {sym: sympy.Symbol(_label(srcs[0])) for sym, srcs in getattr(env, "var_to_sources", {}).items() if srcs}
+    text = [str(g.xreplace(labels)) for g in guards[:3]]
     return f"dynamic dims: the training trace fixed a dynamic size (the program would assume {'; '.join(text)})"

@@ -92,6 +92,10 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int, pinned: dict[int, int] | None
     out = next(n for n in reversed(nodes) if n.op == "output")
     grads = list(out.args[0])
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    # sizes of dynamic dims (partition/mincut.dim_value: no inputs, no cost): copied into each stage that
+    # reads them, never carried
+    dim_sizes = [n for n in body if isinstance(n.meta.get("val"), torch.SymInt)]
+    body = [n for n in body if not isinstance(n.meta.get("val"), torch.SymInt)]
     pos = {n: i for i, n in enumerate(body)}
     ready = [pos.get(g, -1) if isinstance(g, fx.Node) else -1 for g in grads]
     if k <= 1 or len(grads) < 2:
@@ -153,9 +157,13 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int, pinned: dict[int, int] | None
             for n in carried[s - 1]:
                 env[n] = g.placeholder(f"carry_{n.name}")
                 env[n].meta = dict(n.meta)
-        for n in body:
-            if stage_of[n] == s:
-                env[n] = g.node_copy(n, lambda x: env[x])
+        mine = [n for n in body if stage_of[n] == s]
+        read = {a for n in mine for a in n.all_input_nodes}
+        for n in dim_sizes:
+            if n in read:
+                env[n] = g.node_copy(n)
+        for n in mine:
+            env[n] = g.node_copy(n, lambda x: env[x])
         outs = [env[grads[i]] if isinstance(grads[i], fx.Node) else grads[i] for i in stages[s]]
         outs += [env[n] for n in carried[s]] if s < n_stages - 1 else []
         g.output(tuple(outs))

@@ -125,6 +125,7 @@ def read_dynamic(m: dict, kernels: dict, programs: dict,
             progs = {n: specialize(p, env) for n, p in typed_programs.items()}
             # the kernels these shapes launch (a variant for another sub-range is checked at its shapes)
             used = {i.kernel for p in progs.values() for i in p.instructions if isinstance(i, Launch)}
+            used |= set((m.get("train") or {}).get("scale_kernels", ()))  # a fused step's: the runtime launches them
             validate_archive(_specialize_manifest(m, env), kernels_to_dict(
                 {n: specialize_kernel(k, env) for n, k in typed_kernels.items() if n in used}),
                 {n: p.to_dict() for n, p in progs.items()}, weights, empty_ok=True)
