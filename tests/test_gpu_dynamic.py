@@ -81,3 +81,44 @@ def test_transformers_llama_dynamic_batch_and_sequence_on_the_gpu():
         with torch.no_grad():
             want = model(input_ids=ids).logits
         torch.testing.assert_close(art(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("how", [dict(step="split"), dict(step="auto"), dict(step="split", backward_stages=3)],
+                         ids=["split", "fused_step", "staged"])
+def test_one_train_archive_many_shapes_on_the_gpu(how):
+    """A `--train` archive with dynamic batch and sequence (issue 10.1): loss and every gradient vs eager on
+    the GPU at the range ends and odd sizes, with CUDA graphs per shape (captured at a shape's first step,
+    replayed after), and AdamW steps that follow eager."""
+    import copy
+
+    from test_dynamic_train import DIMS, SHAPES, _tokens, rel, small_gpt
+
+    model, inputs = small_gpt()
+    res = aotfuse.build(model, inputs, train=True, targets=_arch(), dynamic_shapes=DIMS, **how)
+    art = aotfuse.load(res.data, device="cuda")
+    mod = art.as_module(cuda_graphs=True)
+    ref_model = copy.deepcopy(model).cuda()
+    ref_params = dict(ref_model.named_parameters())
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    shapes = SHAPES + [(3, 5), (1, 1), (4, 8)]  # again: replays
+    for k, shape in enumerate(shapes):
+        x = tuple(t.cuda() for t in _tokens(shape, seed=30 + k))
+        loss = mod(*x)
+        loss.backward()
+        ref = ref_model(*x)
+        ref.backward()
+        assert rel(loss, ref) < 1e-4, (shape, float(loss), float(ref))
+        for name, p in mod.named_parameters():
+            assert rel(p.grad, ref_params[name].grad) < 1e-3, (shape, name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    st = mod.shape_stats()
+    assert st["cached"] == len(set(SHAPES)), st
+    for s in st["shapes"]:
+        for name, g in s["graphs"].items():
+            assert g["captures"] >= 1 and g["eager_calls"] == 0, (s["dims"], name, g)
+    # a repeated shape replays: no capture beyond its first step's
+    assert sum(g["replays"] for s in st["shapes"] for g in s["graphs"].values()) > 0, st
