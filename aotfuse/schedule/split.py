@@ -49,8 +49,8 @@ import torch
 from ..dtypes import FLOATS, TORCH
 from ..emit.kernel_src import _kernelize
 from ..emit.space import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, reduction_pattern
-from ..ir.sizes import static
-from ..ir.indexing import flat_index, simplify, syms, unravel
+from ..ir.sizes import hint, static
+from ..ir.indexing import FloorDiv, flat_index, simplify, syms, unravel
 from ..ir.matmul import is_matmul
 from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod,
                        rewrite_expr, subs_expr)
@@ -122,10 +122,12 @@ def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, 
 
 def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
     x, r = n.numel, n.rnumel
-    if not (static(x) and static(r)):
-        # A split's chunk count is fixed at build time; over a dynamic range it would be wrong somewhere
+    if not static(x):
+        # the outputs follow a dim: the partial's size and the final's length would too (not done)
         return SplitDecision(n.name, n.rtype, x, r, "inner", x, False, 1, r, "", "",
-                             "dynamic sizes: one kernel serves every size in range (not split)")
+                             f"{x} outputs follow a dynamic dim ({hint(x)} at the example): not split")
+    if not static(r):
+        return _decide_dynamic(n, graph)
     kn, _ = _kernelize(n, max(x, 1), max(r, 1))
     pattern = reduction_pattern([kn], x, r, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
     # The most programs its kernel can launch unsplit: one per row for a row reduction (the block
@@ -198,6 +200,45 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
                f"the last {r - (s - 1) * c} long; loads clamped in bounds, the tail masked with the identity")
 
 
+def _decide_dynamic(n: Reduction, graph: LoopGraph) -> SplitDecision:
+    """A reduction over a dynamic length r with static outputs (a bias or LayerNorm-weight gradient: a
+    column sum over the batch's B*T rows): S chunks, S fixed at build time from the example's r, each
+    of C = ceil(r / S) elements (an expression of the dims), the tail masked as in "flat, masked". The
+    partial part[S, x] and the final reduction over S are static; whatever r is in range, every element
+    is reduced once (chunks past r reduce only the identity)."""
+    x, r = n.numel, n.rnumel
+    rh = hint(r)
+    kn, _ = _kernelize(n, max(x, 1), r)
+    pattern = reduction_pattern([kn], x, rh, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
+    programs = -(-x // OUTER_XBLOCK) if pattern == "outer" else x
+
+    def no(reason: str) -> SplitDecision:
+        return SplitDecision(n.name, n.rtype, x, r, pattern, programs, False, 1, r, "", "", reason)
+
+    if x == 0:
+        return no("empty")
+    if n.rtype in ARG_REDUCTIONS:
+        return no(f"{n.rtype} carries a position with its value: not split in two stages")
+    if programs >= knobs.split_min_programs:
+        return no(f"{programs} programs fill the GPU (split_min_programs = {knobs.split_min_programs})")
+    per_program = rh * (OUTER_XBLOCK if pattern == "outer" else 1)
+    if per_program < knobs.split_min_elems:
+        return no(f"{programs} programs, each reducing {per_program} elements at the example < split_min_elems "
+                  f"= {knobs.split_min_elems}: a short loop costs less than a second launch")
+    rblock = OUTER_RBLOCK if pattern == "outer" else INNER_LOOP_RBLOCK
+    need = -(-knobs.split_min_programs // programs)
+    s = min(need, max(1, rh // max(knobs.split_min_chunk, rblock)))
+    if s < 2:
+        return no(f"r = {rh} at the example is less than two chunks of {max(knobs.split_min_chunk, rblock)}")
+    chunk = FloorDiv(r + (s - 1), s)
+    layout = "S outer: part[s, x], x stays contiguous" if pattern == "outer" and x > 1 else "S inner: part[x, s]"
+    return SplitDecision(n.name, n.rtype, x, r, pattern, programs, True, s, chunk, "flat, masked", "",
+                         f"{programs} programs < split_min_programs = {knobs.split_min_programs}, each reducing "
+                         f"{per_program} elements at the example; r = {r} is dynamic: S = {s} chunks (fixed) of "
+                         f"ceil(r / {s}) elements, loads clamped in bounds, the tail masked with the identity; "
+                         f"{layout}; {programs * s} partial programs")
+
+
 def _split(n: Reduction, d: SplitDecision) -> tuple[Reduction, Reduction]:
     m = len(n.ranges)
     outer = d.pattern == "outer" and d.x > 1
@@ -221,12 +262,12 @@ def _split(n: Reduction, d: SplitDecision) -> tuple[Reduction, Reduction]:
         mapping.update(zip(n.rvars[k:], rv))
     else:
         flat = svars[0] * d.chunk + rv[0]
-        masked = d.chunks * d.chunk != d.r
+        masked = not (static(d.r) and d.chunks * d.chunk == d.r)
         at = sympy.Min(flat, d.r - 1) if masked else flat
         mapping.update({v: simplify(e, rng) for v, e in zip(n.rvars, unravel(at, n.rranges))})
     body = subs_expr(body, mapping)
     body = rewrite_expr(body, index=lambda ix: simplify(ix, rng))
-    if d.how != "aligned" and d.chunks * d.chunk != d.r:
+    if d.how != "aligned" and masked:
         inb = Op("lt", (IndexValue(flat, "int32"), Const(d.r, "int32")), "bool")
         body = Op("where", (inb, body, Const(identity(n.rtype, n.acc_dtype), n.acc_dtype)), n.acc_dtype)
     part = Reduction(d.partial, prange, rrange, body, n.rtype, n.acc_dtype)
