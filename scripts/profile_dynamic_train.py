@@ -20,6 +20,7 @@ def main():
     ap.add_argument("--dynamic", default="build/train_dyn.aotf")
     ap.add_argument("--shape", default="1x128")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--host", action="store_true", help="also profile the host side of a step (cProfile)")
     args = ap.parse_args()
     import aotfuse
     from aotfuse.specs import load_spec
@@ -62,6 +63,23 @@ def main():
               f"{sum(tot.values()) / 1e3:.3f} ms per step, {sum(cnt.values()) // 10} launches")
         for k, v in tot.most_common(args.top):
             print(f"  {v:9.1f} us  x{cnt[k] // 10:3d}  {k}")
+        if args.host:  # where the host time of a step goes (cProfile over 50 steps, per step)
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            for _ in range(50):
+                step()
+            torch.cuda.synchronize()
+            pr.disable()
+            st = pstats.Stats(pr)
+            rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:args.top]  # by own time
+            print(f"  host, own time per step (cProfile, 50 steps; total {st.total_tt / 50 * 1e3:.3f} ms):")
+            for (fn, line, func), (cc, nc, tt, ct, _) in rows:
+                print(f"    {tt / 50 * 1e6:8.1f} us own {ct / 50 * 1e6:8.1f} us cum  x{nc // 50:4d}  "
+                      f"{fn.split('/')[-1]}:{line} {func}")
 
 
 if __name__ == "__main__":
