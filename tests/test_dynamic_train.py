@@ -100,6 +100,31 @@ def test_guards_and_relations_are_checked_before_anything_runs():
         mod(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))
 
 
+def test_shapes_beyond_the_cache_are_released_and_a_pending_backward_still_runs(monkeypatch):
+    """At most knobs.shape_cache shapes per module; a forward whose shape was evicted before its backward
+    keeps its programs (the context holds them) and its backward runs at the forward's shape."""
+    from aotfuse.knobs import knobs
+
+    monkeypatch.setattr(knobs, "shape_cache", 2)
+    model, inputs = small_gpt()
+    res = aotfuse.build(model, inputs, train=True, targets=("sm_90",), dynamic_shapes=DIMS)
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref_model = copy.deepcopy(model)
+    first = _tokens((3, 5), 1)
+    pending = mod(*first)  # its backward comes after two other shapes pushed it out
+    for shape in ((1, 1), (4, 8)):
+        mod(*_tokens(shape, 2)).backward()
+    assert mod.shape_stats()["cached"] == 2
+    assert [s["dims"] for s in mod.shape_stats()["shapes"]] == [{"s0": 1, "s1": 1}, {"s0": 4, "s1": 8}]
+    for p in mod.parameters():
+        p.grad = None
+    pending.backward()
+    ref_model(*first).backward()
+    ref = dict(ref_model.named_parameters())
+    for name, p in mod.named_parameters():
+        assert rel(p.grad, ref[name].grad) < 1e-4, name
+
+
 class _FixesBatch(nn.Module):
     """Reshapes by the example's batch size: a dynamic batch would be fixed to 2."""
 
