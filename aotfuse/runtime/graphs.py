@@ -291,7 +291,9 @@ class _Family:
     buffers of copied inputs and the seed: replays on one stream run in order."""
 
     def __init__(self, prog: GraphedProgram, stream: torch.cuda.Stream, stream_id: int):
-        self.prog = prog
+        # weak: the program owns its families; a strong back-reference made each program a reference cycle
+        # whose graphs, output sets and arena outlived the module until Python's cyclic GC ran (issue 12.2)
+        self.prog = weakref.proxy(prog)
         self.stream = stream
         self.lock = threading.Lock()
         self.state = prog.ex.state(prog.arenas.get(stream_id) if prog.arenas is not None else None)
