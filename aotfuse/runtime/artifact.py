@@ -196,15 +196,16 @@ class Artifact:
         return describe(self.archive)
 
     def graphed(self, program: str, bound: frozenset[int] = frozenset(), volatile: frozenset[int] = frozenset(),
-                key: bool | None = None, arenas=None):
+                key: bool | None = None, arenas=None, order: int | None = None):
         """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact; `arenas`: an
-        ArenaPool shared with other programs whose calls on a stream are ordered."""
+        ArenaPool shared with other programs whose calls on a stream are ordered; `order`: the program's
+        place among them when their graphs share memory pools (a staged backward's stages)."""
         from .graphs import GraphedProgram
 
         if self.dims:
             raise AotfuseError(f"program {program!r} has dynamic dims: its graphs are made per shape",
                                remedy="call the artifact; shape_stats() reports each shape's graphs")
-        g = GraphedProgram(self.executors[program], self.device, bound, volatile, key, arenas)
+        g = GraphedProgram(self.executors[program], self.device, bound, volatile, key, arenas, order)
         self._graphs.append(g)
         return g
 

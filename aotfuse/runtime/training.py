@@ -260,26 +260,8 @@ class PackagedModule(nn.Module):
         if self._step:  # per gradient: its in-place scaling kernel's launcher and grid
             self._scalers = [(art.launchers[k], tuple(art.kernels[k].grid)) for k in info.scale_kernels]
         graphs = art.device.type == "cuda" and (art.use_graphs if cuda_graphs is None else cuda_graphs)
-        n_p, n_m = len(self._names), len(self._bufs.names)
-        if graphs and self._step:
-            # the step reads parameters and updated buffers in place and copies the batch (a new tensor
-            # every step) into static buffers; its outputs (the gradients) are fresh per held set
-            self._graphs = {"step": art.graphed("step", frozenset(range(n_p + n_m)), key=False)}
-        elif graphs:
-            # the forward copies the batch (a new tensor every step) and reads parameters and updated
-            # buffers in place; the backward reads the saved tensors where the forward's graph wrote
-            # them (keyed by address), parameters passed through in place, and copies the batch tensors
-            # passed through. One arena per stream for both programs (graphs.ArenaPool): max, not sum.
-            from .graphs import ArenaPool
-
-            arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in info.programs), art.device)
-            fwd = art.graphed("forward", frozenset(range(n_p + n_m)), key=False, arenas=arenas)
-            # forward outputs: loss, n_m buffer updates, then the saved tensors (the backward's inputs)
-            through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
-            params = frozenset(k for k, j in through.items() if j in fwd.bound)
-            self._graphs = {"forward": fwd}
-            for name in info.programs[1:]:  # a staged backward's programs read what the previous one carried, keyed
-                self._graphs[name] = art.graphed(name, params, frozenset(through) - params, key=True, arenas=arenas)
+        if graphs:
+            self._graphs = self._graphed(art, info)
         self.graphs_why = "no CUDA graphs: " + ("not on a GPU" if art.device.type != "cuda" else "turned off")
         if self._graphs is not None:
             from .graphs import graphs_pay
@@ -291,6 +273,33 @@ class PackagedModule(nn.Module):
                 self._graphs = None
         loss = TORCH.get(art.output_specs[0].dtype.removeprefix("torch."))  # specs spell str(torch dtype)
         self._loss_dtype = loss if loss in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+    def _graphed(self, art, info) -> dict:
+        """The CUDA-graph runners of the programs (runtime/graphs.py), by program name."""
+        n_p, n_m = len(self._names), len(self._bufs.names)
+        if self._step:
+            # the step reads parameters and updated buffers in place and copies the batch (a new tensor
+            # every step) into static buffers; its outputs (the gradients) are fresh per held set
+            return {"step": art.graphed("step", frozenset(range(n_p + n_m)), key=False)}
+        # the forward copies the batch (a new tensor every step) and reads parameters and updated
+        # buffers in place; the backward reads the saved tensors where the forward's graph wrote
+        # them (keyed by address), parameters passed through in place, and copies the batch tensors
+        # passed through. One arena per stream for both programs (graphs.ArenaPool): max, not sum.
+        from .graphs import ArenaPool
+
+        arenas = ArenaPool(max(art.executors[p].program.arena_bytes for p in info.programs), art.device)
+        fwd = art.graphed("forward", frozenset(range(n_p + n_m)), key=False, arenas=arenas)
+        # forward outputs: loss, n_m buffer updates, then the saved tensors (the backward's inputs)
+        through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
+        params = frozenset(k for k, j in through.items() if j in fwd.bound)
+        out = {"forward": fwd}
+        # a staged backward's programs read what the previous one carried, keyed; their graphs share memory
+        # pools in stage order (graph_cache.PoolChain): the stages' scratch is held once, not per stage
+        staged = len(info.programs) > 2
+        for k, name in enumerate(info.programs[1:]):
+            out[name] = art.graphed(name, params, frozenset(through) - params, key=True, arenas=arenas,
+                                    order=k if staged else None)
+        return out
 
     def _scale(self, grads: list, tangent: torch.Tensor) -> None:
         """grads[i] *= tangent in place, on the current stream (emit/scale.py: nothing when it is 1)."""
