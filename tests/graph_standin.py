@@ -52,7 +52,7 @@ def _collect():
     gc.collect(1)
 
 
-def record(ex, args, seed, state, stream, pool=None):
+def record(ex, args, seed, state, stream, pool=None, side=None):
     outs = ex.run(args, seed, state)
     _collect()
     return CPUGraph(ex, args, seed, state, outs), outs  # the same list: _capture sets passed-through ones to None
@@ -82,12 +82,14 @@ class Pools:
     def __init__(self):
         self.captured: dict = {}
         self.replays: list = []
+        self.sides: list = []  # the capture stream of each capture
         self._ids = itertools.count()
 
     def new_pool(self):
         return ("pool", next(self._ids))
 
-    def record(self, ex, args, seed, state, stream, pool=None):
+    def record(self, ex, args, seed, state, stream, pool=None, side=None):
+        self.sides.append(side)
         outs = ex.run(args, seed, state)
         _collect()
         if pool is not None:
@@ -100,5 +102,6 @@ def patch(monkeypatch, recorder=record, stream_id=None) -> dict:
     stream = {"id": 1} if stream_id is None else stream_id
     monkeypatch.setattr(graphs, "_record", recorder)
     monkeypatch.setattr(graphs, "_caller_stream", lambda device: Stream())
+    monkeypatch.setattr(graphs, "_side_stream", lambda device: Stream())
     monkeypatch.setattr(graphs, "current_stream", lambda index: stream["id"])
     return stream

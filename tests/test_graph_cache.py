@@ -413,6 +413,8 @@ def test_stage_graphs_sharing_a_pool_never_overwrite_held_outputs(monkeypatch):
             assert torch.allclose(y, _want(x, w, b + i + k)[0])
         del ys, y
     assert [gp.stats["captures"] for gp in gps] == [1, 1, 1] and len(pools.captured) == 1
+    # captured on one stream: the allocator reuses a block freed in a pool only on the stream it was freed on
+    assert len(pools.sides) == 3 and all(sd is pools.sides[0] for sd in pools.sides) and pools.sides[0] is not None
     kept = step(5)[1:]  # the later stages' results held: the first stage's replay would overwrite them
     ys = step(7)
     for k in range(3):

@@ -37,7 +37,8 @@ Memory cost, per program and caller stream: one arena (shared by its graphs: rep
 stream run in order; a training step's forward and backward share one too, `ArenaPool`, and one
 cuBLASLt workspace), static buffers for the copied inputs, and per graph (at most `graph_instances`)
 one output set plus what the capture allocated and freed in its pool (extern results, library
-workspaces: reserved, not allocated, between replays). `graph_memory.py` lists these per program. Graphs are captured on demand: a training step that frees its saved
+workspaces: reserved, not allocated, between replays); `graph_memory.py` lists these per program.
+Graphs are captured on demand: a training step that frees its saved
 tensors and sets grads to None needs one forward and one backward graph; two forwards alive at
 once need two, and so on. Each capture costs one warm-up run and one capture, no compile.
 
@@ -248,10 +249,16 @@ def _new_pool():
     return torch.cuda.graph_pool_handle()
 
 
-def _record(ex: Executor, args: list, seed, state, stream, pool=None) -> tuple:
+def _side_stream(device: torch.device):
+    return torch.cuda.Stream(device)
+
+
+def _record(ex: Executor, args: list, seed, state, stream, pool=None, side=None) -> tuple:
     """Capture one run of the program on `args` into a CUDA graph: (graph, its outputs). pool: a memory
-    pool shared with other graphs (graph_cache.PoolChain); None: a private one."""
-    side = torch.cuda.Stream(ex.device)
+    pool shared with other graphs (graph_cache.PoolChain); None: a private one. side: the stream to
+    capture on (graphs sharing a pool capture on one: the allocator reuses a freed block only for an
+    allocation on the stream it was freed on); None: a new one."""
+    side = _side_stream(ex.device) if side is None else side
     side.wait_stream(stream)
     with torch.cuda.stream(side), torch.no_grad():
         ex.run(args, seed, state)  # warm-up: lazy library set-up stays out of the graph
@@ -285,6 +292,7 @@ class ArenaPool:
         self._arenas: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._workspaces: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
         self._chains: dict[int, PoolChains] = {}
+        self._sides: dict[int, object] = {}  # caller stream -> the stream its chained graphs are captured on
         self._lock = threading.Lock()
 
     def workspace(self, stream: int, need: int) -> torch.Tensor:
@@ -304,6 +312,15 @@ class ArenaPool:
             if c is None:
                 c = self._chains[stream] = PoolChains(lambda: _new_pool())
             return c
+
+    def capture_stream(self, stream: int):
+        """The one stream the caller stream's chained graphs are captured on: a block a capture freed goes
+        back to its pool tagged with the capture's stream, and only an allocation on that stream reuses it."""
+        with self._lock:
+            side = self._sides.get(stream)
+            if side is None:
+                side = self._sides[stream] = _side_stream(self.device)
+            return side
 
     def get(self, stream: int) -> torch.Tensor:
         """The arena of the caller stream `stream` (its raw handle, as families are keyed)."""
@@ -338,6 +355,7 @@ class _Family:
         self.state = (prog.ex.state(arenas.get(stream_id), lambda n: arenas.workspace(stream_id, n))
                       if arenas is not None else prog.ex.state())
         self.chains = arenas.chains(stream_id) if prog.order is not None else None
+        self.stream_id = stream_id
         # Static buffers of the copied inputs, allocated at the first call with that call's strides: an
         # input the archive reads in place with its own layout (channels-last, the manifest's stride)
         # must keep it; the guards hold every later call to the same layout.
@@ -390,7 +408,8 @@ class _Family:
         else:
             with self.chains.lock:  # members listed in the order they were captured into the pool
                 chain = self.chains.open_for(p.order)
-                graph, outs = _record(p.ex, args, self.seed, self.state, self.stream, chain.handle)
+                graph, outs = _record(p.ex, args, self.seed, self.state, self.stream, chain.handle,
+                                      p.arenas.capture_stream(self.stream_id))
                 g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes), p.order)
                 self.chains.add(chain, g)
         self.stats["captures"] += 1
