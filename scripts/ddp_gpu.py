@@ -16,10 +16,13 @@ compile (torch.compile of the DDP module) and aotfuse (`aotfuse.load(path, devic
 .as_module()` in DDP). Each step's loss is all-reduced (mean over ranks) and compared with eager's step
 by step; the step time is the median over the steps after the first `--warmup` (CUDA events, the
 stream drained before each step). Rank 0 prints one line per mode and a table; `--json` writes them.
+Peak memory is torch's max_memory_allocated over the mode, from a collection (gc.collect) before it: the
+previous mode's objects are gone (DDP keeps reference cycles); "allocated before" says what was left.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -156,15 +159,22 @@ def main():
         torch.cuda.set_device(device)
     rows = []
     for mode in a.modes.split(","):
+        before = 0.0
         if cuda:
+            # DDP keeps reference cycles: without a collection the previous mode's module, and with it its
+            # CUDA graphs (output sets, arena), stays allocated and is counted in this mode's peak
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device) / 2**20
         r = run_mode(mode, a.spec, a.archive, device, a.steps, a.warmup, a.lr, a.overlap and cuda)
+        r["before_mb"] = before
         rows.append(r)
         if rank == 0:
             print(f"{mode}: world {world}, step {r['step_ms']:.3f} ms, first step {r['first_step_s']:.1f} s, "
                   f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, peak {r['peak_mb']:.0f} MiB "
-                  f"(reserved {r['reserved_mb']:.0f} MiB)", flush=True)
+                  f"(reserved {r['reserved_mb']:.0f} MiB; {r['before_mb']:.0f} MiB allocated before the mode)",
+                  flush=True)
             if r.get("graphs_why"):
                 print(f"  {r['graphs_why']}", flush=True)
             for name, st in r.get("graph_stats", {}).items():
@@ -175,8 +185,8 @@ def main():
         print(f"\n{name} x {world}, torch {torch.__version__}, {a.spec}, {a.steps} AdamW steps")
         print("| GPUs | mode | step ms (median) | first step s | peak MiB (rank 0) | loss first -> last | "
               "worst step loss diff vs eager | last-10 mean diff | NCCL us per step | of it hidden behind compute | "
-              "peak reserved MiB (rank 0) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "peak reserved MiB (rank 0) | allocated before the mode MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             if ref is not None:
                 d = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(r["losses"], ref["losses"])]
@@ -186,7 +196,7 @@ def main():
             print(f"| {world} | {r['mode']} | {r['step_ms']:.3f} | {r['first_step_s']:.1f} | {r['peak_mb']:.0f} | "
                   f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {r.get('worst_rel', 0):.1e} | "
                   f"{r.get('last10_rel', 0):.1e} | {r.get('comm_us', float('nan')):.0f} | "
-                  f"{100 * r.get('comm_hidden', float('nan')):.0f}% | {r['reserved_mb']:.0f} |")
+                  f"{100 * r.get('comm_hidden', float('nan')):.0f}% | {r['reserved_mb']:.0f} | {r['before_mb']:.0f} |")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"device": name, "world": world, "spec": a.spec, "rows": rows}, f, indent=1)

@@ -7,6 +7,7 @@ backward's graphs cost).
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 
@@ -38,6 +39,7 @@ def run(path: str, spec: str, steps: int, graphs: bool) -> str:
         stats = "; ".join(f"{k}: {v.stats['captures']} captures, {v.stats['replays']} replays, "
                           f"{v.stats['eager_calls']} eager" for k, v in mod._graphs.items())
     del mod, art, opt
+    gc.collect()  # nothing of this archive's graphs may stay for the next measurement
     torch.cuda.empty_cache()
     return f"{path} graphs={graphs}: peak {peak:.0f} MiB, after {after:.0f} MiB above the model; {stats}"
 

@@ -13,7 +13,9 @@ from aotfuse.errors import AotfuseError, ArchiveError
 from aotfuse.knobs import override
 from aotfuse.runtime import graphs
 from aotfuse.runtime.executor import Executor
-from aotfuse.runtime.graph_cache import InstanceCache, OutputSet, copy_all
+from aotfuse.runtime.graph_cache import InstanceCache, OutputSet, PoolChains
+
+import graph_standin  # tests/: CUDA capture replaced by a CPU stand-in
 
 N, K = 64, 32  # x [N, K] float32: 8 KiB, above the 4 KiB copy threshold; bias b [K]: copied
 
@@ -191,31 +193,9 @@ def test_inputs_are_keyed_when_large_next_to_the_outputs():
 
 
 # ---------------------------------------------------------------- the call path on the CPU
-class _Stream:
-    def synchronize(self):
-        pass
-
-
-def _cpu_record(ex, args, seed, state, stream):
-    """Stand-in for a CUDA capture: a replay reruns the program on the captured inputs and writes the
-    results into the captured outputs (a graph's fixed addresses)."""
-    outs = ex.run(args, seed, state)
-
-    class Graph:
-        def replay(self):
-            fresh = ex.run(args, seed, state)
-            pairs = [(o, f) for o, f in zip(outs, fresh) if o is not None]
-            copy_all([o for o, _ in pairs], [f for _, f in pairs])
-    return Graph(), outs
-
-
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    stream = {"id": 1}
-    monkeypatch.setattr(graphs, "_record", _cpu_record)
-    monkeypatch.setattr(graphs, "_caller_stream", lambda device: _Stream())
-    monkeypatch.setattr(graphs, "current_stream", lambda index: stream["id"])
-    return stream
+    return graph_standin.patch(monkeypatch)
 
 
 def _gp(**knobs):
@@ -350,3 +330,135 @@ def test_programs_sharing_an_arena_pool_run_in_one_arena_per_stream(cpu_graphs):
     assert pool.get(2) is not pool.get(1)
     with pytest.raises(ArchiveError, match="cannot hold"):
         Executor(prog, {}, {}, torch.device("cpu")).state(torch.empty(8, dtype=torch.uint8))
+
+
+def test_a_program_and_its_graphs_go_with_the_last_reference_not_at_the_next_gc(cpu_graphs):
+    """No reference cycle between a program and its per-stream families: dropping the module (the artifact,
+    the GraphedProgram) frees the graphs' output sets and arena at once. A cycle kept them until Python's
+    cyclic GC ran: a second module loaded in the same process (scripts/ddp_gpu.py's next mode) was measured
+    with the first one's ~870 MiB still allocated (issue 12.2)."""
+    import gc
+    import weakref
+
+    gp = _gp()
+    x, w, b = _data(5)
+    y, _, _ = gp([x, w, b])
+    fam = next(iter(gp._families.values()))
+    refs = [weakref.ref(gp), weakref.ref(fam), weakref.ref(fam.state)]
+    out = fam.cache.entries[0].outputs.outs[0].untyped_storage()
+    del fam, y
+    gc.disable()
+    try:
+        del gp
+        assert [r() for r in refs] == [None, None, None]
+        assert torch._C._storage_Use_Count(out._cdata) == 1  # only `out` here still refers to the output buffer
+    finally:
+        gc.enable()
+
+
+# ---------------------------------------------------------------- graphs sharing a memory pool (PoolChain)
+class _Member(_Entry):
+    def __init__(self, order, held=False):
+        super().__init__(("k",), held)
+        self.order = order
+
+
+def test_pool_chains_join_in_stage_order_and_block_a_replay_while_a_later_member_is_held():
+    handles = iter(range(10))
+    chains = PoolChains(lambda: next(handles))
+    s = [_Member(k) for k in range(3)]
+    for m in s:  # stages captured in the order they run: one chain, one pool
+        c = chains.open_for(m.order)
+        chains.add(c, m)
+    assert len(chains.chains) == 1 and c.handle == 0 and c.members == s
+    assert not any(chains.held_after(m) for m in s)
+    s[2]._held = True  # the last stage's gradients kept (gradient accumulation, or no zero_grad)
+    assert chains.held_after(s[0]) and chains.held_after(s[1]) and not chains.held_after(s[2])
+    cache = InstanceCache(4, chains.held_after)
+    cache.add(s[0])
+    assert cache.choose(("k",)) == ("capture", None)  # its own outputs are free, but it must not replay
+    again = _Member(0)  # a stage that comes again (a second instance) starts a chain of its own
+    c2 = chains.open_for(0)
+    chains.add(c2, again)
+    assert c2 is not c and c2.handle == 1 and chains.open_for(1) is c2
+    # a member dropped while its outputs are held stays as a ghost until they are let go
+    chains.remove(s[2])
+    assert chains.held_after(s[0]) and len(c.members) == 3
+    s[2]._held = False
+    assert not chains.held_after(s[0]) and c.members == s[:2]
+    for m in s[:2]:
+        chains.remove(m)
+    assert c not in chains.chains  # empty: its pool is not captured into again
+
+
+def test_stage_graphs_sharing_a_pool_never_overwrite_held_outputs(monkeypatch):
+    """Three programs run in turn (a staged backward's stages) capture into one pool; the stand-in overwrites
+    every output of the later graphs in that pool at each replay (their blocks may be its scratch). Held
+    outputs stay right: a replay whose pool has a later member held takes another chain."""
+    pools = graph_standin.Pools()
+    graph_standin.patch(monkeypatch, pools.record)
+    monkeypatch.setattr(graphs, "_new_pool", pools.new_pool)
+    prog = _program()
+    arenas = graphs.ArenaPool(prog.arena_bytes, torch.device("cpu"))
+    gps = [graphs.GraphedProgram(Executor(prog, {}, {}, torch.device("cpu")), torch.device("cpu"), frozenset({1}),
+                                 arenas=arenas, order=k) for k in range(3)]
+    x, w, b = _data(11)
+
+    def step(i):
+        return [gp([x, w, b + i + k])[0] for k, gp in enumerate(gps)]
+
+    for i in range(2):  # results dropped after each step: one chain, replayed
+        ys = step(i)
+        for k, y in enumerate(ys):
+            assert torch.allclose(y, _want(x, w, b + i + k)[0])
+        del ys, y
+    assert [gp.stats["captures"] for gp in gps] == [1, 1, 1] and len(pools.captured) == 1
+    # captured on one stream: the allocator reuses a block freed in a pool only on the stream it was freed on
+    assert len(pools.sides) == 3 and all(sd is pools.sides[0] for sd in pools.sides) and pools.sides[0] is not None
+    kept = step(5)[1:]  # the later stages' results held: the first stage's replay would overwrite them
+    ys = step(7)
+    for k in range(3):
+        if k:
+            assert torch.allclose(kept[k - 1], _want(x, w, b + 5 + k)[0]), k
+        assert torch.allclose(ys[k], _want(x, w, b + 7 + k)[0]), k
+    assert [gp.stats["captures"] for gp in gps] == [2, 2, 2] and len(pools.captured) == 2
+    del ys, kept
+    step(9)  # all let go: the first chain replays again
+    assert [gp.stats["captures"] for gp in gps] == [2, 2, 2] and pools.replays[-3:] == [("pool", 0)] * 3
+    assert all(gp.stats["eager_calls"] == 0 for gp in gps)
+
+
+def test_programs_sharing_an_arena_pool_share_a_matmul_workspace_per_stream():
+    """cuBLASLt workspaces (one per executor state) are scratch within one call, as the arena is: the
+    programs of a step share one per stream; a larger need gets a new one, and those bound keep theirs."""
+    pool = graphs.ArenaPool(64, torch.device("cpu"))
+    a = pool.workspace(1, 100)
+    assert pool.workspace(1, 60) is a and pool.workspace(2, 60) is not a
+    b = pool.workspace(1, 400)
+    assert b is not a and b.numel() == 400 and pool.workspace(1, 100) is b and a.numel() == 100
+
+
+def test_a_graph_dropped_while_its_outputs_are_held_still_blocks_the_graphs_before_it(monkeypatch):
+    """A new parameter tensor drops a program's graphs (a reset) even while the caller holds their outputs
+    (a gradient in .grad): those outputs stay in the shared pool, so the earlier graphs there must not replay
+    over them (graph_cache._Ghost) until they are let go."""
+    pools = graph_standin.Pools()
+    graph_standin.patch(monkeypatch, pools.record)
+    monkeypatch.setattr(graphs, "_new_pool", pools.new_pool)
+    prog = _program()
+    arenas = graphs.ArenaPool(prog.arena_bytes, torch.device("cpu"))
+    gps = [graphs.GraphedProgram(Executor(prog, {}, {}, torch.device("cpu")), torch.device("cpu"), frozenset({1}),
+                                 arenas=arenas, order=k) for k in range(3)]
+    x, w, b = _data(12)
+    gps[0]([x, w, b])
+    gps[1]([x, w, b])
+    kept = gps[2]([x, w, b])[0]  # the last program's result held
+    w2 = w * 2
+    assert torch.allclose(gps[2]([x, w2, b])[0], _want(x, w2, b)[0])  # a reset: its held graph dropped
+    assert gps[2].stats["resets"] == 1
+    y0 = gps[0]([x, w, b])[0]
+    assert torch.allclose(kept, _want(x, w, b)[0])  # not overwritten by the first program's replay
+    assert torch.allclose(y0, _want(x, w, b)[0]) and gps[0].stats["captures"] == 2
+    del kept, y0
+    gps[0]([x, w, b])  # let go: the first chain's graph replays again
+    assert gps[0].stats["captures"] == 2 and pools.replays[-1] == ("pool", 0)

@@ -139,10 +139,15 @@ class State:
     """What one caller (a stream, or a CUDA-graph instance) runs on: the arena and the slots.
     Calls on one state are serialized by its lock."""
 
-    def __init__(self, ex: "Executor", arena: torch.Tensor | None = None):
+    def __init__(self, ex: "Executor", arena: torch.Tensor | None = None,
+                 workspace: Callable[[int], torch.Tensor] | None = None):
         """arena: a uint8 buffer of at least the program's arena bytes to run in (shared by programs
-        whose calls are ordered, e.g. a training step's forward and backward on one stream); else its own."""
+        whose calls are ordered, e.g. a training step's forward and backward on one stream); else its own.
+        workspace: gives a uint8 buffer of at least n bytes for the cuBLASLt matmuls (shared by the same
+        programs: a workspace is scratch within one call); else the state allocates its own."""
         self.lock = threading.Lock()
+        self._workspace = workspace
+        self._old_workspaces: list[torch.Tensor] = []  # re-bound states: graphs may still replay on them
         if arena is None:
             arena = torch.empty(ex.program.arena_bytes, dtype=torch.uint8, device=ex.device)
         elif arena.dtype != torch.uint8 or arena.numel() < ex.program.arena_bytes or arena.device != ex.device:
@@ -216,7 +221,15 @@ class State:
                 records[i] = {"target": target, "path": "torch", "why": str(e), "matmul": spec.describe()}
         need = max((p.workspace_needed for p in plans.values()), default=0)
         # one workspace for the state's matmuls (they run in order on the state's stream), owned by the state
-        self.lt_workspace = torch.empty(need, dtype=torch.uint8, device=ex.device) if need else None
+        # or shared with the programs of its arena
+        if self.lt_workspace is not None:
+            self._old_workspaces.append(self.lt_workspace)
+        if not need:
+            self.lt_workspace = None
+        elif self._workspace is not None:
+            self.lt_workspace = self._workspace(need)
+        else:
+            self.lt_workspace = torch.empty(need, dtype=torch.uint8, device=ex.device)
         for p in plans.values():
             p.use_workspace(self.lt_workspace.data_ptr() if need else 0, need)
         self._matmuls = plans
@@ -355,9 +368,10 @@ class Executor:
         return a
 
     # ---------------------------------------------------------------- bind
-    def state(self, arena: torch.Tensor | None = None) -> State:
-        """A fresh state (a CUDA-graph family owns one), on its own arena or on `arena` (shared)."""
-        return State(self, arena)
+    def state(self, arena: torch.Tensor | None = None, workspace: Callable[[int], torch.Tensor] | None = None) -> State:
+        """A fresh state (a CUDA-graph family owns one), on its own arena and matmul workspace or on
+        shared ones (`arena`; `workspace(n)` gives a buffer of at least n bytes)."""
+        return State(self, arena, workspace)
 
     def matmul_report(self, state: State | None = None) -> list[dict]:
         """Per matmul extern: the path its calls take (cublaslt, with the algorithm's workspace and

@@ -34,15 +34,22 @@ until the backward ran), the backward graph reads them in place, and a gradient 
 into `.grad` keeps its set until `zero_grad()` (set_to_none) or until `.grad` is replaced.
 
 Memory cost, per program and caller stream: one arena (shared by its graphs: replays on one
-stream run in order; a training step's forward and backward share one too, `ArenaPool`), static buffers for the copied inputs, and per graph (at most
-`graph_instances`) one output set plus what the capture allocated in its pool (extern results,
-the cuBLAS workspace). Graphs are captured on demand: a training step that frees its saved
+stream run in order; a training step's forward and backward share one too, `ArenaPool`, and one
+cuBLASLt workspace), static buffers for the copied inputs, and per graph (at most `graph_instances`)
+one output set plus what the capture allocated and freed in its pool (extern results, library
+workspaces: reserved, not allocated, between replays); `graph_memory.py` lists these per program.
+Graphs are captured on demand: a training step that frees its saved
 tensors and sets grads to None needs one forward and one backward graph; two forwards alive at
 once need two, and so on. Each capture costs one warm-up run and one capture, no compile.
 
 What a graph owns:
 - **Memory.** Its capture allocates into its own private pool (extern results, outputs); only that
   capture allocates from the pool, and the pool lives as long as the graph and the outputs handed out.
+  Programs given an `order` (a staged backward's stages) capture into pools they share instead, one
+  chain of graphs per pool in stage order (graph_cache.PoolChain): the stages' scratch is reserved
+  once, not per stage; a graph of a chain replays only while no graph captured after it in that pool
+  has its outputs held (else the call takes another graph, in another pool), which is what makes a
+  block one capture freed safe to give to a later one (the cudagraph-trees rule).
 - **Library workspaces.** cuBLAS keeps one workspace per (handle, stream) in a process-wide map.
   A capture that finds an entry reuses it without owning it: if it was allocated during an earlier
   capture, it lives in *that* graph's pool, and once that graph is gone and anyone clears the map
@@ -73,7 +80,7 @@ from ..contract.program import Alloc, Extern, Launch, Program
 from ..errors import AotfuseError
 from ..knobs import knobs
 from .executor import Executor, current_stream, new_seed, torch_dtype
-from .graph_cache import InstanceCache, OutputSet, copy_all
+from .graph_cache import InstanceCache, OutputSet, PoolChains, copy_all
 
 KEY_RATIO = 8  # large inputs are read in place (keyed) when at least 1/8 of the outputs' bytes
 STATS = ("captures", "replays", "eager_calls", "evictions", "resets")
@@ -141,13 +148,17 @@ class GraphedProgram:
     """One program replayed as CUDA graphs: per caller stream, graphs keyed by input addresses."""
 
     def __init__(self, executor: Executor, device: torch.device, bound: frozenset[int] = frozenset(),
-                 volatile: frozenset[int] = frozenset(), key: bool | None = None, arenas: "ArenaPool | None" = None):
+                 volatile: frozenset[int] = frozenset(), key: bool | None = None, arenas: "ArenaPool | None" = None,
+                 order: int | None = None):
         """bound: parameters, read at their addresses; volatile: inputs that are new tensors on every
         call (a batch the forward passed through to the backward), copied; key: whether the other
         large inputs are keyed by address (None: decided by size, see keyed_inputs); arenas: one arena
-        per caller stream shared with other programs (a training step's forward and backward)."""
+        and matmul workspace per caller stream shared with other programs (a training step's forward and
+        backward); order: with arenas, the program's place among programs that run in turn (a staged
+        backward's stages): their graphs share memory pools (graph_cache.PoolChain); None: a pool per graph."""
         self.ex = executor
         self.arenas = arenas
+        self.order = order if arenas is not None else None
         self.device = device
         self.bound = bound
         prog = executor.program
@@ -238,9 +249,20 @@ def _caller_stream(device: torch.device):
     return torch.cuda.current_stream(device)
 
 
-def _record(ex: Executor, args: list, seed, state, stream) -> tuple:
-    """Capture one run of the program on `args` into a CUDA graph: (graph, its outputs)."""
-    side = torch.cuda.Stream(ex.device)
+def _new_pool():
+    return torch.cuda.graph_pool_handle()
+
+
+def _side_stream(device: torch.device):
+    return torch.cuda.Stream(device)
+
+
+def _record(ex: Executor, args: list, seed, state, stream, pool=None, side=None) -> tuple:
+    """Capture one run of the program on `args` into a CUDA graph: (graph, its outputs). pool: a memory
+    pool shared with other graphs (graph_cache.PoolChain); None: a private one. side: the stream to
+    capture on (graphs sharing a pool capture on one: the allocator reuses a freed block only for an
+    allocation on the stream it was freed on); None: a new one."""
+    side = _side_stream(ex.device) if side is None else side
     side.wait_stream(stream)
     with torch.cuda.stream(side), torch.no_grad():
         ex.run(args, seed, state)  # warm-up: lazy library set-up stays out of the graph
@@ -248,7 +270,7 @@ def _record(ex: Executor, args: list, seed, state, stream) -> tuple:
     _clear_library_workspaces()
     try:
         with torch.cuda.stream(side), torch.no_grad():
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outs = ex.run(args, seed, state)
             finally:
@@ -264,13 +286,45 @@ class ArenaPool:
     step's forward and backward never run at once on one stream (its work runs in order), and each
     reads the other's results from output sets, never from the arena, so one arena serves both: the
     step holds max(forward, backward) arena bytes instead of their sum. An arena lives while a family
-    (a program's graphs on that stream) uses it."""
+    (a program's graphs on that stream) uses it. For the same reason the programs share one cuBLASLt
+    workspace per stream (`workspace`: scratch within one matmul call), and programs given an `order`
+    (a staged backward's stages) capture their graphs into shared memory pools (`chains`)."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.nbytes = int(nbytes)
         self.device = device
         self._arenas: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._workspaces: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._chains: dict[int, PoolChains] = {}
+        self._sides: dict[int, object] = {}  # caller stream -> the stream its chained graphs are captured on
         self._lock = threading.Lock()
+
+    def workspace(self, stream: int, need: int) -> torch.Tensor:
+        """The stream's matmul workspace, of at least `need` bytes. A larger need gets a new one that later
+        states share; states bound to the smaller one keep it (their graphs replay its address)."""
+        with self._lock:
+            t = self._workspaces.get(stream)
+            if t is None or t.numel() < need:
+                t = torch.empty(need, dtype=torch.uint8, device=self.device)
+                self._workspaces[stream] = t
+            return t
+
+    def chains(self, stream: int) -> PoolChains:
+        """The pool chains of the stream's ordered programs (graph_cache.PoolChain)."""
+        with self._lock:
+            c = self._chains.get(stream)
+            if c is None:
+                c = self._chains[stream] = PoolChains(lambda: _new_pool())
+            return c
+
+    def capture_stream(self, stream: int):
+        """The one stream the caller stream's chained graphs are captured on: a block a capture freed goes
+        back to its pool tagged with the capture's stream, and only an allocation on that stream reuses it."""
+        with self._lock:
+            side = self._sides.get(stream)
+            if side is None:
+                side = self._sides[stream] = _side_stream(self.device)
+            return side
 
     def get(self, stream: int) -> torch.Tensor:
         """The arena of the caller stream `stream` (its raw handle, as families are keyed)."""
@@ -283,11 +337,12 @@ class ArenaPool:
 
 
 class _Graph:
-    """One capture: the graph, the input addresses it reads (its key) and the outputs it writes."""
-    __slots__ = ("graph", "key", "outputs", "last")
+    """One capture: the graph, the input addresses it reads (its key) and the outputs it writes; its
+    program's order, where it was captured into a pool chain (graph_cache.PoolChains)."""
+    __slots__ = ("graph", "key", "outputs", "last", "order")
 
-    def __init__(self, graph, key: tuple, outputs: OutputSet):
-        self.graph, self.key, self.outputs, self.last = graph, key, outputs, 0
+    def __init__(self, graph, key: tuple, outputs: OutputSet, order: int | None = None):
+        self.graph, self.key, self.outputs, self.last, self.order = graph, key, outputs, 0, order
 
 
 class _Family:
@@ -295,16 +350,22 @@ class _Family:
     buffers of copied inputs and the seed: replays on one stream run in order."""
 
     def __init__(self, prog: GraphedProgram, stream: torch.cuda.Stream, stream_id: int):
-        self.prog = prog
+        # weak: the program owns its families; a strong back-reference made each program a reference cycle
+        # whose graphs, output sets and arena outlived the module until Python's cyclic GC ran (issue 12.2)
+        self.prog = weakref.proxy(prog)
         self.stream = stream
         self.lock = threading.Lock()
-        self.state = prog.ex.state(prog.arenas.get(stream_id) if prog.arenas is not None else None)
+        arenas = prog.arenas
+        self.state = (prog.ex.state(arenas.get(stream_id), lambda n: arenas.workspace(stream_id, n))
+                      if arenas is not None else prog.ex.state())
+        self.chains = arenas.chains(stream_id) if prog.order is not None else None
+        self.stream_id = stream_id
         # Static buffers of the copied inputs, allocated at the first call with that call's strides: an
         # input the archive reads in place with its own layout (channels-last, the manifest's stride)
         # must keep it; the guards hold every later call to the same layout.
         self.static: dict[int, torch.Tensor] = {}
         self.seed = torch.empty(1, dtype=torch.int64, device=prog.device) if prog.ex.program.rng else None
-        self.cache = InstanceCache(prog.instances)
+        self.cache = InstanceCache(prog.instances, self.chains.held_after if self.chains is not None else None)
         self.bound_ptrs: list | None = None
         self.stats = collections.Counter(dict.fromkeys(STATS, 0))  # keys fixed: read while other threads count
         self.released = False
@@ -345,16 +406,30 @@ class _Family:
     def _capture(self, inputs: list[torch.Tensor], key: tuple) -> _Graph:
         p = self.prog
         args = [self.static.get(i, x) for i, x in enumerate(inputs)]
-        graph, outs = _record(p.ex, args, self.seed, self.state, self.stream)
-        for k in p.passthrough:  # views of this call's inputs: never kept (they would pin the inputs)
-            outs[k] = None
+        if self.chains is None:
+            graph, outs = _record(p.ex, args, self.seed, self.state, self.stream)
+            g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes))
+        else:
+            with self.chains.lock:  # members listed in the order they were captured into the pool
+                chain = self.chains.open_for(p.order)
+                graph, outs = _record(p.ex, args, self.seed, self.state, self.stream, chain.handle,
+                                      p.arenas.capture_stream(self.stream_id))
+                g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes), p.order)
+                self.chains.add(chain, g)
         self.stats["captures"] += 1
-        return _Graph(graph, key, OutputSet(outs, p.copy_bytes))
+        return g
+
+    def _kept(self, outs: list) -> list:
+        for k in self.prog.passthrough:  # views of this call's inputs: never kept (they would pin the inputs)
+            outs[k] = None
+        return outs
 
     def _drop(self, graphs: list[_Graph]) -> None:
         self.stream.synchronize()  # the last replay may still run; its pool must outlive it
         for g in graphs:
             self.cache.remove(g)
+            if self.chains is not None:
+                self.chains.remove(g)
 
     def release(self) -> None:
         with self.lock:

@@ -327,9 +327,12 @@ class PackagedModule(nn.Module):
             through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
             graphs = {"forward": fwd}
-            for name in info.programs[1:]:  # a staged backward's programs read what the previous one carried, keyed
+            # a staged backward's programs read what the previous one carried, keyed; their graphs share memory
+            # pools in stage order (graph_cache.PoolChain): the stages' scratch is held once, not per stage
+            staged = len(info.programs) > 2
+            for k, name in enumerate(info.programs[1:]):
                 graphs[name] = art.graph_of(executors[name], params, frozenset(through) - params, key=True,
-                                            arenas=arenas)
+                                            arenas=arenas, order=k if staged else None)
         from .graphs import graphs_pay
 
         use, why = graphs_pay(list(graphs.values()))
