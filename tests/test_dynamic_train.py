@@ -125,6 +125,43 @@ def test_shapes_beyond_the_cache_are_released_and_a_pending_backward_still_runs(
         assert rel(p.grad, ref[name].grad) < 1e-4, name
 
 
+class _TrainBN(nn.Module):
+    """Train-mode BatchNorm (batch statistics, running-stat updates with n / (n - 1)) over a dynamic batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)  # a bias before BN has a zero gradient
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return F.cross_entropy(self.fc(h), y)
+
+
+def test_train_mode_batchnorm_over_a_dynamic_batch():
+    """The running variance's unbiased correction n / (n - 1) is a ratio of dynamic sizes: computed in the
+    kernel from its dim arguments (a SymFloat of the joint graph); gradients and running statistics vs eager."""
+    torch.manual_seed(0)
+    model = _TrainBN().train()
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 5, (4,))
+    res = aotfuse.build(model, (x, y), train=True, targets=("sm_90",), dynamic_shapes=["x.0=1..8", "y.0=1..8"])
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    refp = dict(ref.named_parameters())
+    for b in (4, 1, 7):
+        xb, yb = torch.randn(b, 3, 6, 6), torch.randint(0, 5, (b,))
+        mod(xb, yb).backward()
+        ref(xb, yb).backward()
+        for name, p in mod.named_parameters():
+            assert rel(p.grad, refp[name].grad) < 1e-4, (b, name)
+            p.grad = None
+            refp[name].grad = None
+        bufs = dict(mod.named_buffers())
+        for name, t in ref.named_buffers():
+            assert torch.allclose(bufs[name].float(), t.float(), rtol=1e-5, atol=1e-6), (b, name)
+
+
 class _FixesBatch(nn.Module):
     """Reshapes by the example's batch size: a dynamic batch would be fixed to 2."""
 

@@ -224,6 +224,10 @@ def _ours(e: sympy.Expr) -> sympy.Expr:
             return ModIdx(*args)
         if name == "CeilDiv":
             return FloorDiv(sympy.expand(args[0] + args[1] - 1), args[1])
+        if name in ("IntTrueDiv", "FloatTrueDiv") and len(args) == 2:  # a SymFloat: n / (n - 1) of a variance
+            return args[0] / args[1]
+        if name == "ToFloat" and len(args) == 1:
+            return args[0]
         if x.is_Add or x.is_Mul or x.is_Pow:
             return x.func(*args)
         raise ValueError(f"size {e} uses {name}, which a program size cannot spell")

@@ -61,7 +61,8 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                     continue
             env[node] = View.of_buffer(name, val.shape, dt)
         elif node.op == "call_function":
-            if isinstance(node.meta.get("val"), torch.SymInt):  # a size of a dynamic dim: its expression
+            if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat)):  # a size of a dynamic dim (or a
+                # ratio of sizes: BatchNorm's n / (n - 1)): its expression, a constant the kernels compute
                 env[node] = size(node.meta["val"])
                 continue
             if node.target is operator.getitem:

@@ -26,6 +26,14 @@ def _operand(ctx: LoweringCtx, x, shape, pv, ranges, cdt: str):
         return as_dtype(ctx.load_compute(x, idx, ranges), cdt)
     if isinstance(x, (bool, int, float)):
         return Const(x, cdt) if cdt != "bool" or isinstance(x, bool) else Const(bool(x), cdt)
+    if isinstance(x, sympy.Expr) and not x.is_Number and cdt != "bool":
+        # a size of the dynamic dims used as a value (`x * n`, BatchNorm's `var * (n / (n - 1))`): computed in
+        # the kernel from its int32 dim arguments (emit/printer.dim_value)
+        if not cdt.startswith(("float", "bfloat")) and not x.is_integer:
+            raise UnsupportedOpError("Mul", "?", f"a ratio of dynamic sizes ({x}) in integer arithmetic")
+        return Const(x, cdt)
+    if isinstance(x, sympy.Number):
+        return Const(int(x) if x.is_Integer else float(x), cdt)
     raise UnsupportedOpError(type(x).__name__, "?", "operand is neither a tensor nor a number")
 
 
