@@ -84,7 +84,7 @@ def test_linear_tanh_gelu_is_one_extern_and_matches_eager(dt, shape):
     assert dict(ext[0].kwargs) == {"use_gelu": True}
     assert "tanh" not in _kernel_sources(data)  # no GELU kernel left
     (rec,) = _gelu_records(data)
-    assert rec["fused"] and rec["matmul"] == "fc" and rec["approximate"] == "tanh", rec
+    assert rec["fused"] and rec["producer"] == "fc" and rec["approximate"] == "tanh", rec
     for seed in (1, 2):
         xs = torch.randn(*shape, dtype=dt, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
@@ -152,7 +152,7 @@ def test_demo_gpt_with_tanh_gelu_fuses_every_mlp_and_matches_eager():
     assert [e.target for e in _externs(data)].count(FUSED) == cfg.layers
     assert "tanh" not in _kernel_sources(data)
     recs = _gelu_records(data)
-    assert [r["matmul"] for r in recs] == [f"blocks.{i}.fc" for i in range(cfg.layers)]
+    assert [r["producer"] for r in recs] == [f"blocks.{i}.fc" for i in range(cfg.layers)]
     assert all(r["fused"] for r in recs)
     with torch.no_grad():
         ref = model(tokens)
