@@ -39,7 +39,7 @@ _VIEWS = {
 }
 _MATMULS = (aten.addmm.default, aten.linear.default)  # linear: the exported graph's, before decomposition
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ERF_WHY = "erf GELU (approximate='none'): cuBLASLt's GELU epilogue is the tanh approximation"
+ERF_WHY = "approximate='none': cuBLASLt's GELU epilogue is the tanh approximation, the erf GELU would change"
 
 
 def _approximate(gelu: torch.fx.Node) -> str:
