@@ -38,6 +38,7 @@
 | mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.8 | cost model: template throughput as a fraction of cuBLAS's |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
+| mm_gelu | AOTFUSE_MM_GELU | 1 | inference, matmuls kept as cuBLAS: a tanh GELU whose only input is an addmm's result (through views) becomes one `aten._addmm_activation.out` extern, the GELU applied by cuBLASLt's GELU_BIAS epilogue (export/mm_gelu.py); 0: the addmm extern and a GELU kernel, as before |
 | train_step | AOTFUSE_TRAIN_STEP | split | --train: `split` (forward and backward programs), `auto` (one fused step program when the loss is a scalar, else split; partition/step.py), `step` (fused, a scalar loss required). Default split: on an H100 (2026-11-23, scripts/step_ab.py) the fused step wins where a loss's forward and backward share a large input (LayerNorm fwd+bwd 16384x4096: 0.479 vs 0.804 ms; cross-entropy 8192x32000: 1.323 vs 1.685 ms) but not yet on the anchor GPT step (5.916 vs 5.737 ms) |
 | backward_stages | AOTFUSE_BACKWARD_STAGES | 1 | --train split: cut the backward into up to this many programs (at most 7) that hand their gradients to autograd in turn, so DDP's all-reduce overlaps the rest of the backward (partition/stages.py) |
 | cublaslt | AOTFUSE_CUBLASLT | 1 | runtime (CUDA): matmul externs as one prepared cublasLtMatmul call each (runtime/cublaslt.py); 0: through torch's bindings |
@@ -100,6 +101,7 @@ class Knobs:
     mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.8)
     mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
+    mm_gelu: bool = bool(_env_int("AOTFUSE_MM_GELU", 1))
     train_step: str = os.environ.get("AOTFUSE_TRAIN_STEP", "split") or "split"
     backward_stages: int = _env_int("AOTFUSE_BACKWARD_STAGES", 1)
     cublaslt: bool = bool(_env_int("AOTFUSE_CUBLASLT", 1))

@@ -45,6 +45,14 @@ def _anchor():
     return model, inputs, True, 0  # no one byte count: % of copy is not meaningful here
 
 
+def _anchor_infer():
+    # the anchor GPT's inference at 8 x 1024 (issue 11.4), e.g. `base: nogelu:mm_gelu=0`
+    from aotfuse.examples.gpt import anchor
+
+    model, inputs = anchor(batch=8)
+    return model, inputs, False, 0
+
+
 def _fwd(model, shape, extra=0):
     def make():
         x = torch.randn(*shape, dtype=BF16)
@@ -52,7 +60,7 @@ def _fwd(model, shape, extra=0):
     return make
 
 
-CASES = {"ln": _ln, "ce": _ce, "anchor": _anchor,
+CASES = {"ln": _ln, "ce": _ce, "anchor": _anchor, "anchor_infer": _anchor_infer,
          "softmax50257": _fwd(Softmax, (1024, 50257)),
          "softmax32000": _fwd(Softmax, (8192, 32000)),
          "softmax4096": _fwd(Softmax, (16384, 4096)),

@@ -2,7 +2,8 @@
 
 `emulate` computes what cublasLtMatmul would do with a derived MatmulSpec, from its documented
 semantics (column-major layouts with leading dimensions, op N/T, strided batches, a bias along the
-rows of D) on flat CPU memory; the result must be torch's, written through the program's out view.
+rows of D, the GELU_BIAS epilogue's tanh GELU) on flat CPU memory; the result must be torch's, written
+through the program's out view.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def emulate(spec: cublaslt.MatmulSpec, mems: dict[int, torch.Tensor]) -> None:
         if spec.bias_ref is not None:
             bias = mems[spec.bias_ref.slot][spec.bias_ref.byte_offset // size:][:spec.m].double()
             d = d + bias[:, None]
+        if spec.gelu:
+            d = torch.nn.functional.gelu(d, approximate="tanh")
         _stored(mems[spec.d_ref.slot], spec.d, spec.d_ref.byte_offset, size, b).copy_(d)
 
 
@@ -73,10 +76,14 @@ def _run_case(target, M, K, N, B, orders, pads, offsets, bias=False):
         mems[3] = torch.randn(N + 3, generator=g, dtype=torch.float64)
         args = [_view(3, (N,), (1,), 3)] + args
     # float32 as far as derive is concerned; the emulation runs on float64 memory (itemsize 8)
-    spec = derive(target, args, {}, views[2], {s: torch.float32 for s in range(4)}, itemsize=8)
+    gelu = target == "aten._addmm_activation.out"
+    spec = derive(target, args, {"use_gelu": True} if gelu else {}, views[2], {s: torch.float32 for s in range(4)},
+                  itemsize=8)
     ref = torch.bmm(tensors[0], tensors[1]) if batched else tensors[0] @ tensors[1]
     if bias:
         ref = ref + mems[3][3:]
+    if gelu:
+        ref = torch.nn.functional.gelu(ref, approximate="tanh")
     emulate(spec, mems)
     out = mems[2].as_strided(shapes[2], views[2].stride, offsets[2])
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -95,6 +102,28 @@ def test_addmm_bias_epilogue_matches_torch(orders):
     for M, K, N in ((5, 7, 3), (1, 4, 6), (6, 3, 1)):
         spec = _run_case("aten.addmm.out", M, K, N, 1, orders + ("r",), (0, 2, 1), (0, 3, 2), bias=True)
         assert spec.swapped and spec.bias_ref is not None and spec.m == N
+
+
+@pytest.mark.parametrize("orders", list(itertools.product("rc", repeat=2)))
+def test_addmm_gelu_epilogue_matches_torch(orders):
+    # _addmm_activation(use_gelu=True): the same transpose trick as addmm, GELU_BIAS instead of BIAS
+    for M, K, N in ((5, 7, 3), (1, 4, 6), (6, 3, 1)):
+        spec = _run_case("aten._addmm_activation.out", M, K, N, 1, orders + ("r",), (0, 2, 1), (0, 3, 2), bias=True)
+        assert spec.swapped and spec.bias_ref is not None and spec.gelu and spec.m == N
+        assert spec.describe().endswith("+bias +gelu (D^T = B^T A^T)")
+
+
+def test_the_anchor_mlp_fc_is_one_gelu_bias_matmul():
+    # the anchor GPT's fc at 8 x 1024: [8192, 768] @ w.t() [768, 3072] + bias [3072], then tanh GELU
+    x, wt, out, bias = _view(0, (8192, 768), (768, 1)), _view(1, (768, 3072), (1, 768)), \
+        _view(2, (8192, 3072), (3072, 1)), _view(3, (3072,), (1,))
+    spec = derive("aten._addmm_activation.out", [bias, x, wt], {"use_gelu": True}, out,
+                  {s: torch.bfloat16 for s in range(4)})
+    plain = derive("aten.addmm.out", [bias, x, wt], {}, out, {s: torch.bfloat16 for s in range(4)})
+    assert spec.gelu and not plain.gelu
+    assert spec == cublaslt.MatmulSpec(**{**plain.__dict__, "target": "aten._addmm_activation.out", "gelu": True})
+    assert (spec.m, spec.n, spec.k, spec.transa, spec.transb) == (3072, 8192, 768, CUBLAS_OP_T, CUBLAS_OP_N)
+    assert cublaslt.EPILOGUE_GELU_BIAS == 36  # CUBLASLT_EPILOGUE_GELU_BIAS (cublasLt.h)
 
 
 @pytest.mark.parametrize("orders", [("r", "r", "r"), ("r", "c", "r"), ("c", "r", "c"), ("c", "c", "r")])
@@ -134,6 +163,9 @@ def test_column_major_of_degenerate_and_overlapping_matrices():
     ("bias_col_out", "output must be row-major"),
     ("bias_2d", "not a packed row vector"),
     ("alpha", "alpha or beta"),
+    ("relu", "ReLU"),
+    ("gelu_alpha", "alpha or beta"),
+    ("gelu_bias_2d", "not a packed row vector"),
     ("not_strided", "not strided matrices"),
     ("empty", "empty dimension"),
 ])
@@ -156,6 +188,12 @@ def test_unsupported_forms_say_why(case, why):
         target, args = "aten.addmm.out", [_view(3, (4, 6), (6, 1)), a, b]
     elif case == "alpha":
         target, args, kwargs = "aten.addmm.out", [bias, a, b], {"alpha": 2.0}
+    elif case == "relu":
+        target, args, kwargs = "aten._addmm_activation.out", [bias, a, b], {"use_gelu": False}
+    elif case == "gelu_alpha":
+        target, args, kwargs = "aten._addmm_activation.out", [bias, a, b], {"use_gelu": True, "beta": 0.5}
+    elif case == "gelu_bias_2d":
+        target, args, kwargs = "aten._addmm_activation.out", [_view(3, (4, 6), (6, 1)), a, b], {"use_gelu": True}
     elif case == "not_strided":
         args = [_view(0, (4, 5), (10, 2)), b]
     elif case == "empty":

@@ -21,7 +21,7 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def lt_call(target, tensors, out, policy=None):
+def lt_call(target, tensors, out, policy=None, kwargs=None):
     """Run one extern through LtMatmul as an executor state would: each tensor its own slot, bound by
     its storage's address (static), the view's offset in elements."""
     views, addr, dtypes = [], [], {}
@@ -30,7 +30,7 @@ def lt_call(target, tensors, out, policy=None):
         views.append(_View(slot, TensorRef(f"b{slot}", tuple(t.shape), tuple(t.stride()), t.storage_offset())))
         addr.append(base)
         dtypes[slot] = t.dtype
-    spec = cublaslt.derive(target, views[:-1], {}, views[-1], dtypes)
+    spec = cublaslt.derive(target, views[:-1], kwargs or {}, views[-1], dtypes)
     lib = cublaslt.library()
     handle = lib.take_handle(out.device.index or 0)
     try:
@@ -77,6 +77,24 @@ def test_mm_and_addmm_match_torch(dt, M, K, N):
         assert rel(out, ref) <= 2 * TOL[dt], (name, spec.describe())
         if name == "strided_slice":
             assert torch.isnan(big_out[:, N:]).all()  # nothing written outside the view
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N", [(128, 128, 512), (8192, 768, 3072), (1, 64, 33), (37, 5, 2)])
+def test_addmm_gelu_epilogue_matches_torch(dt, M, K, N):
+    """_addmm_activation(use_gelu=True) as GELU_BIAS (export/mm_gelu.py's extern): torch's CUDA op (the same
+    epilogue, or addmm + gelu_(tanh)) and a float64 addmm + tanh GELU agree with it."""
+    g = torch.Generator(device="cuda").manual_seed(M + K + N)
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=dt, generator=g) / 4  # noqa: E731
+    a, w, bias = r(M, K), r(N, K), r(N)
+    out = torch.empty(M, N, device="cuda", dtype=dt)
+    spec, plan = lt_call("aten._addmm_activation.out", (bias, a, w.t()), out, kwargs={"use_gelu": True})
+    assert spec.gelu and "+gelu" in plan.record()["matmul"]
+    ref = torch._addmm_activation(bias, a, w.t(), use_gelu=True)
+    ref64 = torch.nn.functional.gelu(torch.addmm(bias.double(), a.double(), w.t().double()), approximate="tanh")
+    err, torch_err = rel(out, ref64), rel(ref, ref64)
+    assert err <= max(TOL[dt], 2 * torch_err), (spec.describe(), err, torch_err)
+    assert rel(out, ref) <= 2 * TOL[dt], spec.describe()
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])

@@ -53,14 +53,21 @@ def test_extern_bindings_match_their_overloads(target):
     # The binding is called exactly as the overload would be: positional args, beta/alpha, out=.
     g = torch.Generator().manual_seed(0)
     mats = {"aten.mm.out": ((5, 7), (7, 3)), "aten.bmm.out": ((2, 5, 7), (2, 7, 3)),
-            "aten.addmm.out": ((3,), (5, 7), (7, 3))}[target]
+            "aten.addmm.out": ((3,), (5, 7), (7, 3)), "aten._addmm_activation.out": ((3,), (5, 7), (7, 3))}[target]
     args = [torch.randn(s, generator=g) for s in mats]
-    kwargs = {"beta": 0.5, "alpha": 2.0} if target == "aten.addmm.out" else {}
-    ref = ALLOWED[target](*args, **kwargs, out=torch.empty(0))
-    out = torch.empty_like(ref)
-    res = BINDINGS[target](*args, **kwargs, out=out)
-    assert res is out
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    kwargs = {"beta": 0.5, "alpha": 2.0} if target in ("aten.addmm.out", "aten._addmm_activation.out") else {}
+    for extra in ([{"use_gelu": False}, {"use_gelu": True}] if target == "aten._addmm_activation.out" else [{}]):
+        ref = ALLOWED[target](*args, **kwargs, **extra, out=torch.empty(0))
+        if extra.get("use_gelu"):
+            # torch's CPU kernel applies the erf GELU, its CUDA kernels (cuBLASLt's epilogue) the tanh one: the
+            # binding computes the CUDA one on every device (the program's GELU is the model's tanh GELU)
+            erf = ref
+            ref = torch.nn.functional.gelu(torch.addmm(*args, **kwargs), approximate="tanh")
+            assert not torch.equal(erf, ref)
+        out = torch.empty_like(ref)
+        res = BINDINGS[target](*args, **kwargs, **extra, out=out)
+        assert res is out
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 def test_program_with_unknown_instruction_or_kernel_is_refused():

@@ -937,7 +937,8 @@ def test_cpu_source_must_take_exactly_the_recorded_arguments_and_nothing_evaluat
 
 
 def test_extern_shape_checks_never_import_the_compiler_stack():
-    """addmm's and attention's meta kernels import torch._dynamo; the runtime's validation must not."""
+    """addmm's, _addmm_activation's and attention's meta kernels import torch._dynamo; the runtime's
+    validation must not."""
     code = r"""
 import sys
 import torch
@@ -946,6 +947,14 @@ from aotfuse.runtime.externs import ALLOWED
 R = lambda s, d="float32": v._Ref("b", d, tuple(s), tuple(torch.empty(s, device="meta").stride()))
 ov = lambda s: {"t": "o", "shape": list(s), "stride": list(torch.empty(s, device="meta").stride()), "offset": 0}
 v._meta_check(ALLOWED["aten.addmm.out"], [R([8]), R([4, 6]), R([6, 8])], {}, ov([4, 8]), "float32", "i0")
+v._meta_check(ALLOWED["aten._addmm_activation.out"], [R([8], "bfloat16"), R([4, 6], "bfloat16"), R([6, 8], "bfloat16")],
+              {"use_gelu": True}, ov([4, 8]), "bfloat16", "i3")
+for bad_args, kw in (([R([8]), R([4, 5]), R([6, 8])], {"use_gelu": True}),  # do not chain
+                     ([R([8]), R([4, 6]), R([6, 8])], {"use_gelu": 1})):  # an int where the schema says bool
+    try:
+        v._meta_check(ALLOWED["aten._addmm_activation.out"], bad_args, kw, ov([4, 8]), "float32", "i4")
+    except v.ArchiveError as e:
+        print("activation refused:", e)
 v._meta_check(ALLOWED["aten.scaled_dot_product_attention.default"], [R([2, 4, 8, 16])] * 3,
               {"is_causal": True}, ov([2, 4, 8, 16]), "float32", "i1")
 try:
@@ -958,4 +967,5 @@ print("compiler modules:", bad[:5])
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "refused:" in r.stdout and "do not chain" in r.stdout
+    assert r.stdout.count("activation refused:") == 2 and "'use_gelu'" in r.stdout, r.stdout
     assert "compiler modules: []" in r.stdout, r.stdout

@@ -4,9 +4,10 @@ nothing that runs reads it, so reading it is lenient where the report's history 
 
 Typed where a reader uses the fields: the fusion summary, fusion verdicts, inlining, groups and
 the memory plan. Two sections stay free-form maps, deliberately: `lowering` (each decision is one
-of a few shapes, {addmm, kept, why} | {realize, of, why} | {folded, into} | {uniform, rtype, n} | {onehot, n}, that grows with the
-lowering rules) and `partition` (the min-cut's own record, aotfuse/partition/mincut.py
-`Partition.report`, shown as it is). A frozen dataclass holding them treats them as read-only.
+of a few shapes, {addmm, kept, why} | {mm_gelu, producer, approximate, fused, why} | {realize, of, why} |
+{folded, into} | {uniform, rtype, n} | {onehot, n}, that grows with the lowering rules) and
+`partition` (the min-cut's own record, aotfuse/partition/mincut.py `Partition.report`, shown as it
+is). A frozen dataclass holding them treats them as read-only.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from ..layouts import channels_last_perm
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .mm_gelu import decompose
 from .fold import fold_unlowerable_constants, lowerable_ops
 from .masks import simplify_attention_masks
 from .ranges import int_range
@@ -76,6 +77,8 @@ class CapturedGraph:
     dims: tuple = ()
     symmap: dict = dataclasses.field(default_factory=dict)
     shape_env: Any = None  # torch's ShapeEnv of the dynamic dims: a guard it gains while lowering is a specialization
+    # What export decided that lowering's report records first (export/mm_gelu.py: GELUs fused into matmuls)
+    decisions: tuple = ()
 
 
 def _qualname(t: type) -> str:
@@ -171,7 +174,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
             if kw_consts:
                 dyn_spec.update({k: None for k in kw_consts})
             ep = torch.export.export(model, example_inputs, kwargs or None, strict=False, dynamic_shapes=dyn_spec)
-        ep = ep.run_decompositions(decomposition_table())
+        # a tanh GELU of a matmul's result becomes one extern with it (export/mm_gelu.py)
+        ep, export_decisions = decompose(ep, decomposition_table())
     except Exception as exc:  # torch raises many types here; name the stage and the cause
         from ..joint.trace import data_dependent_error
 
@@ -258,7 +262,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
                          time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
                          outputs_tree=output_structure(out_spec) if out_spec is not None else None,
-                         dims=dims, symmap=symmap, shape_env=env0 if dims else None)
+                         dims=dims, symmap=symmap, shape_env=env0 if dims else None,
+                         decisions=tuple(export_decisions))
 
 
 def _shape_env_of(ep):

@@ -66,6 +66,16 @@ def _addmm(ctx, node, args, kwargs):
     return add_bias(ctx, mm, bias, shape, dt, alpha, beta)
 
 
+@rule(aten._addmm_activation.default, category="extern",
+      note="addmm + tanh GELU in one call (export/mm_gelu.py fuses them): cuBLASLt's GELU_BIAS epilogue")
+def _addmm_activation(ctx, node, args, kwargs):
+    bias, a, b = args[:3]
+    tb, ta, tm = (_targ(ctx, x, node, n) for x, n in zip((bias, a, b), ("bias", "mat1", "mat2")))
+    kw = {"use_gelu": bool(kwargs.get("use_gelu", False))}
+    kw.update((k, kwargs[k]) for k in ("beta", "alpha") if kwargs.get(k, 1) != 1)
+    return ctx.extern("aten._addmm_activation.out", (tb, ta, tm), kw, out_shape(node), out_dtype(node), True)
+
+
 def _stored(node) -> str | None:
     """Why the addmm's result (or a view of it) is written to memory whatever fuses with it: a program
     output (a training forward saves it for the backward), or an extern's operand. Then splitting off

@@ -35,6 +35,7 @@ def _is_const(x, consts) -> bool:
 def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, LoweringCtx]:
     """Lower one program's graph. Folded constants are named __const__.<program>.<buf> in the archive."""
     ctx = LoweringCtx()
+    ctx.decisions.extend(dict(d) for d in cg.decisions)  # export's (a GELU fused into its matmul)
     env: dict[torch.fx.Node, object] = {}
     consts: dict[torch.fx.Node, torch.Tensor] = {}
     inputs, weights = [], []

@@ -1,6 +1,7 @@
 """Matmul externs through cuBLASLt, prepared once per executor state: one ctypes call per matmul.
 
-A program's `aten.mm.out` / `aten.addmm.out` / `aten.bmm.out` externs have static shapes, strides and
+A program's `aten.mm.out` / `aten.addmm.out` / `aten._addmm_activation.out` / `aten.bmm.out` externs have
+static shapes, strides and
 dtypes, so everything torch's dispatcher works out on every call (argument parsing, dispatch, layout
 checks, the cuBLAS handle, the workspace, the algorithm) can be worked out once. Linking derives a
 `MatmulSpec` per extern (pure: `derive`, tested on the CPU); binding a state (`Executor.state()`)
@@ -13,6 +14,9 @@ Row-major tensors meet column-major cuBLAS by the transpose trick: D[M,N] = A[M,
 computed as D^T = B^T @ A^T, where each transpose of a row-major (or column-major) view is a
 column-major (or transposed) matrix with the same leading dimension. A 1-d addmm bias is then a
 vector along the rows of D^T: the CUBLASLT_EPILOGUE_BIAS epilogue adds it in the same kernel.
+`_addmm_activation(..., use_gelu=True)` (a tanh GELU fused at export, export/mm_gelu.py) is the same
+matmul with CUBLASLT_EPILOGUE_GELU_BIAS: bias, then cuBLASLt's GELU (the tanh approximation) on each
+element as it is written; elementwise, so the transpose changes nothing about it.
 
 Numerics follow torch's defaults, read from torch when a state is bound and checked on every call
 (a change re-binds): fp32 computes in CUBLAS_COMPUTE_32F, or CUBLAS_COMPUTE_32F_FAST_TF32 when
@@ -22,8 +26,8 @@ atomics-based (in-place) reduction under `torch.use_deterministic_algorithms(Tru
 
 What is not supported keeps torch's binding, and says why (`State.matmul_report()`): other dtypes,
 operands that are not a strided matrix (a broadcast batch, overlapping rows), an addmm whose bias is
-not a row vector or whose alpha/beta is not 1, fp16 accumulation (`allow_fp16_accumulation`), no
-algorithm from the heuristic, no libcublasLt in the process, or `AOTFUSE_CUBLASLT=0`. An operand
+not a row vector or whose alpha/beta is not 1, an _addmm_activation's ReLU, fp16 accumulation
+(`allow_fp16_accumulation`), no algorithm from the heuristic, no libcublasLt in the process, or `AOTFUSE_CUBLASLT=0`. An operand
 whose address changes per call (an input, a buffer allocated per call) is checked against the
 alignment the algorithm was picked for; a misaligned one runs that call through torch (counted).
 
@@ -48,7 +52,7 @@ CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF = 0, 2, 14
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
-EPILOGUE_DEFAULT, EPILOGUE_BIAS = 1, 4
+EPILOGUE_DEFAULT, EPILOGUE_BIAS, EPILOGUE_GELU_BIAS = 1, 4, 36  # GELU_BIAS = GELU (32) | BIAS (4)
 LAYOUT_BATCH_COUNT, LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 PREF_MAX_WORKSPACE_BYTES, PREF_REDUCTION_SCHEME_MASK = 1, 3
 PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D bytes
@@ -57,7 +61,8 @@ MAX_ALIGNMENT = 256  # cuBLASLt's default (and largest) alignment preference
 DYNAMIC_BASE_ALIGNMENT = 256  # assumed for per-call buffers (torch's allocator gives 512), checked per call
 
 DATA_TYPES = {torch.float32: CUDA_R_32F, torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
-TARGETS = ("aten.mm.out", "aten.addmm.out", "aten.bmm.out")
+TARGETS = ("aten.mm.out", "aten.addmm.out", "aten._addmm_activation.out", "aten.bmm.out")
+_ADDMM = ("aten.addmm.out", "aten._addmm_activation.out")
 _INT32_MAX = 2**31 - 1
 
 _STATUS = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
@@ -96,8 +101,9 @@ class Operand:
 
 @dataclasses.dataclass(frozen=True)
 class MatmulSpec:
-    """One extern as a cuBLASLt matmul: D' (m x n) = op(A') (m x k) @ op(B') (k x n) [+ bias along m].
-    `swapped`: D' is the program's D transposed (A' = B^T, B' = A^T), the usual row-major case."""
+    """One extern as a cuBLASLt matmul: D' (m x n) = op(A') (m x k) @ op(B') (k x n) [+ bias along m] [then GELU].
+    `swapped`: D' is the program's D transposed (A' = B^T, B' = A^T), the usual row-major case.
+    `gelu`: the epilogue is GELU_BIAS (cuBLASLt's tanh GELU after the bias), not BIAS."""
     target: str
     dtype: torch.dtype
     m: int
@@ -114,12 +120,14 @@ class MatmulSpec:
     d_ref: Operand
     bias_ref: Operand | None
     swapped: bool
+    gelu: bool = False
 
     def describe(self) -> str:
         ops = "NT"
         return (f"{self.target} {str(self.dtype).removeprefix('torch.')} m={self.m} n={self.n} k={self.k}"
                 + (f" batch={self.batch}" if self.batch > 1 else "")
                 + f" op={ops[self.transa]}{ops[self.transb]}" + (" +bias" if self.bias_ref is not None else "")
+                + (" +gelu" if self.gelu else "")
                 + (" (D^T = B^T A^T)" if self.swapped else ""))
 
 
@@ -167,12 +175,18 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
     if target not in TARGETS:
         raise Unsupported(f"{target} is not a matmul")
     bias = None
-    if target == "aten.addmm.out":
+    gelu = False
+    if target in _ADDMM:
         if len(args) != 3:
             raise Unsupported("addmm with other than (bias, mat1, mat2)")
         bias, a, b = args
-        if any(kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(kwargs) - {"beta", "alpha"}:
+        known = {"beta", "alpha"} | ({"use_gelu"} if target == "aten._addmm_activation.out" else set())
+        if any(kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(kwargs) - known:
             raise Unsupported("addmm with alpha or beta other than 1")
+        if target == "aten._addmm_activation.out":
+            if kwargs.get("use_gelu") is not True:
+                raise Unsupported("_addmm_activation with ReLU (use_gelu=False): no epilogue for it here")
+            gelu = True
     else:
         if len(args) != 2 or kwargs:
             raise Unsupported(f"{target} with arguments other than (self, mat2)")
@@ -234,7 +248,7 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
             d=Layout(dr, dc, dld, B, batch_strides[2]),
             a_ref=Operand(ta.slot, ta.offset * size), b_ref=Operand(tb.slot, tb.offset * size),
             d_ref=Operand(out.slot, out.offset * size),
-            bias_ref=None if bias is None else Operand(bias.slot, bias.offset * size), swapped=swapped)
+            bias_ref=None if bias is None else Operand(bias.slot, bias.offset * size), swapped=swapped, gelu=gelu)
     raise Unsupported("operands are not strided matrices cuBLASLt takes (a row or a column stride of 1, "
                       "non-overlapping)" + ("; with a bias the output must be row-major" if bias is not None else ""))
 
@@ -464,7 +478,7 @@ class LtMatmul:
         self._bias_dynamic = None
         self._bias_value = -1
         if spec.bias_ref is not None:
-            self._set_desc(DESC_EPILOGUE, ctypes.c_uint32(EPILOGUE_BIAS))
+            self._set_desc(DESC_EPILOGUE, ctypes.c_uint32(EPILOGUE_GELU_BIAS if spec.gelu else EPILOGUE_BIAS))
             base = static.get(spec.bias_ref.slot)
             if base is None:  # set per call (when it changes); the heuristic sees its assumed alignment
                 balign = alignment(DYNAMIC_BASE_ALIGNMENT | spec.bias_ref.byte_offset)

@@ -15,6 +15,10 @@ from .payload import read_report
 
 
 def _lowering(d: dict) -> str | None:
+    if "mm_gelu" in d:  # export/mm_gelu.py
+        what = "fused into the matmul, one _addmm_activation extern" if d["fused"] else "not fused"
+        approx = "erf" if d["approximate"] == "none" else d["approximate"]
+        return f"  {d['producer']} -> {d['mm_gelu']}: {approx} GELU {what} ({d['why']})"
     if "addmm" in d:
         return f"  {d['addmm']}: {'kept as addmm' if d['kept'] else 'mm + bias add'} ({d['why']})"
     if "realize" in d:

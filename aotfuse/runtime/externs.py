@@ -51,6 +51,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(aten.mm.default, (aten.mm.out,)),
     # addmm with a bias that is not a broadcast row lowers to mm + a pointwise add
     ExternOp(aten.addmm.default, (aten.addmm.out, aten.mm.out)),
+    # addmm then a tanh GELU in one call (export/mm_gelu.py fuses them; inference only: the backward of a
+    # GELU reads its input, which this call never writes): cuBLASLt's GELU_BIAS epilogue on CUDA
+    ExternOp(aten._addmm_activation.default, (aten._addmm_activation.out,), train=False),
     ExternOp(aten.bmm.default, (aten.bmm.out,)),
     # an embedding's weight gradient by atomic adds (runtime/embedding_grad.py); aten's sorted kernel for
     # scale_grad_by_freq
@@ -75,12 +78,25 @@ def keep_whole(train: bool) -> tuple:
 
 # The callable the executor calls for an allowed target, where torch's Python binding takes the same
 # arguments as the overload (positional, then beta/alpha and out= by keyword) and dispatches to it:
-# about 3 us less host time per call than the OpOverload object. Validation still reads the
+# about 3 us less host time per call than the OpOverload object (and, for _addmm_activation, the same
+# GELU on the CPU as on CUDA). Validation still reads the
 # overload's schema (ALLOWED); tests/test_runtime_unit.py checks each binding against its overload.
 # (On CUDA the matmuls usually skip torch altogether: runtime/cublaslt.py.)
+def _addmm_activation(bias, mat1, mat2, *, beta=1, alpha=1, use_gelu=False, out):
+    """`aten._addmm_activation.out` as its CUDA kernels compute it on every device: addmm, then the tanh
+    GELU (use_gelu) or ReLU. torch's CPU kernel applies the erf GELU instead (`at::gelu_` with its default
+    approximation), which is not what the program means: its GELU is the model's tanh one (export/mm_gelu.py),
+    the one cuBLASLt's GELU epilogue computes. So the CPU computes addmm into `out`, then the GELU in place."""
+    if out.is_cuda:
+        return torch._addmm_activation(bias, mat1, mat2, beta=beta, alpha=alpha, use_gelu=use_gelu, out=out)
+    torch.addmm(bias, mat1, mat2, beta=beta, alpha=alpha, out=out)
+    return torch._C._nn.gelu_(out, approximate="tanh") if use_gelu else out.relu_()
+
+
 BINDINGS = {
     "aten.mm.out": torch.mm,
     "aten.addmm.out": torch.addmm,
+    "aten._addmm_activation.out": _addmm_activation,
     "aten.bmm.out": torch.bmm,
     # F.scaled_dot_product_attention's C binding: (q, k, v, attn_mask, dropout_p, is_causal, *, scale, enable_gqa)
     "aten.scaled_dot_product_attention.default": torch._C._nn.scaled_dot_product_attention,

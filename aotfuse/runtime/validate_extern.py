@@ -1,8 +1,8 @@
 """Load-time validation, part 2: an extern call's arguments against its schema and shape rules.
 
 Each op's shape function runs on meta tensors (no data, no device), except where that would import
-the compiler stack (addmm and attention: their meta kernels import torch._dynamo), where the rule
-is written out here.
+the compiler stack (addmm, _addmm_activation and attention: their meta kernels import
+torch._dynamo), where the rule is written out here.
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ def _tensor(a, what: str, where: str, ndim: int | None = None) -> _Ref:
 
 
 def _addmm_shape(args: list, kwargs: dict, where: str) -> tuple:
+    # addmm and _addmm_activation (addmm, then a GELU or ReLU: the same operands, the same result)
     if len(args) != 3:
         _fail(where, f"addmm takes bias, mat1, mat2; got {len(args)} arguments")
     bias = _tensor(args[0], "bias", where)
@@ -108,7 +109,8 @@ def _sdpa_shape(args: list, kwargs: dict, where: str) -> tuple:
     return (b, h, t, ev)
 
 
-_SHAPE_RULES = {"addmm": _addmm_shape, "scaled_dot_product_attention": _sdpa_shape}
+_SHAPE_RULES = {"addmm": _addmm_shape, "_addmm_activation": _addmm_shape,
+                "scaled_dot_product_attention": _sdpa_shape}
 
 
 # ---------------------------------------------------------------- multi-output externs

@@ -371,6 +371,11 @@ module_case("addmm_kept", lambda dt: _linear(dt), _x(5, 7), ["aten.addmm.default
 module_case("addmm_split", lambda dt: _linear(dt, relu=True), _x(5, 7), ["aten.addmm.default", "aten.relu.default"],
             HALF)
 module_case("linear_3d", lambda dt: _linear(dt), _x(2, 5, 7), ["aten.addmm.default", "aten.view.default"])
+# a tanh GELU of a Linear: one _addmm_activation extern (export/mm_gelu.py); through views for a 3-d input
+module_case("addmm_gelu_tanh", lambda dt: nn.Sequential(_linear(dt), nn.GELU(approximate="tanh")), _x(5, 7),
+            ["aten._addmm_activation.default"], HALF)
+module_case("linear_3d_gelu_tanh", lambda dt: nn.Sequential(_linear(dt), nn.GELU(approximate="tanh")), _x(2, 5, 7),
+            ["aten._addmm_activation.default", "aten.view.default"], HALF)
 
 
 def _embedding(dt):
