@@ -25,6 +25,8 @@ def pick_arch(available: list[str], device: torch.device) -> str:
 
 def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tuple[dict[str, Callable], str, list]:
     """kernel name -> launch(grid, stream, device addresses). Returns the launchers, the arch used, and the modules."""
+    if not kernels:  # every step an extern (a Linear + GELU fused into one cuBLASLt call): any GPU runs it
+        return {}, f"sm_{device_arch(device.index or 0)}", []
     archs = sorted({a for k in kernels.values() for a in k.binaries})
     arch = pick_arch(archs, device)
     launchers, modules = {}, []
