@@ -198,21 +198,21 @@ class Artifact:
         return describe(self.archive)
 
     def graphed(self, program: str, bound: frozenset[int] = frozenset(), volatile: frozenset[int] = frozenset(),
-                key: bool | None = None, arenas=None, order: int | None = None):
+                key: bool | None = None, arenas=None, order: int | None = None, alias_small=frozenset()):
         """A CUDA-graph runner of one program (runtime/graphs.py), owned by this artifact; `arenas`: an
         ArenaPool shared with other programs whose calls on a stream are ordered; `order`: the program's
         place among them when their graphs share memory pools (a staged backward's stages)."""
         if self.dims:
             raise AotfuseError(f"program {program!r} has dynamic dims: its graphs are made per shape",
                                remedy="call the artifact; shape_stats() reports each shape's graphs")
-        return self.graph_of(self.executors[program], bound, volatile, key, arenas, order)
+        return self.graph_of(self.executors[program], bound, volatile, key, arenas, order, alias_small)
 
     def graph_of(self, executor, bound: frozenset[int] = frozenset(), volatile: frozenset[int] = frozenset(),
-                 key: bool | None = None, arenas=None, order: int | None = None):
+                 key: bool | None = None, arenas=None, order: int | None = None, alias_small=frozenset()):
         """graphed() of any executor of this artifact (a shape's, with dynamic dims)."""
         from .graphs import GraphedProgram
 
-        g = GraphedProgram(executor, self.device, bound, volatile, key, arenas, order)
+        g = GraphedProgram(executor, self.device, bound, volatile, key, arenas, order, alias_small)
         self._graphs.append(g)
         return g
 

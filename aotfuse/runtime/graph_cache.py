@@ -49,9 +49,13 @@ class OutputSet:
     """Outputs of one graph: `outs[k]` is None where output k is handed out by the caller (an input
     passed through). Only the graph writes these tensors, and only when `held()` is false."""
 
-    def __init__(self, outs: list, copy_bytes: int):
+    def __init__(self, outs: list, copy_bytes: int, alias_small: frozenset = frozenset()):
+        """alias_small: outputs handed out on the set's buffers however small (a backward's gradients: the
+        large ones hold the set anyway, and cloning forty bias gradients cost a training step more host
+        time than its graph replays)."""
         self.outs = outs
-        self.cloned = [k for k, t in enumerate(outs) if t is not None and t.untyped_storage().nbytes() <= copy_bytes]
+        self.cloned = [k for k, t in enumerate(outs) if t is not None and k not in alias_small
+                       and t.untyped_storage().nbytes() <= copy_bytes]
         self.aliased = [k for k, t in enumerate(outs) if t is not None and k not in self.cloned]
         self.storages = _distinct([outs[k].untyped_storage() for k in self.aliased])
         self.nbytes = sum(s.nbytes() for s in self.storages)

@@ -21,7 +21,9 @@ scratch. A call copies nothing in and clones nothing out (beyond the small tenso
   (up to `knobs.graph_instances` graphs per program and caller stream); beyond that, the call runs
   the program without a graph (the executor on the same arena: fresh outputs, still no copy),
   counted in `stats["eager_calls"]`. Outputs of at most `graph_copy_bytes` are cloned (a loss kept
-  by the caller must not pin a set of activations). An output that is an input passed through is
+  by the caller must not pin a set of activations), but for a training backward's (and a fused step's)
+  gradients (`alias_small`): its large gradients hold the set anyway, and cloning every small one (biases,
+  norms) cost more host time per step than the graph replays. An output that is an input passed through is
   returned as a view of that input, as the executor does.
 
 Aliasing rules (what the caller sees): a returned tensor aliases its graph's output buffer; it
@@ -149,13 +151,14 @@ class GraphedProgram:
 
     def __init__(self, executor: Executor, device: torch.device, bound: frozenset[int] = frozenset(),
                  volatile: frozenset[int] = frozenset(), key: bool | None = None, arenas: "ArenaPool | None" = None,
-                 order: int | None = None):
+                 order: int | None = None, alias_small: frozenset[int] = frozenset()):
         """bound: parameters, read at their addresses; volatile: inputs that are new tensors on every
         call (a batch the forward passed through to the backward), copied; key: whether the other
         large inputs are keyed by address (None: decided by size, see keyed_inputs); arenas: one arena
         and matmul workspace per caller stream shared with other programs (a training step's forward and
         backward); order: with arenas, the program's place among programs that run in turn (a staged
-        backward's stages): their graphs share memory pools (graph_cache.PoolChain); None: a pool per graph."""
+        backward's stages): their graphs share memory pools (graph_cache.PoolChain); None: a pool per graph;
+        alias_small: outputs handed out on the graph's buffers even when small (graph_cache.OutputSet)."""
         self.ex = executor
         self.arenas = arenas
         self.order = order if arenas is not None else None
@@ -167,6 +170,7 @@ class GraphedProgram:
         self.passthrough = {k: names.index(o.t) for k, o in enumerate(prog.returned) if o.t in names}
         self._through = [(k, j, prog.returned[k]) for k, j in self.passthrough.items()]
         self.copy_bytes = knobs.graph_copy_bytes
+        self.alias_small = frozenset(alias_small)
         self.instances = knobs.graph_instances
         self.keyed = keyed_inputs(prog, bound, self.copy_bytes, volatile, key)
         self.copied = [i for i in range(len(names)) if i not in bound and i not in self.keyed]
@@ -408,13 +412,13 @@ class _Family:
         args = [self.static.get(i, x) for i, x in enumerate(inputs)]
         if self.chains is None:
             graph, outs = _record(p.ex, args, self.seed, self.state, self.stream)
-            g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes))
+            g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes, p.alias_small))
         else:
             with self.chains.lock:  # members listed in the order they were captured into the pool
                 chain = self.chains.open_for(p.order)
                 graph, outs = _record(p.ex, args, self.seed, self.state, self.stream, chain.handle,
                                       p.arenas.capture_stream(self.stream_id))
-                g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes), p.order)
+                g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes, p.alias_small), p.order)
                 self.chains.add(chain, g)
         self.stats["captures"] += 1
         return g

@@ -313,7 +313,10 @@ class PackagedModule(nn.Module):
         if self._step:
             # the step reads parameters and updated buffers in place and copies the batch (a new tensor
             # every step) into static buffers; its outputs (the gradients) are fresh per held set
-            graphs = {"step": art.graph_of(executors["step"], frozenset(range(n_p + n_m)), key=False)}
+            # (the loss is cloned: a caller keeping it must not hold the set; the gradients are handed out on it)
+            n_out = len(executors["step"].program.returned)
+            graphs = {"step": art.graph_of(executors["step"], frozenset(range(n_p + n_m)), key=False,
+                                           alias_small=frozenset(range(1 + n_m, n_out)))}
         else:
             # the forward copies the batch (a new tensor every step) and reads parameters and updated
             # buffers in place; the backward reads the saved tensors where the forward's graph wrote
@@ -331,8 +334,11 @@ class PackagedModule(nn.Module):
             # pools in stage order (graph_cache.PoolChain): the stages' scratch is held once, not per stage
             staged = len(info.programs) > 2
             for k, name in enumerate(info.programs[1:]):
+                # its outputs are gradients (and carries): handed out on the graph's buffers, small ones too
+                n_out = len(executors[name].program.returned)
                 graphs[name] = art.graph_of(executors[name], params, frozenset(through) - params, key=True,
-                                            arenas=arenas, order=k if staged else None)
+                                            arenas=arenas, order=k if staged else None,
+                                            alias_small=frozenset(range(n_out)))
         from .graphs import graphs_pay
 
         use, why = graphs_pay(list(graphs.values()))
