@@ -325,7 +325,11 @@ class PackagedModule(nn.Module):
             from .graphs import ArenaPool
 
             arenas = ArenaPool(max(executors[p].program.arena_bytes for p in info.programs), art.device)
-            fwd = art.graph_of(executors["forward"], frozenset(range(n_p + n_m)), key=False, arenas=arenas)
+            # (the loss and buffer updates are cloned; the saved tensors, small ones too, stay on the set: autograd
+            # holds the large ones until the backward anyway)
+            n_out = len(executors["forward"].program.returned)
+            fwd = art.graph_of(executors["forward"], frozenset(range(n_p + n_m)), key=False, arenas=arenas,
+                               alias_small=frozenset(range(1 + n_m, n_out)))
             # forward outputs: loss, n_m buffer updates, then the saved tensors (the backward's inputs)
             through = {k - 1 - n_m: j for k, j in fwd.passthrough.items() if k >= 1 + n_m}
             params = frozenset(k for k, j in through.items() if j in fwd.bound)
