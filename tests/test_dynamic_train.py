@@ -248,3 +248,69 @@ def test_cli_builds_a_dynamic_train_archive(tmp_path):
     assert r.exit_code == 0, r.output
     info = aotfuse.load(out, device="cpu").inspect()
     assert [d["name"] for d in info["dims"]] == ["tokens.0"] and info["train"]["mode"] == "split"
+
+
+class _Square(nn.Module):
+    """tokens and targets of an 8 x 8 example: batch and sequence have the same size and range."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.lin(self.emb(tokens)).reshape(-1, 16), targets.reshape(-1))
+
+
+def test_relations_merge_the_same_axes_not_every_dim_of_one_size():
+    """A square example: tokens.0 ~ targets.0 and tokens.1 ~ targets.1, never batch ~ sequence (which would
+    accept square inputs only)."""
+    g = torch.Generator().manual_seed(0)
+    ex = (torch.randint(0, 16, (8, 8), generator=g), torch.randint(0, 16, (8, 8), generator=g))
+    model = _Square()
+    res = aotfuse.build(model, ex, train=True, targets=("sm_90",),
+                        dynamic_shapes=["tokens.0=1..8", "tokens.1=1..8", "targets.0=1..8", "targets.1=1..8"])
+    assert [i.shape for i in res.manifest.inputs] == [("s0", "s1"), ("s0", "s1")]
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    t = torch.randint(0, 16, (3, 5), generator=g)
+    assert rel(mod(t, t), model(t, t)) < 1e-5
+
+
+class _ScaledByBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.lin(x) * (0.7071067811865476 / x.shape[0])).pow(2).sum()
+
+
+@pytest.mark.parametrize("step", ["split", "auto"])
+def test_a_ratio_of_sizes_in_the_backward_and_a_float_over_a_dim(step):
+    """`h * (c / batch)`: a SymFloat the backward reads (neither saved nor recomputed, as sizes), and a float
+    coefficient over a dim kept a float literal in the kernel."""
+    torch.manual_seed(0)
+    model = _ScaledByBatch().train()
+    res = aotfuse.build(model, (torch.randn(6, 8),), train=True, targets=("sm_90",), dynamic_shapes=["x.0=1..16"],
+                        step=step, backward_stages=None)
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    _check_shapes(model, mod, [(1,), (3,), (16,)], lambda shape, seed: (torch.randn(shape[0], 8,
+                  generator=torch.Generator().manual_seed(seed)),))
+
+
+class _InputGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).pow(2).mean()
+
+
+def test_a_fused_step_with_a_gradient_of_a_dynamic_shape_falls_back_to_split():
+    x = torch.randn(4, 8).requires_grad_()
+    res = aotfuse.build(_InputGrad(), (x,), train=True, targets=("sm_90",), dynamic_shapes=["x.0=1..8"], step="auto")
+    assert res.manifest.train.mode == "split"
+    assert "dynamic shape" in res.report.partition["step"]["why"]
+    with pytest.raises(BuildError, match="step='step' with dynamic dims"):
+        aotfuse.build(_InputGrad(), (x,), train=True, targets=("sm_90",), dynamic_shapes=["x.0=1..8"], step="step")

@@ -166,6 +166,14 @@ def kernel_dims(body: str) -> tuple[str, ...]:
 def dim_value(v: sympy.Expr, dtype: str) -> str:
     """A constant that is an expression of the dims (a size used as a value: a mean's count, a scale):
     computed from the kernel's int32 dim arguments, in `dtype` (a quotient only in a float dtype)."""
+    v = sympy.sympify(v)
+    if v.atoms(sympy.Float):  # a float factor (`x * (0.7071 / n)`): kept a float literal, never a huge fraction
+        coeff, rest = v.as_coeff_Mul()
+        if coeff.is_Float and not rest.atoms(sympy.Float) and not rest.is_Number and \
+                dtype.startswith(("float", "bfloat")):
+            return f"({float(coeff)!r} * {dim_value(rest, dtype)})"
+        raise BuildError(f"constant {v} (a float combined with dims other than by one factor) in dtype {dtype}",
+                         remedy="keep the dynamic dims static, or scale by the float separately")
     num, den = sympy.fraction(sympy.together(sympy.nsimplify(v)))
     base = f"(tl.zeros([1], {TL_DTYPE[dtype]}) + {ktext(num)})"
     if den == 1:

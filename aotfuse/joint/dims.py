@@ -41,6 +41,7 @@ class SymbolicInputs:
     groups: dict  # (input, axis) -> group id: requests of one group share a symbol
     shape_env: object = None
     n_guards: int = 0  # guards the ShapeEnv held before the trace (the merges' own)
+    symbols: dict = dataclasses.field(default_factory=dict)  # (input, axis) -> the symbol made for it
 
     def mode(self):
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -75,6 +76,7 @@ class SymbolicInputs:
                     if inp != name:
                         continue
                     g = self.groups[inp, axis]
+                    self.symbols[inp, axis] = ft.shape[axis].node.expr
                     if g in first:
                         torch._check(ft.shape[axis] == first[g])
                     else:
@@ -95,13 +97,27 @@ def _groups(reqs: Sequence[DynamicDim]) -> dict:
     return out
 
 
-def _merged(reqs, sizes: dict) -> dict:
-    """Requests -> group ids: requests of one example size and range share a group."""
+def _merged(reqs, sizes: dict, by_axis: bool) -> dict:
+    """Requests -> group ids: requests of one example size and range (and axis, with by_axis) share a group."""
     out, keys = {}, {}
     for r in reqs:
-        key = (sizes[r.input, r.axis], r.lo, r.hi)
+        key = (sizes[r.input, r.axis], r.lo, r.hi) + ((r.axis,) if by_axis else ())
         out[r.input, r.axis] = keys.setdefault(key, len(keys))
     return out
+
+
+def _explains(groups: dict, symbols: dict, guards: list) -> bool:
+    """Whether making each group's symbols one symbol makes every guard true (the guards were relations
+    between those inputs, not a fixed size): `Eq(s0*s1, s2*s3)` with tokens.0~targets.0, tokens.1~targets.1."""
+    import sympy
+
+    sub = {}
+    for key, gid in groups.items():
+        first = next(k for k, g in groups.items() if g == gid)
+        if key in symbols and first in symbols:
+            sub[symbols[key]] = symbols[first]
+    eqs = [g for g in guards if isinstance(g, sympy.Eq)]  # the relations; Ne / Mod guards follow from them
+    return bool(eqs) and all(g.xreplace(sub) == sympy.true for g in eqs)
 
 
 class _Range:
@@ -121,22 +137,25 @@ def trace_symbolic(trace: Callable, model, example_inputs, example_kwargs, reqs:
     flat = list(args) + list(kw.values())
     tensors = dict(zip(names, flat))
     at_example = {(r.input, r.axis): int(tensors[r.input].shape[r.axis]) for r in reqs}
-    tries = [_groups(reqs)]
-    merged = _merged(reqs, at_example)
-    if len(set(merged.values())) < len(set(tries[0].values())):
-        tries.append(merged)
-    for k, groups in enumerate(tries):
-        sym = SymbolicInputs(tuple(reqs), names, groups)
-        joint = trace(sym)
-        guards = sym.new_guards()
-        if not guards:
-            break
-        if k + 1 < len(tries):
-            continue
-        raise BuildError(_guard_message(guards, sym.shape_env),
-                         remedy="drop --dynamic for the dim the model needs at one size, or change the model so "
-                                "that no size is compared with a constant; axes that must be equal need the same "
-                                "torch.export Dim (or the same range and example size)")
+    own = _groups(reqs)
+    sym = SymbolicInputs(tuple(reqs), names, own)
+    joint = trace(sym)
+    guards = sym.new_guards()
+    if guards:
+        # relations between inputs: the fewest merges that explain every guard (same axis first: tokens.0 with
+        # targets.0, not with tokens.1 of the same size), traced again; anything else fixed a size
+        merges = [_merged(reqs, at_example, True), _merged(reqs, at_example, False)]
+        fit = next((m for m in merges if len(set(m.values())) < len(set(own.values()))
+                    and _explains(m, sym.symbols, guards)), None)
+        if fit is not None:
+            sym = SymbolicInputs(tuple(reqs), names, fit)
+            joint = trace(sym)
+            guards = sym.new_guards()
+        if guards:
+            raise BuildError(_guard_message(guards, sym.shape_env),
+                             remedy="drop --dynamic for the dim the model needs at one size, or change the model so "
+                                    "that no size is compared with a constant; axes that must be equal need the "
+                                    "same torch.export Dim (or the same range and example size)")
     env = sym.shape_env
     phs = {n.name: n for n in joint.gm.graph.nodes if n.op == "placeholder"}
     by_index = {ref: name for name, kind, ref in joint.placeholders if kind == "input"}

@@ -309,7 +309,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         n = todo.pop()
         if n is tangent or n in saved_nodes or n in bwd_compute:
             continue
-        if isinstance(_val(n), torch.SymInt):
+        if isinstance(_val(n), (torch.SymInt, torch.SymFloat)):  # a size, or a ratio of sizes (n / (n - 1))
             sizes.add(n)
             continue
         if n.op == "placeholder" or ((n in fwd or n in floating) and in_src(n, ".in")):

@@ -94,8 +94,8 @@ def stage_backward(bwd_gm: fx.GraphModule, k: int, pinned: dict[int, int] | None
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
     # sizes of dynamic dims (partition/mincut.dim_value: no inputs, no cost): copied into each stage that
     # reads them, never carried
-    dim_sizes = [n for n in body if isinstance(n.meta.get("val"), torch.SymInt)]
-    body = [n for n in body if not isinstance(n.meta.get("val"), torch.SymInt)]
+    dim_sizes = [n for n in body if isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat))]
+    body = [n for n in body if not isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat))]
     pos = {n: i for i, n in enumerate(body)}
     ready = [pos.get(g, -1) if isinstance(g, fx.Node) else -1 for g in grads]
     if k <= 1 or len(grads) < 2:

@@ -51,6 +51,14 @@ def step_mode(joint, want: str = "auto") -> tuple[str, str]:
             raise BuildError(f"step='step' needs a scalar loss: {why}", remedy="reduce the loss to one element, "
                              "or build with step='split'")
         return "split", why
+    dynamic = [n.name for n in joint.grad_output_nodes if isinstance(n, torch.fx.Node) and
+               any(isinstance(d, torch.SymInt) for d in getattr(n.meta.get("val"), "shape", ()))]
+    if dynamic:
+        why = (f"gradient(s) of a dynamic shape ({', '.join(dynamic[:3])}: an input's): the fused step's in-place "
+               "scaling kernels are sized at build time")
+        if want == "step":
+            raise BuildError(f"step='step' with dynamic dims: {why}", remedy="build with step='split' (or 'auto')")
+        return "split", why
     return "step", ("the loss is a scalar: forward and backward run as one program with loss gradient 1; "
                     "the backward scales the gradients in place by the actual one (nothing when it is 1)")
 
