@@ -87,6 +87,8 @@ def _stored(node) -> str | None:
     for user in node.users:
         if user.op == "output":
             return "a program output"
+        if isinstance(user.meta.get("val"), (torch.SymInt, torch.SymFloat)):  # sym_size: reads the shape, not data
+            continue
         if user.target is operator.getitem:  # a piece of a split view
             if (why := _stored(user)) is not None:
                 return why

@@ -14,7 +14,7 @@ from ..ir.loop import ITEMSIZE, Const, Op, compute_dtype
 from ..ir.matmul import MatMul
 from ..ir.views import View
 from .ctx import as_dtype, out_dtype, out_shape
-from ..ir.sizes import static
+from ..ir.sizes import static, text
 
 _CASTS = ("aten._to_copy.default", "prims.convert_element_type.default", "aten.to.dtype")
 
@@ -78,7 +78,9 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
         return None
     if not all(static(d) for d in (*shape, *a.shape, *b.shape)):
         # A template's tiles and cost are chosen for one size at build time; cuBLAS picks per call
-        ctx.decisions.append({"matmul": node.name, "op": origin, "choice": "extern",
+        ctx.decisions.append({"matmul": node.name, "op": origin, "choice": "extern", "dtype": dt,
+                              "shape": {"B": 1, "M": text(shape[-2]) if len(shape) > 1 else 1, "N": text(shape[-1]),
+                                        "K": text(a.shape[-1])},
                               "why": "dynamic sizes: cuBLAS chooses its kernel per shape at run time"})
         return None
     k = int(a.shape[-1])
