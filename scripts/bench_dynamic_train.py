@@ -23,19 +23,10 @@ import torch
 
 
 def _timed(step, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    """Median ms of `step` (aotfuse.bench.time_calls: CUDA events, the stream drained before each)."""
+    from aotfuse.bench import time_calls
+
+    return statistics.median(time_calls(step, iters=iters, warmup=warmup, device="cuda"))
 
 
 def _stepper(module, params, inputs):

@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--host", action="store_true", help="also profile the host side of a step (cProfile)")
     args = ap.parse_args()
     import aotfuse
+    from aotfuse.bench import time_calls
     from aotfuse.specs import load_spec
 
     b, t = (int(v) for v in args.shape.split("x"))
@@ -38,17 +39,7 @@ def main():
             for p in params:
                 p.grad = None
             mod(*x).backward()
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(30):
-            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            e.record()
-            e.synchronize()
-            ts.append(a.elapsed_time(e))
+        ts = time_calls(step, iters=30, warmup=5, device="cuda")  # CUDA events, the stream drained before each
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 step()

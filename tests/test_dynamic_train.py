@@ -16,22 +16,10 @@ import torch.nn.functional as F
 
 import aotfuse
 from aotfuse.errors import BuildError, GuardError
-from aotfuse.examples.gpt import GPTConfig, GPTWithLoss, _init
+from test_train_cpu import rel, small_gpt  # the training tier's model (tests/ is on sys.path)
 
 DIMS = ["tokens.0=1..4", "tokens.1=1..8", "targets.0=1..4", "targets.1=1..8"]
 SHAPES = [(2, 8), (1, 1), (3, 5), (4, 8)]  # the example, the range's low end, odd sizes, the high end
-
-
-def small_gpt():
-    cfg = GPTConfig(vocab=64, seq=8, dim=32, heads=2, layers=1)
-    model = _init(GPTWithLoss(cfg), seed=0).train()
-    g = torch.Generator().manual_seed(1)
-    return model, (torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _check_shapes(model, mod, shapes, make):

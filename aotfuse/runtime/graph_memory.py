@@ -54,7 +54,7 @@ class ProgramMemory:
     torch_matmuls: int  # matmuls through torch's binding (cuBLAS's own workspace, inside the capture)
 
 
-def _alloc_sizes(program: Program) -> dict[str, int]:
+def allocated_bytes(program: Program) -> dict[str, int]:
     size = {}
     for ins in program.instructions:
         if isinstance(ins, Alloc):
@@ -96,7 +96,7 @@ def passthrough(program: Program) -> dict[int, int]:
 def output_roles(program: Program, roles: list[str]) -> dict[str, int]:
     """Bytes of the distinct returned buffers, by the role of the first output that returns each
     (roles[k]: what output k is); inputs passed through count nothing."""
-    size = _alloc_sizes(program)
+    size = allocated_bytes(program)
     names = {i.buf for i in program.inputs}
     out: dict[str, int] = {}
     seen = set()

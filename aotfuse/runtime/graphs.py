@@ -78,10 +78,11 @@ import weakref
 
 import torch
 
-from ..contract.program import Alloc, Extern, Launch, Program
+from ..contract.program import Extern, Launch, Program
 from ..errors import AotfuseError
 from ..knobs import knobs
 from .executor import Executor, current_stream, new_seed, torch_dtype
+from .graph_memory import allocated_bytes, nbytes
 from .graph_cache import InstanceCache, OutputSet, PoolChains, copy_all
 
 KEY_RATIO = 8  # large inputs are read in place (keyed) when at least 1/8 of the outputs' bytes
@@ -92,22 +93,9 @@ def _clear_library_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
-def _nbytes(shape, dtype: str) -> int:
-    n = torch_dtype(dtype).itemsize
-    for d in shape:
-        n *= d
-    return n
-
-
 def _output_bytes(program: Program) -> int:
     """Bytes of the buffers the program returns (inputs passed through excluded)."""
-    size = {}
-    for ins in program.instructions:
-        if isinstance(ins, Alloc):
-            size[ins.buf] = _nbytes(ins.shape, ins.dtype)
-        elif isinstance(ins, Extern):
-            size[ins.out] = _nbytes(ins.shape, ins.dtype)
-            size.update((o.out, _nbytes(o.shape, o.dtype)) for o in ins.outs)
+    size = allocated_bytes(program)
     return sum(size.get(b, 0) for b in {o.t for o in program.returned})
 
 
@@ -116,9 +104,9 @@ def keyed_inputs(program: Program, bound: frozenset[int], copy_bytes: int,
     """The inputs graphs read in place, keyed by their addresses: the large ones that are not bound or
     volatile, when `key` (None: when they are at least 1/KEY_RATIO of the outputs' bytes)."""
     large = [i for i, x in enumerate(program.inputs)
-             if i not in bound and i not in volatile and _nbytes(x.shape, x.dtype) > copy_bytes]
+             if i not in bound and i not in volatile and nbytes(x.shape, x.dtype) > copy_bytes]
     if key is None:
-        in_bytes = sum(_nbytes(program.inputs[i].shape, program.inputs[i].dtype) for i in large)
+        in_bytes = sum(nbytes(program.inputs[i].shape, program.inputs[i].dtype) for i in large)
         key = KEY_RATIO * in_bytes >= _output_bytes(program)
     return tuple(large) if key else ()
 
@@ -184,7 +172,7 @@ class GraphedProgram:
     def copied_large_bytes(self) -> int:
         """Bytes a call copies into static buffers beyond the small inputs (`knobs.graph_copy_bytes`)."""
         ins = self.ex.program.inputs
-        sizes = [_nbytes(ins[i].shape, ins[i].dtype) for i in self.copied]
+        sizes = [nbytes(ins[i].shape, ins[i].dtype) for i in self.copied]
         return sum(b for b in sizes if b > self.copy_bytes)
 
     @property
