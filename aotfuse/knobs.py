@@ -32,11 +32,14 @@
 | shape_cache | AOTFUSE_SHAPE_CACHE | 16 | runtime, archives with dynamic dims: shapes (tuples of dim values) kept linked per program, each with its executor (arena) and, on CUDA, its graphs; the least recently used shape beyond is released (runtime/shapes.py) |
 | graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (not a training backward's gradients) (a loss kept by the caller pins no output set); larger ones are read and returned in place (runtime/graphs.py says which) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
-| mm | AOTFUSE_MM | extern | matmuls: `template` (Triton template, epilogues fused), `extern` (cuBLAS), `auto` (cost model, schedule/templates.py). Default extern: on an H100 (2026-11-23, scripts/bench_mm.py, anchor GPT bf16) the template lost to cuBLAS + a separate epilogue kernel at both sizes measured (1x128: 218 vs 187 us; 8x1024: 1762 vs 1481 us; auto 1625 us), so it stays opt-in until its tiles are tuned for Hopper |
+| mm | AOTFUSE_MM | auto | matmuls: `auto` (default: per matmul the cheaper of a Triton template with its epilogue fused and cuBLAS plus separate epilogue kernels, by schedule/templates.py's cost model; a tanh GELU's cuBLASLt epilogue is one of the cuBLAS options), `template` (every floating-point matmul a template), `extern` (every matmul cuBLAS). H200, 2026-11-26, scripts/tune_mm.py, the anchor GPT's matmuls with their epilogues: the model picks the measured faster side in all 10 cases (8192 and 128 rows) |
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
 | mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
-| mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.8 | cost model: template throughput as a fraction of cuBLAS's |
+| mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.85 | cost model: template throughput as a fraction of cuBLAS's (H200, 2026-11-26: 0.86-0.88 on the anchor's K=768 matmuls, about 1.0 at K=3072) |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
+| mm_config | AOTFUSE_MM_CONFIG | (table) | every template matmul takes this tile configuration, `BM,BN,BK,GROUP_M,WARPS,STAGES` (clamped to the problem; scripts/tune_mm.py measures them); empty: emit/mm_configs.py's table |
+| mm_tma | AOTFUSE_MM_TMA | 1 | a matmul template loads an operand that is one strided read (a weight, a contiguous activation) through a TMA tensor descriptor (sm_90; made in the kernel, in the launch's global scratch); 0: pointer loads |
+| fast_tanh | AOTFUSE_FAST_TANH | 1 | a matmul template's epilogue whose stored values are all half precision computes tanh with one `tanh.approx.f32` (relative error about 2**-11, below bf16/fp16 rounding) instead of libdevice's tanhf; 0: libdevice |
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
 | mm_gelu | AOTFUSE_MM_GELU | 1 | inference, matmuls kept as cuBLAS: a tanh GELU whose only input is an addmm's result (through views) becomes one `aten._addmm_activation.out` extern, the GELU applied by cuBLASLt's GELU_BIAS epilogue (export/mm_gelu.py); 0: the addmm extern and a GELU kernel, as before |
 | train_step | AOTFUSE_TRAIN_STEP | split | --train: `split` (forward and backward programs), `auto` (one fused step program when the loss is a scalar, else split; partition/step.py), `step` (fused, a scalar loss required). Default split: on an H100 (2026-11-23, scripts/step_ab.py) the fused step wins where a loss's forward and backward share a large input (LayerNorm fwd+bwd 16384x4096: 0.479 vs 0.804 ms; cross-entropy 8192x32000: 1.323 vs 1.685 ms) but not yet on the anchor GPT step (5.916 vs 5.737 ms) |
@@ -95,11 +98,14 @@ class Knobs:
     dynamic_variants: bool = _env_int("AOTFUSE_DYNAMIC_VARIANTS", 1) != 0
     shape_cache: int = _env_int("AOTFUSE_SHAPE_CACHE", 16)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
-    mm: str = os.environ.get("AOTFUSE_MM", "extern") or "extern"
+    mm: str = os.environ.get("AOTFUSE_MM", "auto") or "auto"
     mm_tf32: bool = bool(_env_int("AOTFUSE_MM_TF32", 0))
     mm_tflops: float = _env_float("AOTFUSE_MM_TFLOPS", 600.0)
-    mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.8)
+    mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.85)
     mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
+    mm_config: str = os.environ.get("AOTFUSE_MM_CONFIG", "")
+    fast_tanh: bool = bool(_env_int("AOTFUSE_FAST_TANH", 1))
+    mm_tma: bool = bool(_env_int("AOTFUSE_MM_TMA", 1))
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
     mm_gelu: bool = bool(_env_int("AOTFUSE_MM_GELU", 1))
     train_step: str = os.environ.get("AOTFUSE_TRAIN_STEP", "split") or "split"

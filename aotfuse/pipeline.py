@@ -298,7 +298,8 @@ def _kernel_entries(kernels, binaries) -> dict[str, KernelEntry]:
         bins = {arch: Binary(b.cubin, b.name, b.num_warps, b.shared, b.global_scratch, b.profile_scratch)
                 for arch, b in binaries[name].items()}
         out[name] = KernelEntry(k.kind, tuple(k.nodes), tuple(k.grid), k.num_warps, k.xblock, k.rblock, k.xnumel,
-                                k.rnumel, args, bins, launches=len(ks), size_args=tuple(k.sizes))
+                                k.rnumel, args, bins, launches=len(ks), size_args=tuple(k.sizes),
+                                persistent=k.persistent)
     return out
 
 

@@ -55,3 +55,53 @@ def test_training_with_cuda_graphs_follows_eager_and_recaptures_on_new_parameter
     batch = random_inputs(art.input_specs, device="cuda", seed=99)
     assert rel(mod(*batch), ref(*batch)) < 1e-4
     assert fwd.captures == 2
+
+
+def test_persistent_tma_templates_on_two_streams_and_graphs():
+    """Persistent matmul templates (KernelEntry.persistent: one program per SM; TMA descriptors made in
+    the kernel, in global scratch each launch site owns) match eager with and without CUDA graphs, and
+    on two caller streams at once (each executor state has its own scratch)."""
+    import torch.nn.functional as F
+
+    from aotfuse.knobs import override
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+
+        def forward(self, x):
+            return x + self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16).eval()
+    x = torch.randn(2000, 256, dtype=torch.bfloat16)
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    with override(mm="template", mm_config="128,128,64,8,8,3,1", targets=(arch,)):
+        res = aotfuse.build(model, (x,), targets=(arch,))
+    art0 = aotfuse.load(res.data, device="cuda", cuda_graphs=False)
+    mm = [k for k in art0.kernels.values() if k.kind == "template_mm"]
+    assert len(mm) == 2 and all(k.persistent == 1 for k in mm)
+    if major >= 9:
+        assert all(k.binaries[art0.arch].global_scratch > 0 for k in mm)  # descriptors made in the kernel
+    model = model.cuda()
+    for graphs in (False, True):
+        art = aotfuse.load(res.data, device="cuda", cuda_graphs=graphs)
+        for seed in (1, 2):
+            xs = torch.randn(2000, 256, dtype=torch.bfloat16, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            with torch.no_grad():
+                assert rel(art(xs), model(xs)) < 2e-2
+    art = aotfuse.load(res.data, device="cuda")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    xs = [torch.randn(2000, 256, dtype=torch.bfloat16, device="cuda") for _ in streams]
+    torch.cuda.synchronize()
+    outs = []
+    for _ in range(3):
+        for s, xi in zip(streams, xs):
+            with torch.cuda.stream(s), torch.no_grad():
+                outs.append((xi, art(xi)))
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        for xi, o in outs:
+            assert rel(o, model(xi)) < 2e-2

@@ -75,8 +75,50 @@ def test_config_table():
     assert c90.num_stages >= c.num_stages
     odd, why = choose_config(1, 37, 101, 65, "float32", ("sm_90",))
     assert odd.block_m <= 64 and odd.block_k <= 128 and min(odd.block_m, odd.block_n, odd.block_k) >= 16
-    small, why = choose_config(1, 128, 768, 768, "bfloat16", ("sm_90",))
+    small, why = choose_config(1, 128, 768, 768, "bfloat16", ("sm_80",))
     assert -(-128 // small.block_m) * -(-768 // small.block_n) >= 48 and "shrunk" in why
+
+
+def test_hopper_rules():
+    """sm_90, half precision: the rules fitted to scripts/tune_mm.py (H200, 2026-11-26)."""
+    def cfg(m, n, k, targets=("sm_90",)):
+        return choose_config(1, m, n, k, "bfloat16", targets)
+
+    for (m, n, k), want in {(8192, 3072, 768): (128, 256, 64, 3), (8192, 8192, 768): (128, 256, 64, 3),
+                            (8192, 768, 3072): (128, 128, 64, 4), (8192, 768, 768): (128, 128, 64, 4)}.items():
+        c, why = cfg(m, n, k)
+        assert (c.block_m, c.block_n, c.block_k, c.num_stages) == want and c.persistent == 1 and c.num_warps == 8
+        assert "persistent" in why and c.smem_bytes(2) <= 227 * 1024
+    for (m, n, k), (bn, bk) in {(128, 768, 768): (16, 128), (128, 3072, 768): (64, 128), (128, 2304, 768): (64, 128),
+                                (128, 8192, 768): (128, 64)}.items():
+        c, why = cfg(m, n, k)
+        assert (c.block_m, c.block_n, c.block_k, c.persistent) == (64, bn, bk, 0) and "small" in why
+        assert -(-m // 64) * -(-n // bn) >= 66  # at least half an SM's worth of programs per SM (132 SMs)
+    c, _ = cfg(8192, 3072, 768, ("sm_80", "sm_90"))  # the most constrained target's table: no persistence
+    assert c.persistent == 0 and "sm_80" in _
+
+
+def test_config_knob():
+    from aotfuse.emit.mm_configs import parse_config
+
+    with override(mm_config="128,64,32,4,4,3,2"):
+        c, why = choose_config(1, 8192, 3072, 768, "bfloat16", ("sm_90",))
+    assert (c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages, c.persistent) == (128, 64, 32, 4, 4, 3, 2)
+    assert "AOTFUSE_MM_CONFIG" in why
+    with override(mm_config="128,128,64,8,8,4"):
+        c, why = choose_config(1, 40, 20, 30, "bfloat16", ("sm_90",))
+    assert (c.block_m, c.block_n, c.block_k) == (64, 32, 32) and "clamped" in why
+    for bad in ("128,128,64", "128,100,64,8,8,4", "a,b,c,d,e,f", "128,128,64,8,3,4", "128,128,64,8,8,4,9"):
+        with pytest.raises(BuildError, match="AOTFUSE_MM_CONFIG"):
+            parse_config(bad)
+
+
+def test_gelu_epilogue_choice_follows_cost_model():
+    """AOTFUSE_MM=auto: cuBLASLt's GELU_BIAS epilogue where the library's matmul is faster (the anchor's MLP
+    at 8 x 1024), the template with the same epilogue where a launch beats a library call (1 x 128)."""
+    big = templates.gelu_epilogue_choice(8192, 3072, 768, "bfloat16")
+    small = templates.gelu_epilogue_choice(128, 3072, 768, "bfloat16")
+    assert big[0] and "cuBLASLt" in big[1] and not small[0] and "template" in small[1]
 
 
 # ---------------------------------------------------------------- numerics on the CPU path
@@ -202,6 +244,92 @@ def test_mode_extern_keeps_cublas():
         _, prog = _program(model, inputs)
     ext = _externs(prog)
     assert sum(ext.values()) <= 4 and not ext["aten.mm.out"] and not ext["aten.addmm.out"]
+
+
+class Odd(torch.nn.Module):
+    """A tanh GELU over a biased matmul and a residual over another, at sizes no tile divides."""
+
+    def __init__(self, k=72, n=104):
+        super().__init__()
+        self.fc = torch.nn.Linear(k, n)
+        self.proj = torch.nn.Linear(n, n)
+
+    def forward(self, x, r):
+        h = F.gelu(self.fc(x), approximate="tanh")
+        return h, self.proj(h) + r, torch.mm(x.t(), x)  # the last: both operands transposed views
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_persistent_tma_template_numerics(dtype):
+    """Persistent templates (one program per SM strides over the tiles; operands through TMA descriptors,
+    zero-filled past the edges) on the CPU path, at sizes no tile divides, vs eager and fp32."""
+    import msgpack
+
+    torch.manual_seed(0)
+    model = Odd().to(dtype).eval()
+    inputs = (torch.randn(100, 72, dtype=dtype), torch.randn(100, 104, dtype=dtype))
+    with override(mm="template", mm_config="32,32,32,4,4,2,1"):
+        res = aotfuse.build(model, inputs, targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    srcs = msgpack.unpackb(bytes(art.archive.part("sources")))
+    mm = {n: k for n, k in art.kernels.items() if k.kind == "template_mm"}
+    assert len(mm) == 3 and all(k.persistent == 1 for k in mm.values())
+    for name in mm:
+        assert "tl.num_programs(0), flatten=True" in srcs[name] and srcs[name].count("make_tensor_descriptor") == 2
+    # tanh.approx only where every stored value is half precision (the bf16 GELU), never in fp32
+    assert any("_tanh_approx(" in srcs[n] for n in mm) == (dtype == torch.bfloat16)
+    assert all("libdevice.tanh" not in srcs[n] for n in mm) == (dtype == torch.bfloat16)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        ins = tuple(torch.randn(t.shape, generator=g).to(dtype) for t in inputs)
+        outs = art(*ins)
+        with torch.no_grad():
+            refs = model(*ins)
+            ref32 = copy.deepcopy(model).float()(*[t.float() for t in ins])
+        for o, r, r32 in zip(outs, refs, ref32):
+            assert o.dtype == dtype and o.shape == r.shape
+            if dtype == torch.float32:
+                assert rel_err(o, r) < 1e-5
+            else:
+                assert rel_err(o, r32) <= max(2e-2, 2 * rel_err(r, r32))
+
+
+def test_tma_operand_layouts():
+    import sympy
+
+    from aotfuse.emit.template_mm import SK, SM, tma_operand
+    from aotfuse.ir.loop import Load
+
+    bf = lambda b: "bfloat16"  # noqa: E731
+    row = tma_operand(Load("x", SM * 768 + SK, "bfloat16"), SM, 100, 768, 64, 64, "bfloat16", bf)
+    assert row == (0, (100, 768), (768, 1), (64, 64), True)
+    col = tma_operand(Load("x", SK * 104 + SM, "bfloat16"), SM, 100, 72, 64, 32, "bfloat16", bf)
+    assert col == (0, (72, 100), (104, 1), (32, 64), False)
+    off = tma_operand(Load("x", 8 + SM * 768 + SK, "bfloat16"), SM, 100, 768, 64, 64, "bfloat16", bf)
+    assert off is not None and off[0] == 8
+    assert tma_operand(Load("x", 3 + SM * 768 + SK, "bfloat16"), SM, 100, 768, 64, 64, "bfloat16", bf) is None
+    assert tma_operand(Load("x", SM * 100 + SK, "bfloat16"), SM, 100, 100, 64, 64, "bfloat16", bf) is None  # 200 B rows
+    assert tma_operand(Load("x", sympy.Mod(SM, 7) * 768 + SK, "bfloat16"), SM, 100, 768, 64, 64, "bfloat16", bf) is None
+
+
+def test_anchor_gpt_decisions():
+    """The cost model on the anchor GPT (issue 11): at 1 x 128 every matmul is a template (4 externs:
+    attention); at 8 x 1024 the measured winners (scripts/tune_mm.py, H200): templates for the two
+    residual matmuls, cuBLAS for qkv, the head and the MLP's fc (its GELU in cuBLASLt's epilogue)."""
+    from aotfuse.examples.gpt import anchor
+
+    with override(targets=("sm_90",)):
+        small = _program(*anchor(batch=1, seq=128))[1]
+        assert dict(_externs(small)) == {"aten.scaled_dot_product_attention.default": 4}
+        p, big = _program(*anchor(batch=8, seq=1024))
+    ext = _externs(big)
+    assert ext == {"aten.scaled_dot_product_attention.default": 4, "aten.addmm.out": 4,
+                   "aten._addmm_activation.out": 4, "aten.mm.out": 1}, ext
+    choice = {(d["shape"]["N"], d["shape"]["K"]): d["choice"] for d in p.lctx.decisions if "matmul" in d}
+    assert choice == {(768, 768): "template", (768, 3072): "template", (2304, 768): "extern",
+                      (8192, 768): "extern"}, choice
+    gelu = [d for d in p.lctx.decisions if "mm_gelu" in d]
+    assert len(gelu) == 4 and all(d["fused"] and "cuBLASLt" in d["why"] and " us" in d["why"] for d in gelu)
 
 
 def test_anchor_gpt_extern_count():

@@ -2,8 +2,9 @@
 
 Kernel ABI (artifacts/FORMAT.md, "Kernel ABI"): a cubin is loaded with `cuModuleLoadData` and its
 function `Binary.name` launched with `cuLaunchKernel`: parameters are one device pointer per
-`KernelEntry.args` entry, in order, then two trailing pointers (global scratch, profile scratch:
-null, since the runtime refuses kernels that need scratch); grid `KernelEntry.grid`; block
+`KernelEntry.args` entry, in order, then two trailing pointers (global scratch: `grid programs x
+Binary.global_scratch` bytes owned by the launch site, or null when that is 0; profile scratch: null,
+the runtime refuses kernels that need it); grid `KernelEntry.grid`; block
 `32 * Binary.num_warps` threads; `Binary.shared` bytes of dynamic shared memory.
 
 A kernel compiled for dynamic dims (program version 5) takes int32 scalars after its pointers, one
@@ -45,7 +46,7 @@ class Binary:
     name: str  # the function's name in the cubin
     num_warps: int
     shared: int  # dynamic shared memory, bytes
-    global_scratch: int  # bytes per program the kernel needs (the runtime refuses non-zero)
+    global_scratch: int  # bytes per program the kernel needs (TMA descriptors; the runtime allocates them)
     profile_scratch: int
 
     def to_dict(self) -> dict:
@@ -74,6 +75,11 @@ class KernelEntry:
     # names of the int32 parameters after the pointers (dynamic dims; each launch passes their values
     # as `Launch.sizes`); written only when non-empty
     size_args: tuple[str, ...] = ()
+    # a persistent kernel (a matmul template): its programs loop over `grid[0]` tiles, striding by
+    # tl.num_programs(0), so any grid up to grid[0] computes the same; the runtime launches this many
+    # programs per SM of the device (min(grid[0], persistent x SMs)). 0: not persistent (written only
+    # when not 0).
+    persistent: int = 0
 
     def to_dict(self) -> dict:
         out = {"kind": self.kind, "nodes": list(self.nodes), "grid": list(self.grid), "num_warps": self.num_warps,
@@ -83,20 +89,22 @@ class KernelEntry:
         out["args"] = [a.to_dict() for a in self.args]
         out["binaries"] = {arch: b.to_dict() for arch, b in self.binaries.items()}
         out["launches"] = self.launches
-        return put_optional(out, "size_args", list(self.size_args), [])
+        put_optional(out, "size_args", list(self.size_args), [])
+        return put_optional(out, "persistent", self.persistent, 0)
 
     @classmethod
     def from_dict(cls, d: Any, name: str = "?") -> "KernelEntry":
         with decoding(f"kernel {name}"):
             d = fields(d, f"kernel {name}", ("kind", "nodes", "grid", "num_warps", "xblock", "rblock", "args",
-                                             "binaries"), ("xnumel", "rnumel", "launches", "size_args"))
+                                             "binaries"), ("xnumel", "rnumel", "launches", "size_args",
+                                                                            "persistent"))
             x, r = d.get("xnumel"), d.get("rnumel")
             return cls(d["kind"], strs(d["nodes"]), size_tuple(d["grid"], f"kernel {name} grid"), d["num_warps"],
                        d["xblock"], d["rblock"], None if x is None else check_size(x, f"kernel {name} xnumel"),
                        None if r is None else check_size(r, f"kernel {name} rnumel"),
                        tuple(KernelArg.from_dict(a) for a in d["args"]),
                        {arch: Binary.from_dict(b) for arch, b in d["binaries"].items()}, d.get("launches", 1),
-                       strs(d.get("size_args", ())))
+                       strs(d.get("size_args", ())), d.get("persistent", 0))
 
 
 def kernel_dims(k: KernelEntry) -> frozenset[str]:

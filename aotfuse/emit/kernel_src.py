@@ -82,6 +82,7 @@ class KernelSource:
     pattern: str = "inner"  # reductions: "inner" (loads run along r) | "outer" (column: along x)
     why: str = ""  # why these blocks (block_choice), for explain
     num_stages: int = 0  # software-pipelining stages for the compiler (0: Triton's default); matmul templates
+    persistent: int = 0  # programs per SM looping over the grid's tiles (a matmul template); 0: one per tile
     sizes: tuple[str, ...] = ()  # dynamic dims the kernel takes after its buffers (int32 "s0", "s1", ...)
     # kernels for sub-ranges of a dynamic reduced length: ((upto, KernelSource), ...) by increasing bound, the
     # length's expression; this kernel serves the rest of the range

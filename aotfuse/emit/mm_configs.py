@@ -1,6 +1,7 @@
 """Tile configurations of the matmul template, chosen at build time without a GPU.
 
-A table keyed by (target, operand dtype class, size class); no autotuning. One kernel source
+sm_90 with bf16/fp16 operands: rules fitted to measurements (`_hopper_half`). Otherwise a table keyed
+by (target, operand dtype class, size class); no autotuning. One kernel source
 serves every target of an archive (the tiles are literals in it), so a build for several targets
 takes the entry of its most constrained one (the lowest arch: the least shared memory). Then the
 tiles shrink while the grid would leave SMs idle (a small M x N), down to 16 (tl.dot's least),
@@ -23,6 +24,7 @@ class MMConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    persistent: int = 0  # N: a persistent kernel (N programs per SM loop over the tiles); 0: one program per tile
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,12 +81,77 @@ def _tiles(b: int, m: int, n: int, c: MMConfig) -> int:
     return b * -(-m // c.block_m) * -(-n // c.block_n)
 
 
+def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, str]:
+    """sm_90, bf16/fp16 operands: rules fitted to scripts/tune_mm.py on an H200 (2026-11-26, the anchor
+    GPT's matmuls with their epilogues at 8192 and 128 rows; docs/benchmarks.md).
+
+    Large (at least one 128x128 tile per SM): persistent (the runtime launches one program per SM;
+    operands and outputs through TMA descriptors), 128 x 256 x 64 tiles, 8 warps, 3 stages when
+    N >= 2048, else 128 x 128 x 64, 8 warps, 4 stages (measured best or within 2% of it on every
+    case). Small: one program per tile with BM = 64 (a warpgroup's wgmma height); BN the largest of
+    128, 64, 32, 16 that still gives at least half an SM's worth of programs per SM (tiles >= SMs / 2:
+    the measured optimum was 72 to 128 tiles on 132 SMs); BK = 128 with 3 stages (4 when BN <= 32)
+    for a narrow tile, 64 with 4 stages at BN = 128."""
+    clamp = lambda v, e: max(16, min(v, _pow2_at_least(e)))  # noqa: E731
+    if b * -(-m // 128) * -(-n // 128) >= sms:
+        wide = n >= 2048
+        c = MMConfig(128, 256 if wide else 128, 64, 8, 8, 3 if wide else 4, persistent=1)
+        c = dataclasses.replace(c, block_k=clamp(64, k))
+        return c, (f"sm_90 large ({b * -(-m // 128) * -(-n // 128)} tiles of 128x128 >= {sms} SMs): persistent, "
+                   f"{c.block_m}x{c.block_n}x{c.block_k}" + (" (N >= 2048)" if wide else ""))
+    bm = clamp(64, m)
+    bn = clamp(128, n)
+    while bn > 16 and b * -(-m // bm) * -(-n // bn) < sms / 2:
+        bn //= 2
+    bk = 128 if bn <= 64 else 64
+    stages = 4 if (bk == 64 or bn <= 32) else 3
+    c = MMConfig(bm, bn, clamp(bk, k), 8, 4, stages)
+    return c, (f"sm_90 small: {c.block_m}x{c.block_n}x{c.block_k}, {b * -(-m // bm) * -(-n // bn)} programs "
+               f"(BN halved from 128 while fewer than {sms} / 2)")
+
+
+def parse_config(text: str) -> MMConfig:
+    """`BM,BN,BK,GROUP_M,WARPS,STAGES` (the AOTFUSE_MM_CONFIG knob) -> MMConfig, checked."""
+    from ..errors import BuildError
+
+    remedy = ("write six integers BM,BN,BK,GROUP_M,WARPS,STAGES, e.g. 128,128,64,8,8,4, and optionally a 7th: "
+              "N for a persistent kernel (N programs per SM), 0 for one program per tile")
+    try:
+        vals = [int(v) for v in text.replace("x", ",").split(",")]
+    except ValueError:
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r} is not six integers", remedy=remedy) from None
+    if len(vals) not in (6, 7):
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r} has {len(vals)} values, not 6 or 7", remedy=remedy)
+    c = MMConfig(*vals)
+    for what, v in (("BM", c.block_m), ("BN", c.block_n), ("BK", c.block_k)):
+        if v < 16 or v & (v - 1):
+            raise BuildError(f"AOTFUSE_MM_CONFIG: {what}={v} is not a power of two >= 16 (tl.dot's least)",
+                             remedy=remedy)
+    if c.num_warps not in (1, 2, 4, 8, 16) or c.group_m < 1 or c.num_stages < 1 or not 0 <= c.persistent <= 8:
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: warps must be 1, 2, 4, 8 or 16, GROUP_M and STAGES >= 1",
+                         remedy=remedy)
+    return c
+
+
 def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[MMConfig, str]:
     """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`."""
+    from ..knobs import knobs
+
+    if knobs.mm_config:
+        c = parse_config(knobs.mm_config)
+        bm = max(16, min(c.block_m, _pow2_at_least(m)))
+        bn = max(16, min(c.block_n, _pow2_at_least(n)))
+        bk = max(16, min(c.block_k, _pow2_at_least(k)))
+        why = f"AOTFUSE_MM_CONFIG={knobs.mm_config}"
+        if (bm, bn, bk) != (c.block_m, c.block_n, c.block_k):
+            why += f"; clamped to the problem: {bm}x{bn}x{bk}"
+        return dataclasses.replace(c, block_m=bm, block_n=bn, block_k=bk), why
     targets = tuple(targets) or ("sm_90",)
     known = [t for t in targets if t in ARCH] or ["sm_90"]
     target = min(known, key=ARCH.__getitem__)
     cls, sc = dtype_class(dtype), size_class(m, n)
+    if ARCH[target] >= 90 and cls == "half":
+        return _hopper_half(b, m, n, k, min(SMS[t] for t in known))
     c = TABLE[target, cls, sc]
     why = [f"table[{target}, {cls}, {sc}]" + (f" (most constrained of {', '.join(known)})" if len(known) > 1 else "")]
     # Clamp to the problem (a block never exceeds the next power of two of its extent; tl.dot needs 16).

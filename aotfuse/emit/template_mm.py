@@ -107,7 +107,11 @@ class _EpilogueEmitter(_Emitter):
         super().__init__(*a, **kw)
         self.flat_to, self.rng, self.names = flat_to, rng, names
 
+    fast_tanh = False
+
     def _code(self, e):
+        if self.fast_tanh and isinstance(e, Op) and e.op == "tanh" and e.dtype == "float32":
+            return f"_tanh_approx({self.emit(e.args[0])})"
         if isinstance(e, Load) and e.buf not in self.members and e.index.free_symbols:
             idx = simplify(sympy.sympify(e.index).xreplace({SX: self.flat_to}), self.rng)
             ptr = f"{self.args[e.buf]} + {print_index(idx, self.names)}"
@@ -115,6 +119,55 @@ class _EpilogueEmitter(_Emitter):
                 ptr = f"{ptr} + 0 * xindex"  # pid_b is a scalar; the masked load needs a block pointer
             return f"tl.load({ptr}, {self.mask()}, other=0)"
         return super()._code(e)
+
+
+# One MUFU instruction; the CPU path binds the name to the interpreter's exact tanh (runtime/interpret.py).
+_TANH_APPROX = """
+@triton.jit
+def _tanh_approx(x):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+"""
+
+
+def _affine(index, a: sympy.Symbol, b: sympy.Symbol):
+    """(c0, ca, cb) when index == c0 + ca*a + cb*b with integer constants, else None."""
+    e = sympy.expand(sympy.sympify(index))
+    if e.free_symbols - {a, b}:
+        return None
+    try:
+        poly = sympy.Poly(e, a, b)
+    except sympy.PolynomialError:
+        return None
+    if poly.total_degree() > 1:
+        return None
+    c0 = poly.coeff_monomial(1)
+    ca, cb = poly.coeff_monomial(a), poly.coeff_monomial(b)
+    if not all(v.is_Integer for v in (c0, ca, cb)):
+        return None
+    return int(c0), int(ca), int(cb)
+
+
+def tma_operand(e, outer: sympy.Symbol, extent: int, k: int, block_outer: int, bk: int, dot_dtype: str,
+                dtype_of) -> tuple | None:
+    """How one operand loads through a TMA tensor descriptor, or None (it takes the pointer path).
+    The operand must be one load, in the dot dtype, of an affine index c0 + s_outer*outer + s_k*k with
+    one stride 1 and the other, and c0, 16-byte aligned. Returns (c0, shape, strides, block,
+    k_inner): k_inner when K is the contiguous dimension (the tile is loaded [outer, K])."""
+    if not isinstance(e, Load) or dtype_of(e.buf) != dot_dtype:
+        return None
+    aff = _affine(e.index, outer, SK)
+    if aff is None:
+        return None
+    c0, so, sk = aff
+    item = {"bfloat16": 2, "float16": 2, "float32": 4}.get(dot_dtype)
+    if item is None or (c0 * item) % 16:
+        return None
+    if sk == 1 and so > 0 and (so * item) % 16 == 0 and (extent == 1 or so >= k):
+        return c0, (extent, k), (so, 1), (block_outer, bk), True
+    if so == 1 and sk > 0 and (sk * item) % 16 == 0 and sk >= extent:
+        return c0, (k, extent), (sk, 1), (bk, block_outer), False
+    return None
 
 
 def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
@@ -165,14 +218,36 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     in_name = {a.buf: a.name for a in args if a.role == "in"}
     out_name = {a.buf: a.name for a in args if a.role == "out"}
 
+    # Operands loaded by TMA (sm_90): a descriptor per operand, made once per program; the hardware
+    # zero-fills outside the tensor, so neither the row wrap nor the K mask is needed there.
+    dtype_of = lambda b: graph.buffer(b).dtype  # noqa: E731
+    tiles = bsz * tm * tn
+    persistent = cfg.persistent if tiles > 1 else 0  # programs per SM
+    # Only in a persistent kernel: a program makes its descriptors once and reuses them for every
+    # tile (H200, scripts/tune_mm.py: a one-tile program that makes its own lost 1-2 us at 128 rows).
+    use_tma = knobs.mm_tma and not mm.batched and persistent
+    tma_a = tma_b = None
+    if use_tma:
+        tma_a = tma_operand(lhs, SM, m, k, bm, bk, mm.dot_dtype, dtype_of)
+        tma_b = tma_operand(rhs, SN, n, k, bn, bk, mm.dot_dtype, dtype_of)
+    pre: list[str] = []
+    for tag, op, t in (("a", lhs, tma_a), ("b", rhs, tma_b)):
+        if t is not None:
+            c0, shape, strides, block, _ = t
+            base = in_name[op.buf] + (f" + {c0}" if c0 else "")
+            pre.append(f"    {tag}_desc = tl.make_tensor_descriptor({base}, shape=[{shape[0]}, {shape[1]}], "
+                       f"strides=[{strides[0]}, {strides[1]}], block_shape=[{block[0]}, {block[1]}])")
+
     L: list[str] = []
     w = L.append
-    w("    pid = tl.program_id(0)")
+    tile = "tile" if persistent else "pid"
     if mm.batched:
-        w(f"    pid_b = pid // {tm * tn}")
-        w(f"    pid = pid % {tm * tn}")
+        w(f"    pid_b = {tile} // {tm * tn}")
+        w(f"    pid = {tile} % {tm * tn}")
     else:
         w("    pid_b = 0")
+        if tile != "pid":
+            w(f"    pid = {tile}")
     gm = cfg.group_m
     w(f"    group_id = pid // {gm * tn}")
     w(f"    first_m = group_id * {gm}")
@@ -181,24 +256,34 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     w(f"    pid_n = (pid % {gm * tn}) // group_size")
     w(f"    rm = pid_m * {bm} + tl.arange(0, {bm})")
     w(f"    rn = pid_n * {bn} + tl.arange(0, {bn})")
-    w(f"    ram = rm % {m}" if m % bm else "    ram = rm")
-    w(f"    rbn = rn % {n}" if n % bn else "    rbn = rn")
+    if tma_a is None:
+        w(f"    ram = rm % {m}" if m % bm else "    ram = rm")
+    if tma_b is None:
+        w(f"    rbn = rn % {n}" if n % bn else "    rbn = rn")
     w(f"    acc = tl.zeros([{bm}, {bn}], dtype=tl.float32)")
     w(f"    for k0 in range(0, {k}, {bk}):")
-    w(f"        rk = k0 + tl.arange(0, {bk})")
+    if tma_a is None or tma_b is None:
+        w(f"        rk = k0 + tl.arange(0, {bk})")
     kmask = k % bk != 0
     la = _Operand(L, in_name, {SB: "pid_b", SM: "ram[:, None]", SK: "rk[None, :]"},
                   "rk[None, :] < " + str(k) if kmask else None, "a", 2, "0 * rk[None, :]")
     lb = _Operand(L, in_name, {SB: "pid_b", SK: "rk[:, None]", SN: "rbn[None, :]"},
                   "rk[:, None] < " + str(k) if kmask else None, "b", 2, "0 * rk[:, None]")
     dt = TL_DTYPE[mm.dot_dtype]
-    a_val, b_val = la.emit(lhs), lb.emit(rhs)
-    if kmask and _has_ops(lhs):  # a computed prologue need not be 0 where its loads were masked
-        a_val = la.tmp(f"tl.where(rk[None, :] < {k}, {a_val}, 0)")
-    if kmask and _has_ops(rhs):
-        b_val = lb.tmp(f"tl.where(rk[:, None] < {k}, {b_val}, 0)")
-    w(f"        a = tl.broadcast_to({a_val}, [{bm}, {bk}]).to({dt})")
-    w(f"        b = tl.broadcast_to({b_val}, [{bk}, {bn}]).to({dt})")
+    if tma_a is not None:
+        w(f"        a = a_desc.load([pid_m * {bm}, k0])" if tma_a[4] else f"        a = a_desc.load([k0, pid_m * {bm}]).T")
+    else:
+        a_val = la.emit(lhs)
+        if kmask and _has_ops(lhs):  # a computed prologue need not be 0 where its loads were masked
+            a_val = la.tmp(f"tl.where(rk[None, :] < {k}, {a_val}, 0)")
+        w(f"        a = tl.broadcast_to({a_val}, [{bm}, {bk}]).to({dt})")
+    if tma_b is not None:
+        w(f"        b = b_desc.load([pid_n * {bn}, k0]).T" if tma_b[4] else f"        b = b_desc.load([k0, pid_n * {bn}])")
+    else:
+        b_val = lb.emit(rhs)
+        if kmask and _has_ops(rhs):
+            b_val = lb.tmp(f"tl.where(rk[:, None] < {k}, {b_val}, 0)")
+        w(f"        b = tl.broadcast_to({b_val}, [{bk}, {bn}]).to({dt})")
     if mm.dot_dtype == "float32":
         prec = "tf32" if knobs.mm_tf32 else "ieee"
         w(f'        acc = tl.dot(a, b, acc, input_precision="{prec}")')
@@ -211,6 +296,10 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     em = _EpilogueEmitter(graph, {kn.name: kn for kn in knodes} | {mm.name: mm}, in_name, "pointwise",
                           flat_to=flat, rng=rng, names={SB: "pid_b", SM: "rm[:, None]", SN: "rn[None, :]"})
     em.xnumel = x
+    # tanh as one MUFU instruction (tanh.approx.f32, relative error about 2**-11) when every value the
+    # kernel stores is half precision, which rounds to 2**-8 anyway: libdevice's tanhf is some 25
+    # instructions per element, and a template's epilogue runs while its tensor cores wait.
+    em.fast_tanh = knobs.fast_tanh and all(graph.buffer(o).dtype in ("bfloat16", "float16") for o in outs)
     em.stores = stores
     em.red_vars[mm.name] = "acc"
     em.lines = L
@@ -226,13 +315,24 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     for kn in knodes:
         if kn.name in out_name:
             store(kn.name, em.emit(kn.body))
+    if persistent:
+        # Persistent: `persistent` programs per SM (the runtime launches min(tiles, that many):
+        # KernelEntry.persistent)
+        # loops over the tiles (GROUP_M order kept), and Triton's pipeliner, with the tile loop flattened
+        # into the K loop, loads the next tile's operands while this tile's epilogue runs: the tensor
+        # cores no longer wait out every epilogue. Any grid up to `tiles` computes the same.
+        L = pre + [f"    for tile in tl.range(tl.program_id(0), {tiles}, tl.num_programs(0), flatten=True):"] + \
+            ["    " + ln for ln in L]
+    else:
+        L = ["    pid = tl.program_id(0)"] + pre + L
     body = "\n".join(L)
     params = ", ".join(a.name for a in args)
-    text = f"{_HEADER}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    helpers = _TANH_APPROX if "_tanh_approx(" in body else ""
+    text = f"{_HEADER}{helpers}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_mm_{digest}"
-    grid = bsz * tm * tn
+    grid = tiles
     return dataclasses.replace(
         KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid, 1, 1), cfg.num_warps, group.name,
                      "template_mm", group.nodes, bm * bn, bk, grid * bm * bn, 1),
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, persistent=persistent)

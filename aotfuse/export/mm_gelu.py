@@ -16,8 +16,10 @@ A GELU qualifies when
   (the pre-activation is then never written: a saved tensor, an output or a residual would need it);
 - the addmm is alpha = beta = 1 over float32 / float16 / bfloat16 operands of one dtype, with a bias of
   one value per output column (the row vector the epilogue adds);
-- matmuls are cuBLAS calls (AOTFUSE_MM=extern, the default: a Triton template fuses its epilogue itself),
-  and AOTFUSE_MM_GELU is on.
+- AOTFUSE_MM_GELU is on, and the matmul stays a cuBLAS call: always with AOTFUSE_MM=extern, never with
+  =template (the template fuses its epilogue itself), and with =auto (the default) when the cost model
+  (schedule/templates.gelu_epilogue_choice) finds cuBLASLt with the epilogue no slower than the template
+  with the same epilogue (static shapes; a dynamic one keeps cuBLAS, which the template lowering would).
 Every GELU fed by a biased matmul gets a record (fused, or why not) in the lowering decisions that
 `aotfuse explain` prints. Training's joint graph never comes here (joint/trace.py): GELU's backward
 reads the pre-activation, which the fused call does not write.
@@ -110,6 +112,18 @@ def refusal(gelu: torch.fx.Node, mm: torch.fx.Node, chain: list[torch.fx.Node]) 
     return None
 
 
+def _auto_choice(mm: torch.fx.Node) -> tuple[bool, str]:
+    """AOTFUSE_MM=auto: keep this matmul on cuBLAS with the GELU epilogue? (the cost model's answer, why)."""
+    from ..schedule.templates import gelu_epilogue_choice
+
+    a, b, out = _val(mm.args[1]), _val(mm.args[2]), _val(mm)
+    dims = (a.shape[0], out.shape[1], a.shape[1]) if a is not None and out is not None else ()
+    if not dims or not all(type(d) is int for d in dims):
+        return True, "dynamic sizes: cuBLAS chooses its kernel per shape at run time"
+    m, n, k = (int(d) for d in dims)
+    return gelu_epilogue_choice(m, n, k, str(out.dtype).removeprefix("torch."))
+
+
 def fuse(gm: torch.fx.GraphModule) -> tuple[int, list[dict]]:
     """Rewrite each qualifying GELU of a graph decomposed with gelu kept whole; (how many, the records)."""
     records, n = [], 0
@@ -119,8 +133,16 @@ def fuse(gm: torch.fx.GraphModule) -> tuple[int, list[dict]]:
         if why is not None:
             records.append(_record(gelu, mm, False, why))
             continue
+        cost = ""
+        if knobs.mm == "auto":
+            keep, cost = _auto_choice(mm)
+            if not keep:
+                records.append(_record(gelu, mm, False, cost))
+                continue
+            cost = f"; {cost}"
         records.append(_record(gelu, mm, True, "cuBLASLt adds the bias and applies the GELU as it writes the "
-                                               "result (GELU_BIAS epilogue): no GELU kernel, no pre-activation"))
+                                               "result (GELU_BIAS epilogue): no GELU kernel, no pre-activation"
+                                + cost))
         with g.inserting_before(mm):
             fused = g.call_function(aten._addmm_activation.default, tuple(mm.args[:3]), {"use_gelu": True})
         fused.meta.update(mm.meta)  # same shape, dtype and strides as the addmm's result
@@ -143,7 +165,7 @@ def decompose(ep, table: dict):
     why = None
     if not knobs.mm_gelu:
         why = "AOTFUSE_MM_GELU=0"
-    elif knobs.mm != "extern":
+    elif knobs.mm == "template":
         why = f"AOTFUSE_MM={knobs.mm}: a matmul template fuses its epilogue itself"
     if not tanh or why is not None:
         records = [_record(gelu, mm, False, ERF_WHY if _approximate(gelu) != "tanh" else why)

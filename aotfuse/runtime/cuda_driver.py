@@ -612,7 +612,7 @@ class PreparedLaunch:
     parameter buffer of its own, so a caller that owns it (an executor state, whose calls are
     serialized by its lock) launches without the function's shared-buffer lock or per-call checks."""
 
-    __slots__ = ("bound", "grid", "pack", "_stream", "_fn", "_handle", "_dims", "_empty")
+    __slots__ = ("bound", "grid", "pack", "_stream", "_fn", "_handle", "_dims", "_empty", "global_scratch", "keep")
 
     def __init__(self, bound: BoundLaunch, grid: tuple[int, int, int]):
         gx, gy, gz = grid
@@ -628,15 +628,19 @@ class PreparedLaunch:
         self._handle = fn._handle_arg
         self._dims = (gx, gy, gz, bound.block_x, 1, 1, bound.shared_bytes)
         self._empty = gx * gy * gz == 0
+        # a kernel that needs global scratch (TMA descriptors made in the kernel): the address of this
+        # launch site's own scratch, and the allocation that backs it (set by whoever allocates it)
+        self.global_scratch = 0
+        self.keep = None
 
     def launch(self, stream: int, args: Sequence[int]) -> None:
         """Launch with `args` (device addresses in argument order) on `stream`."""
-        self.pack.fill(args)
+        self.pack.fill(args, self.global_scratch)
         self.launch_filled(stream)
 
     def fill(self, args: Sequence[int]) -> None:
         """Set the arguments of every later `launch_filled` (a launch site whose addresses never change)."""
-        self.pack.fill(args)
+        self.pack.fill(args, self.global_scratch)
 
     def launch_filled(self, stream: int) -> None:
         """Launch on `stream` with the arguments last filled (by `fill` or `launch`)."""

@@ -34,12 +34,68 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
         b = k.binaries.get(arch)
         if b is None:
             raise GuardError(f"kernel {name} has no cubin for {arch}", remedy=f"rebuild with --arch {arch}")
-        if b.global_scratch or b.profile_scratch:
-            raise ArchiveError(f"kernel {name} needs scratch memory, which this runtime does not provide")
+        if b.profile_scratch:
+            raise ArchiveError(f"kernel {name} needs profile scratch memory, which this runtime does not provide",
+                               remedy="rebuild without Triton's instrumentation")
         mod = CudaModule.load(b.cubin, device.index or 0)
         modules.append(mod)
         fn = mod.function(b.name, b.shared, b.num_warps)
         # pointers, then the int32 sizes of a kernel compiled for dynamic dims (their values: Launch.sizes)
         bound = fn.bind(["ptr"] * len(k.args) + ["i32"] * len(k.size_args), b.num_warps, b.shared)
+        if b.global_scratch:
+            bound = ScratchLaunch(bound, b.global_scratch, device)
+        if k.persistent:
+            bound = PersistentLaunch(bound, k.persistent * sm_count(device))
         launchers[name] = bound  # called as bound(grid, stream, addresses [+ sizes]) by the executor
     return launchers, arch, modules
+
+
+class ScratchLaunch:
+    """A kernel that needs global scratch (`bytes_per_program` for each program: the TMA descriptors
+    a matmul template makes in the kernel). Each prepared launch site (one per executor state, so
+    per caller stream) owns its scratch, allocated once: concurrent states never share one, and a
+    CUDA graph captures a fixed address. A plain call allocates for that call, on torch's current
+    stream (the stream the executor launches on), so the allocator reuses it only after the kernel."""
+
+    __slots__ = ("bound", "bytes_per_program", "device")
+
+    def __init__(self, bound, bytes_per_program: int, device: torch.device):
+        self.bound, self.bytes_per_program, self.device = bound, int(bytes_per_program), device
+
+    def _alloc(self, grid) -> torch.Tensor:
+        n = grid[0] * grid[1] * grid[2] * self.bytes_per_program
+        return torch.empty(max(n, 1), dtype=torch.uint8, device=self.device)
+
+    def __call__(self, grid, stream, args, **kw) -> None:
+        scratch = self._alloc(grid)
+        self.bound(grid, stream, args, global_scratch=scratch.data_ptr())
+
+    def prepare(self, grid):
+        p = self.bound.prepare(grid)
+        p.keep = self._alloc(grid)
+        p.global_scratch = p.keep.data_ptr()
+        return p
+
+
+def sm_count(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device.index or 0).multi_processor_count)
+
+
+class PersistentLaunch:
+    """A persistent kernel (KernelEntry.persistent): its programs stride over the grid's tiles by
+    tl.num_programs(0), so it launches min(tiles, programs) programs: `persistent` per SM of this
+    device."""
+
+    __slots__ = ("inner", "programs")
+
+    def __init__(self, inner, programs: int):
+        self.inner, self.programs = inner, max(1, programs)
+
+    def _grid(self, grid):
+        return (min(grid[0], self.programs), grid[1], grid[2])
+
+    def __call__(self, grid, stream, args, **kw) -> None:
+        self.inner(self._grid(grid), stream, args, **kw)
+
+    def prepare(self, grid):
+        return self.inner.prepare(self._grid(grid))

@@ -103,6 +103,29 @@ def _constexpr(v: int):
     return tl.constexpr(v)
 
 
+_INDEX_PATCHED = False
+
+
+def patch_interpreter_index() -> None:
+    """Triton's interpreter holds a scalar (tl.program_id) as a 1-element array, and its `__index__`
+    calls int() on it, which numpy 2 refuses: `tl.range(tl.program_id(0), ...)` (a persistent matmul
+    template's tile loop) would not run. Patched: a 1-element array indexes as its element."""
+    global _INDEX_PATCHED
+    if _INDEX_PATCHED:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
+                       if self.handle.data.size == 1 else int(self.handle.data))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    _INDEX_PATCHED = True
+
+
 def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable]:
     import triton
 
@@ -111,6 +134,7 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
 
     patch_interpreter_dot()  # tl.dot of bfloat16 tiles (matmul templates): see interpret_dot.py
     patch_interpreter_bf16_cast()  # float32 -> bfloat16 rounds to nearest even, as on the GPU
+    patch_interpreter_index()  # tl.range starting at tl.program_id (persistent templates)
     launchers = {}
     # interpret=True makes `@triton.jit` in the stored source build interpreter functions; the knob
     # is process-wide, so no other thread may define or compile a kernel meanwhile.
@@ -123,6 +147,8 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             check_source(name, src, [a.name for a in kernels[name].args] + list(kernels[name].size_args))
             mod = load_source(name, src)
             mod.libdevice = INTERPRETER_LIBDEVICE  # the stored source imports CUDA's; not runnable here
+            if hasattr(mod, "_tanh_approx"):  # inline PTX (a matmul epilogue's tanh): the exact tanh here
+                mod._tanh_approx = INTERPRETER_LIBDEVICE.tanh
             fn = getattr(mod, name)
             launchers[name] = _launcher(fn, triton.knobs.runtime)
     return launchers

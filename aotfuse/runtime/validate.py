@@ -168,6 +168,10 @@ def _kernel(name: str, k, empty_ok: bool = False) -> None:
     _kernel_args(where, k["args"])
     if "size_args" in k:
         _size_args(where, k)
+    if "persistent" in k:
+        _int(k["persistent"], f"{where}: persistent", 1, 8)
+        if k["kind"] != "template_mm":
+            _fail(where, "persistent: only a matmul template's entry may be persistent")
     _binaries(where, k["binaries"])
     if "xnumel" in k or "rnumel" in k:
         _kernel_sizes(where, k, xb, rb, grid, 0 if empty_ok else 1)

@@ -96,6 +96,21 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
     return rec
 
 
+def gelu_epilogue_choice(m: int, n: int, k: int, dtype: str) -> tuple[bool, str]:
+    """AOTFUSE_MM=auto, a tanh GELU over a biased matmul (export/mm_gelu.py asks before it rewrites):
+    (keep cuBLAS, with the bias and the GELU in cuBLASLt's GELU_BIAS epilogue?, why). The other side
+    is the template with the same epilogue; both write the result once, so only the matmuls differ."""
+    if dtype not in TEMPLATE_DTYPES:
+        return True, f"{dtype} matmuls have no template"
+    cfg, _ = choose_config(1, m, n, k, dtype, knobs.targets)
+    est = estimate(1, m, n, k, dtype, 0, 0.0, True, cfg)
+    if est["extern"] <= est["template"]:
+        return True, (f"cuBLASLt {est['extern']} us <= template {est['template']} us "
+                      f"({m}x{n}x{k}; both fuse the bias and the GELU)")
+    return False, (f"the template {est['template']} us < cuBLASLt {est['extern']} us ({m}x{n}x{k}; both fuse the "
+                   "bias and the GELU)")
+
+
 # ---------------------------------------------------------------- fusion
 
 def _template_of(st, g: str) -> str | None:
