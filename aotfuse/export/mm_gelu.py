@@ -17,7 +17,7 @@ A GELU qualifies when
 - the addmm is alpha = beta = 1 over float32 / float16 / bfloat16 operands of one dtype, with a bias of
   one value per output column (the row vector the epilogue adds);
 - AOTFUSE_MM_GELU is on, and the matmul stays a cuBLAS call: always with AOTFUSE_MM=extern, never with
-  =template (the template fuses its epilogue itself), and with =auto (the default) when the cost model
+  =template (the template fuses its epilogue itself), and with =auto when the cost model
   (schedule/templates.gelu_epilogue_choice) finds cuBLASLt with the epilogue no slower than the template
   with the same epilogue (static shapes; a dynamic one keeps cuBLAS, which the template lowering would).
 Every GELU fed by a biased matmul gets a record (fused, or why not) in the lowering decisions that

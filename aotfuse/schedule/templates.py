@@ -4,13 +4,20 @@ producers are inlined into its operands (prologues).
 Choice (made at lowering, where the FX graph still shows a matmul's consumers), `AOTFUSE_MM`:
 - `extern`: every matmul calls cuBLAS (aten mm/addmm/bmm .out), epilogues run as separate kernels;
 - `template`: every floating-point matmul is a Triton template (emit/template_mm.py);
-- `auto` (default): the cheaper of the two by a small model, in microseconds:
+- `auto`: the cheaper of the two by a small model, in microseconds (the default is `extern`: knobs.py says
+  why):
     extern   = mm_extern_us + flops / throughput
-               + per separate epilogue kernel: launch + a round trip of the M x N output
+               + if the epilogue stays outside: a round trip of the M x N output at mm_bandwidth_gbs
+                 (no launch: the epilogue fuses into the kernel that reads it next, a residual add
+                 into the LayerNorm after it)
                + per operand copy cuBLAS needs (a cast, a non-strided view): launch + its round trip
     template = launch + flops / (throughput * mm_template_efficiency * tile utilization)
-  so a template wins when its epilogue saves a round trip of the output or the matmul is small
-  enough that a launch beats a library call, and cuBLAS keeps large plain matmuls.
+  so a template wins when its epilogue saves more than the template's slower main loop costs, or
+  the matmul is small enough that a launch beats a library call; cuBLAS keeps large plain matmuls.
+  Measured (H200, 2026-11-26, scripts/tune_mm.py and scripts/mm_profile.py on the anchor GPT): at
+  8192 rows the templates' main loops reach 0.86-0.88 of cuBLAS at K = 768, and a residual add
+  costs the cuBLAS path one extra round trip inside the next LayerNorm, not a kernel; at 128 rows
+  templates and cuBLAS tie per matmul.
 Each decision, with the two estimates, the tile configuration and why, goes into the report's
 `lowering` records.
 
@@ -44,11 +51,11 @@ def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, 
     """The two cost estimates (us) of one matmul."""
     flops = 2.0 * b * m * n * k
     tput = knobs.mm_tflops * (0.1 if dtype == "float32" else 1.0) * 1e6  # flops per us
-    bw = knobs.bandwidth_gbs * 1e3  # bytes per us
+    bw = knobs.mm_bandwidth_gbs * 1e3  # bytes per us
     out_bytes = b * m * n * ITEMSIZE[dtype]
     t_lib = flops / tput
     extern = knobs.mm_extern_us + t_lib
-    extern += epilogue_kernels * (knobs.launch_overhead_us + 2 * out_bytes / bw)
+    extern += epilogue_kernels * (2 * out_bytes / bw)
     extern += operand_copies  # (launch + the operand's round trip) each, precomputed by the caller
     pad_m = -(-m // config.block_m) * config.block_m
     pad_n = -(-n // config.block_n) * config.block_n

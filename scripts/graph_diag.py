@@ -1,0 +1,59 @@
+"""Why is a build slower per call than its kernels? Per mode: per-call time with and without the
+runtime's CUDA graphs, the graph stats, and host time per call (no sync).
+
+    python3 scripts/graph_diag.py [--batch 1] [--seq 128] [--modes extern,auto]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import aotfuse
+from aotfuse.examples.gpt import anchor
+from aotfuse.knobs import override
+
+
+def per_call_ms(fn, iters=100):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--modes", default="extern,auto")
+    a = ap.parse_args()
+    model, (tokens,) = anchor(batch=a.batch, seq=a.seq)
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}"
+    x = tokens.cuda()
+    for mode in a.modes.split(","):
+        with override(mm=mode, targets=(arch,)):
+            res = aotfuse.build(model, (tokens,), targets=(arch,))
+        for graphs in (True, False):
+            art = aotfuse.load(res.data, device="cuda", cuda_graphs=graphs)
+            ms = per_call_ms(lambda: art(x))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                art(x)
+            host = (time.perf_counter() - t0) / 50 * 1e3
+            torch.cuda.synchronize()
+            stats = [g.stats for g in getattr(art, "_graphs", [])]
+            print(f"{mode:8} graphs={graphs!s:5} {ms:.3f} ms/call (events), host {host:.3f} ms/call, "
+                  f"graph stats {stats}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
