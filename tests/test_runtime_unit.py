@@ -89,3 +89,61 @@ def test_cpu_path_refuses_foreign_source():
         check_source("k", good + "print('hi')\n")
     with pytest.raises(ArchiveError, match="does not define it"):
         check_source("other", good)
+
+
+class _Inner:
+    """A stand-in bound launch: records what it was called or prepared with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, stream, args, **kw):
+        self.calls.append((grid, stream, list(args), kw))
+
+    def prepare(self, grid):
+        class P:
+            global_scratch, keep = 0, None
+        p = P()
+        p.grid = grid
+        return p
+
+
+def test_persistent_launch_clamps_the_grid_to_programs_per_sm():
+    inner = _Inner()
+    launch = gpu.PersistentLaunch(inner, 2 * 132)
+    launch((1536, 1, 1), 7, [1, 2])
+    launch((100, 1, 1), 7, [1, 2])
+    assert [c[0] for c in inner.calls] == [(264, 1, 1), (100, 1, 1)]
+    assert launch.prepare((4096, 1, 1)).grid == (264, 1, 1)
+
+
+def test_scratch_launch_gives_each_launch_site_its_own_scratch():
+    inner = _Inner()
+    launch = gpu.ScratchLaunch(inner, 256, torch.device("cpu"))
+    a, b = launch.prepare((132, 1, 1)), launch.prepare((132, 1, 1))
+    assert a.keep.numel() == b.keep.numel() == 132 * 256 and a.global_scratch != b.global_scratch
+    assert a.global_scratch == a.keep.data_ptr()
+    launch((3, 1, 1), 0, [5])
+    assert inner.calls[0][3]["global_scratch"] != 0
+    # persistent and scratch together: the scratch covers the clamped grid only
+    both = gpu.PersistentLaunch(gpu.ScratchLaunch(_Inner(), 256, torch.device("cpu")), 132)
+    assert both.prepare((4096, 1, 1)).keep.numel() == 132 * 256
+
+
+def test_persistent_entry_round_trips_and_is_validated():
+    import dataclasses
+
+    from aotfuse.contract.kernels import Binary, KernelArg, KernelEntry
+    from aotfuse.runtime.validate import validate_kernels
+
+    b = Binary(b"\x7fELF", "k", 8, 1024, 256, 0)
+    k = KernelEntry("template_mm", ("mm0",), (1536, 1, 1), 8, 32768, 64, 1536 * 32768, 1,
+                    (KernelArg("out_ptr0", "bfloat16", "out", 8192 * 3072),), {"sm_90": b}, persistent=1)
+    d = k.to_dict()
+    assert d["persistent"] == 1 and KernelEntry.from_dict(d).persistent == 1
+    assert "persistent" not in dataclasses.replace(k, persistent=0).to_dict()
+    validate_kernels({"k": d})
+    with pytest.raises(ArchiveError, match="persistent"):
+        validate_kernels({"k": dict(d, kind="pointwise")})
+    with pytest.raises(ArchiveError, match="persistent"):
+        validate_kernels({"k": dict(d, persistent=99)})
