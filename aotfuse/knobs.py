@@ -35,8 +35,9 @@
 | mm | AOTFUSE_MM | extern | matmuls: `extern` (every matmul cuBLAS, a tanh GELU in cuBLASLt's epilogue), `template` (every floating-point matmul a Triton template with its epilogue fused), `auto` (per matmul the cheaper of the two by schedule/templates.py's cost model). Default extern: on an H200 (2026-11-26, `scripts/graph_diag.py`, one process, CUDA graphs) the anchor GPT runs 1.271-1.279 ms extern vs 1.279-1.293 auto at 8x1024, 0.273 vs 0.306 at 1x1024, 0.169 both at 1x128: the Hopper templates (persistent, TMA) reach 0.86-0.88 of cuBLAS's main loop at K=768 (scripts/tune_mm.py) and a residual add costs cuBLAS only a round trip inside the next LayerNorm |
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
 | mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
-| mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.85 | cost model: template throughput as a fraction of cuBLAS's (H200, 2026-11-26: 0.86-0.88 on the anchor's K=768 matmuls, about 1.0 at K=3072) |
+| mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.85 | cost model: a persistent (TMA) template's throughput as a fraction of cuBLAS's (H200, 2026-11-26: 0.86-0.88 on the anchor's K=768 matmuls at 8192 rows, about 1.0 at K=3072) |
 | mm_bandwidth_gbs | AOTFUSE_MM_BANDWIDTH_GBS | 3000 | cost model: device memory bandwidth for a matmul epilogue's round trip (an H100's measured copy; an H200's is 4270) |
+| mm_tile_efficiency | AOTFUSE_MM_TILE_EFF | 0.45 | cost model: the same for a template with one program per tile (pointer loads; H200, 2026-11-26, 1024 rows: 0.40-0.82 of cuBLAS) |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
 | mm_config | AOTFUSE_MM_CONFIG | (table) | every template matmul takes this tile configuration, `BM,BN,BK,GROUP_M,WARPS,STAGES` (clamped to the problem; scripts/tune_mm.py measures them); empty: emit/mm_configs.py's table |
 | mm_tma | AOTFUSE_MM_TMA | 1 | a matmul template loads an operand that is one strided read (a weight, a contiguous activation) through a TMA tensor descriptor (sm_90; made in the kernel, in the launch's global scratch); 0: pointer loads |
@@ -103,6 +104,7 @@ class Knobs:
     mm_tf32: bool = bool(_env_int("AOTFUSE_MM_TF32", 0))
     mm_tflops: float = _env_float("AOTFUSE_MM_TFLOPS", 600.0)
     mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.85)
+    mm_tile_efficiency: float = _env_float("AOTFUSE_MM_TILE_EFF", 0.45)
     mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
     mm_bandwidth_gbs: float = _env_float("AOTFUSE_MM_BANDWIDTH_GBS", 3000.0)
     mm_config: str = os.environ.get("AOTFUSE_MM_CONFIG", "")

@@ -11,11 +11,14 @@ Choice (made at lowering, where the FX graph still shows a matmul's consumers), 
                  (no launch: the epilogue fuses into the kernel that reads it next, a residual add
                  into the LayerNorm after it)
                + per operand copy cuBLAS needs (a cast, a non-strided view): launch + its round trip
-    template = launch + flops / (throughput * mm_template_efficiency * tile utilization)
+    template = launch + flops / (throughput * efficiency * tile utilization), the efficiency
+               mm_template_efficiency for a persistent (TMA) kernel, mm_tile_efficiency for one
+               program per tile
   so a template wins when its epilogue saves more than the template's slower main loop costs, or
   the matmul is small enough that a launch beats a library call; cuBLAS keeps large plain matmuls.
   Measured (H200, 2026-11-26, scripts/tune_mm.py and scripts/mm_profile.py on the anchor GPT): at
-  8192 rows the templates' main loops reach 0.86-0.88 of cuBLAS at K = 768, and a residual add
+  8192 rows the persistent templates' main loops reach 0.86-0.88 of cuBLAS at K = 768, one program
+  per tile at 1024 rows 0.40-0.82 (qkv 14.5 vs 8.9 us), and a residual add
   costs the cuBLAS path one extra round trip inside the next LayerNorm, not a kernel; at 128 rows
   templates and cuBLAS tie per matmul.
 Each decision, with the two estimates, the tile configuration and why, goes into the report's
@@ -60,7 +63,9 @@ def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, 
     pad_m = -(-m // config.block_m) * config.block_m
     pad_n = -(-n // config.block_n) * config.block_n
     util = (m * n) / (pad_m * pad_n)
-    template = knobs.launch_overhead_us + t_lib / (knobs.mm_template_efficiency * util)
+    # a persistent kernel (operands through TMA) vs one program per tile (pointer loads)
+    eff = knobs.mm_template_efficiency if config.persistent else knobs.mm_tile_efficiency
+    template = knobs.launch_overhead_us + t_lib / (eff * util)
     return {"template": round(template, 2), "extern": round(extern, 2), "tile_utilization": round(util, 3),
             "bias_in_library": bias_in_library}
 
