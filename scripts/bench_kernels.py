@@ -168,7 +168,8 @@ def _median_events(run, iters: int, rounds: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn, iters: int) -> float:
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph (after warm-up calls on a side stream), replayed once."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -180,7 +181,11 @@ def time_graph(fn, iters: int) -> float:
         fn()
     g.replay()
     torch.cuda.synchronize()
-    return _median_events(g.replay, iters)
+    return g
+
+
+def time_graph(fn, iters: int) -> float:
+    return _median_events(capture_graph(fn).replay, iters)
 
 
 def time_steps(step, iters: int) -> float:

@@ -6,6 +6,8 @@ runtime's CUDA graphs, the graph stats, and host time per call (no sync).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -14,18 +16,15 @@ import aotfuse
 from aotfuse.examples.gpt import anchor
 from aotfuse.knobs import override
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mm import _time  # noqa: E402
+
 
 def per_call_ms(fn, iters=100):
-    for _ in range(10):
+    """Milliseconds per call over `iters` back-to-back calls (CUDA events), after warm-up calls."""
+    for _ in range(7):
         fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters
+    return _time(fn, iters) / 1e3
 
 
 def main():

@@ -81,31 +81,6 @@ def make(case: str, rows: int, device="cpu"):
     return m.to(device), (x.to(device), r.to(device))
 
 
-def capture(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def replay_us(g: torch.cuda.CUDAGraph, iters: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / iters * 1e3
-
-
 def build_one(job):
     """(key, path, error): runs in a worker process."""
     case, rows, mode, cfg, arch, path = job
@@ -134,7 +109,10 @@ def main():
     a = ap.parse_args()
     import aotfuse
     from aotfuse.knobs import override
-    from bench_kernels import rel_err
+    from bench_kernels import _median_events, capture_graph as capture, rel_err
+
+    def replay_us(g, iters):  # one round of `iters` replays
+        return _median_events(g.replay, iters, rounds=1) * 1e3
 
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
