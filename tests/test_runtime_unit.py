@@ -134,7 +134,7 @@ def test_persistent_entry_round_trips_and_is_validated():
     import dataclasses
 
     from aotfuse.contract.kernels import Binary, KernelArg, KernelEntry
-    from aotfuse.runtime.validate import validate_kernels
+    from aotfuse.runtime.validate_kernels import validate_kernels
 
     b = Binary(b"\x7fELF", "k", 8, 1024, 256, 0)
     k = KernelEntry("template_mm", ("mm0",), (1536, 1, 1), 8, 32768, 64, 1536 * 32768, 1,

@@ -15,7 +15,8 @@ import msgpack
 from ..archive import Archive
 from ..contract import Manifest, Program, Report, check_program_version, kernels_from_dict
 from ..errors import ArchiveError
-from .validate import validate_archive, validate_manifest, validate_sources
+from .validate import validate_archive, validate_manifest
+from .validate_kernels import validate_sources
 
 _UNPACK = dict(raw=False, strict_map_key=False)
 

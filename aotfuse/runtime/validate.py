@@ -8,9 +8,9 @@ smaller than it reads or writes.
 
 What is checked (see artifacts/FORMAT.md, "Payload"):
 - manifest: inputs/outputs specs, program list, train info, and that they agree with the programs;
-- kernels part: names, block sizes, grid, argument dtypes (and, since program version 2, the
-  element count each argument was generated for and the iteration space; since version 5, the
-  names of the int32 size parameters after the pointers);
+- kernels part (runtime/validate_kernels.py): names, block sizes, grid, argument dtypes (and, since
+  program version 2, the element count each argument was generated for and the iteration space;
+  since version 5, the names of the int32 size parameters after the pointers);
 - each program, walked in order like the executor walks it: every buffer defined before use, never
   twice, not used after its free; arena allocations inside the arena; launches pass exactly the
   kernel's arguments with its dtypes and large enough buffers, on the kernel's grid; externs on the
@@ -36,9 +36,9 @@ from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
 from .validate_extern import _Ref, _flat, _meta_check, _multi_check, _overlaps, returns_tuple
-from .validate_fields import (ARENA_ALIGN, GRID_X_MAX, GRID_YZ_MAX, INDEX_LIMIT, INT32_MIN, KERNEL_PTR_ALIGN, KINDS,
-                              MAX_BLOCK, MAX_BYTES, MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS, MAX_SIZE_ARGS,
-                              MAX_NUMEL, NUM_WARPS, _align, _bool, _dict,
+from .validate_kernels import _grid, validate_kernels
+from .validate_fields import (ARENA_ALIGN, INDEX_LIMIT, INT32_MIN, KERNEL_PTR_ALIGN, MAX_BYTES,
+                              MAX_EXTERN_ARG_DEPTH, MAX_INSTRUCTIONS, MAX_NUMEL, _align, _bool, _dict,
                               _dtype, _fail, _ident, _int, _list, _numel, _shape, _short, _str,
                               _torch_dtype_name, _ARCH, _IDENT)
 
@@ -137,127 +137,6 @@ def _train_info(t, progs: list) -> None:
         _int(carries[k], f"manifest.train.carries[{k}]", 0, 0 if k == len(stages) - 1 else 1 << 16)
     if stages and sorted(seen) != list(range(len(t["grads"]))):
         _fail("manifest.train.stages", "do not name each gradient exactly once")
-
-
-# ---------------------------------------------------------------- kernels part
-
-def validate_kernels(kernels, empty_ok: bool = False) -> None:
-    """empty_ok: a kernel's grid and iteration space may be empty (a specialized payload whose dims
-    reach 0; its launches are skipped)."""
-    _dict(kernels, "kernels part")
-    if len(kernels) > 1 << 16:
-        _fail("kernels part", f"{len(kernels)} kernels")
-    for name, k in kernels.items():
-        _kernel(_ident(name, "kernels part: kernel name"), k, empty_ok)
-
-
-def _kernel(name: str, k, empty_ok: bool = False) -> None:
-    where = f"kernel {name}"
-    _dict(k, where, ("kind", "grid", "num_warps", "xblock", "rblock", "args", "binaries"))
-    if k["kind"] not in KINDS:
-        _fail(where, f"unknown kind {_short(k['kind'])}")
-    grid = _grid(k["grid"], f"{where}: grid", 0 if empty_ok else 1)
-    if grid[1:] != [1, 1]:  # kernels only read program_id(0): more y/z blocks would race on the same rows
-        _fail(where, f"grid {grid} has y/z blocks; aotfuse kernels are 1-D")
-    _int(k["num_warps"], f"{where}: num_warps", 1, 32)
-    if k["num_warps"] not in NUM_WARPS:
-        _fail(where, f"num_warps {k['num_warps']} is not a power of two")
-    xb, rb = (_pow2(k[f], f"{where}: {f}") for f in ("xblock", "rblock"))
-    if grid[0] > -(-INDEX_LIMIT // xb):
-        _fail(where, f"grid {grid} x XBLOCK {xb} exceeds 32-bit indexing")
-    _kernel_args(where, k["args"])
-    if "size_args" in k:
-        _size_args(where, k)
-    if "persistent" in k:
-        _int(k["persistent"], f"{where}: persistent", 1, 8)
-        if k["kind"] != "template_mm":
-            _fail(where, "persistent: only a matmul template's entry may be persistent")
-    _binaries(where, k["binaries"])
-    if "xnumel" in k or "rnumel" in k:
-        _kernel_sizes(where, k, xb, rb, grid, 0 if empty_ok else 1)
-
-
-def _pow2(v, where: str) -> int:
-    _int(v, where, 1, MAX_BLOCK)
-    if v & (v - 1):
-        _fail(where, f"{v} is not a power of two")
-    return v
-
-
-def _grid(v, where: str, lo: int = 1) -> list:
-    _list(v, where, 3, 3)
-    _int(v[0], f"{where} x", lo, GRID_X_MAX)
-    _int(v[1], f"{where} y", 1, GRID_YZ_MAX)
-    _int(v[2], f"{where} z", 1, GRID_YZ_MAX)
-    return v
-
-
-def _kernel_args(where: str, args) -> None:
-    _list(args, f"{where}: args", 1, 1024)
-    names = set()
-    for i, a in enumerate(args):
-        w = f"{where}: argument {i}"
-        _dict(a, w, ("name", "dtype", "role"))
-        names.add(_ident(a["name"], f"{w} name"))
-        _dtype(a["dtype"], f"{w} dtype")
-        if a["role"] not in ("in", "out"):
-            _fail(w, f"role {_short(a['role'])} is not 'in' or 'out'")
-        if "numel" in a:
-            _int(a["numel"], f"{w} numel", 0, MAX_NUMEL)
-    if len(names) != len(args):
-        _fail(where, "two arguments have the same name")
-    if not any(a["role"] == "out" for a in args):
-        _fail(where, "no output argument")
-
-
-def _size_args(where: str, k: dict) -> None:
-    """The int32 parameters after the pointers (dynamic dims): identifiers, distinct from the pointers'."""
-    names = _list(k["size_args"], f"{where}: size_args", 1, MAX_SIZE_ARGS)
-    for i, n in enumerate(names):
-        _ident(n, f"{where}: size_args[{i}]")
-    taken = {a["name"] for a in k["args"]}
-    if len(set(names)) != len(names) or taken & set(names):
-        _fail(where, f"size_args {_short(names)} repeat a name or reuse an argument's")
-
-
-def _binaries(where: str, bins) -> None:
-    _dict(bins, f"{where}: binaries")
-    for arch, b in bins.items():
-        if type(arch) is not str or not _ARCH.match(arch):
-            _fail(where, f"binary arch {_short(arch)} is not like 'sm_90'")
-        w = f"{where}: {arch} binary"
-        _dict(b, w, ("cubin", "name", "num_warps", "shared", "global_scratch", "profile_scratch"))
-        if type(b["cubin"]) is not bytes or not b["cubin"]:
-            _fail(w, "cubin is not bytes")
-        _str(b["name"], f"{w} name")
-        if b["num_warps"] not in NUM_WARPS or type(b["num_warps"]) is not int:
-            _fail(w, f"num_warps {_short(b['num_warps'])} is not a power of two <= 32")
-        _int(b["shared"], f"{w} shared", 0, 1 << 24)
-        _int(b["global_scratch"], f"{w} global_scratch", 0, 1 << 40)
-        _int(b["profile_scratch"], f"{w} profile_scratch", 0, 1 << 40)
-
-
-def _kernel_sizes(where: str, k: dict, xb: int, rb: int, grid: list, lo: int = 1) -> None:
-    x = _int(k.get("xnumel"), f"{where}: xnumel", lo, INDEX_LIMIT)
-    r = _int(k.get("rnumel"), f"{where}: rnumel", lo, INDEX_LIMIT)
-    if x * r > INDEX_LIMIT:
-        _fail(where, f"iteration space {x} x {r} exceeds 32-bit indexing")
-    if grid[0] != -(-x // xb):
-        _fail(where, f"grid {grid} does not cover xnumel {x} in blocks of {xb} (expected {-(-x // xb)})")
-    if k["kind"] == "pointwise" and (r != 1 or rb != 1):
-        _fail(where, f"a pointwise kernel has rnumel {r}, RBLOCK {rb}")
-    if k["kind"] == "persistent_reduction" and rb < r:
-        _fail(where, f"persistent RBLOCK {rb} does not hold rnumel {r}")
-    if any("numel" not in a for a in k["args"]):
-        _fail(where, "records xnumel but not every argument's numel")
-
-
-def validate_sources(sources, kernels: dict) -> None:
-    """CPU path: one stored Triton source (text) per kernel; its content is checked by interpret.py."""
-    _dict(sources, "sources part")
-    for name in kernels:
-        if type(sources.get(name)) is not str:
-            _fail(f"kernel {name}", "has no stored source for the CPU path")
 
 
 # ---------------------------------------------------------------- programs
