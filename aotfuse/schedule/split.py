@@ -120,6 +120,32 @@ def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, 
     return dataclasses.replace(graph, nodes=tuple(nodes), buffers=tuple(buffers)), tuple(decisions)
 
 
+def _gates(n: Reduction, graph: LoopGraph, r_kernel, r: int, at: str) -> tuple[str, int, int, str | None]:
+    """What a static and a dynamic decision share: (pattern, programs, elements per program, why not
+    split or None). r: the reduced length (the example's for a dynamic one); r_kernel: as the kernel
+    sees it (an expression of the dims when dynamic)."""
+    x = n.numel
+    kn, _ = _kernelize(n, max(x, 1), r_kernel)
+    pattern = reduction_pattern([kn], x, r, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
+    # The most programs its kernel can launch unsplit: one per row for a row reduction (the block
+    # heuristic packs rows only while enough programs remain), one per OUTER_XBLOCK columns for a
+    # column reduction (its tiles need that many contiguous outputs).
+    programs = -(-x // OUTER_XBLOCK) if pattern == "outer" else x
+    per_program = r * (OUTER_XBLOCK if pattern == "outer" else 1)
+    if x == 0 or r == 0:
+        return pattern, programs, per_program, "empty"
+    if n.rtype in ARG_REDUCTIONS:
+        return pattern, programs, per_program, f"{n.rtype} carries a position with its value: not split in two stages"
+    if programs >= knobs.split_min_programs:
+        return pattern, programs, per_program, (f"{programs} programs fill the GPU (split_min_programs = "
+                                                f"{knobs.split_min_programs})")
+    if per_program < knobs.split_min_elems:
+        return pattern, programs, per_program, (
+            f"{programs} programs, but each reduces only {per_program} elements{at} < split_min_elems = "
+            f"{knobs.split_min_elems}: a short loop costs less than a second launch")
+    return pattern, programs, per_program, None
+
+
 def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
     x, r = n.numel, n.rnumel
     if not static(x):
@@ -128,26 +154,13 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
                              f"{x} outputs follow a dynamic dim ({hint(x)} at the example): not split")
     if not static(r):
         return _decide_dynamic(n, graph)
-    kn, _ = _kernelize(n, max(x, 1), max(r, 1))
-    pattern = reduction_pattern([kn], x, r, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
-    # The most programs its kernel can launch unsplit: one per row for a row reduction (the block
-    # heuristic packs rows only while enough programs remain), one per OUTER_XBLOCK columns for a
-    # column reduction (its tiles need that many contiguous outputs).
-    programs = -(-x // OUTER_XBLOCK) if pattern == "outer" else x
+    pattern, programs, per_program, refusal = _gates(n, graph, max(r, 1), r, "")
 
     def no(reason: str) -> SplitDecision:
         return SplitDecision(n.name, n.rtype, x, r, pattern, programs, False, 1, r, "", "", reason)
 
-    if x == 0 or r == 0:
-        return no("empty")
-    if n.rtype in ARG_REDUCTIONS:
-        return no(f"{n.rtype} carries a position with its value: not split in two stages")
-    if programs >= knobs.split_min_programs:
-        return no(f"{programs} programs fill the GPU (split_min_programs = {knobs.split_min_programs})")
-    per_program = r * (OUTER_XBLOCK if pattern == "outer" else 1)
-    if per_program < knobs.split_min_elems:
-        return no(f"{programs} programs, but each reduces only {per_program} elements < split_min_elems = "
-                  f"{knobs.split_min_elems}: a short loop costs less than a second launch")
+    if refusal:
+        return no(refusal)
     need = -(-knobs.split_min_programs // programs)
     max_s = r // knobs.split_min_chunk
     if max_s < 2:
@@ -208,23 +221,13 @@ def _decide_dynamic(n: Reduction, graph: LoopGraph) -> SplitDecision:
     is reduced once (chunks past r reduce only the identity)."""
     x, r = n.numel, n.rnumel
     rh = hint(r)
-    kn, _ = _kernelize(n, max(x, 1), r)
-    pattern = reduction_pattern([kn], x, rh, lambda b: True, lambda b: ITEMSIZE[graph.buffer(b).dtype])
-    programs = -(-x // OUTER_XBLOCK) if pattern == "outer" else x
+    pattern, programs, per_program, refusal = _gates(n, graph, r, rh, " at the example")
 
     def no(reason: str) -> SplitDecision:
         return SplitDecision(n.name, n.rtype, x, r, pattern, programs, False, 1, r, "", "", reason)
 
-    if x == 0:
-        return no("empty")
-    if n.rtype in ARG_REDUCTIONS:
-        return no(f"{n.rtype} carries a position with its value: not split in two stages")
-    if programs >= knobs.split_min_programs:
-        return no(f"{programs} programs fill the GPU (split_min_programs = {knobs.split_min_programs})")
-    per_program = rh * (OUTER_XBLOCK if pattern == "outer" else 1)
-    if per_program < knobs.split_min_elems:
-        return no(f"{programs} programs, each reducing {per_program} elements at the example < split_min_elems "
-                  f"= {knobs.split_min_elems}: a short loop costs less than a second launch")
+    if refusal:
+        return no(refusal)
     rblock = OUTER_RBLOCK if pattern == "outer" else INNER_LOOP_RBLOCK
     need = -(-knobs.split_min_programs // programs)
     s = min(need, max(1, rh // max(knobs.split_min_chunk, rblock)))
