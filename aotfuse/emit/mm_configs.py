@@ -25,6 +25,9 @@ class MMConfig:
     num_warps: int
     num_stages: int
     persistent: int = 0  # N: a persistent kernel (N programs per SM loop over the tiles); 0: one program per tile
+    # 1: the persistent tile loop warp-specialized (Triton's Hopper pass: a producer warpgroup issues the TMA
+    # loads, two consumer warpgroups of num_warps each run the wgmma and the epilogue: 3 x num_warps warps)
+    warp_spec: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,19 +118,21 @@ def parse_config(text: str) -> MMConfig:
     from ..errors import BuildError
 
     remedy = ("write six integers BM,BN,BK,GROUP_M,WARPS,STAGES, e.g. 128,128,64,8,8,4, and optionally a 7th: "
-              "N for a persistent kernel (N programs per SM), 0 for one program per tile")
+              "N for a persistent kernel (N programs per SM), 0 for one program per tile, and an 8th: 1 to "
+              "warp-specialize a persistent kernel")
     try:
         vals = [int(v) for v in text.replace("x", ",").split(",")]
     except ValueError:
         raise BuildError(f"AOTFUSE_MM_CONFIG={text!r} is not six integers", remedy=remedy) from None
-    if len(vals) not in (6, 7):
-        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r} has {len(vals)} values, not 6 or 7", remedy=remedy)
+    if len(vals) not in (6, 7, 8):
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r} has {len(vals)} values, not 6 to 8", remedy=remedy)
     c = MMConfig(*vals)
     for what, v in (("BM", c.block_m), ("BN", c.block_n), ("BK", c.block_k)):
         if v < 16 or v & (v - 1):
             raise BuildError(f"AOTFUSE_MM_CONFIG: {what}={v} is not a power of two >= 16 (tl.dot's least)",
                              remedy=remedy)
-    if c.num_warps not in (1, 2, 4, 8, 16) or c.group_m < 1 or c.num_stages < 1 or not 0 <= c.persistent <= 8:
+    if c.num_warps not in (1, 2, 4, 8, 16) or c.group_m < 1 or c.num_stages < 1 or not 0 <= c.persistent <= 8 \
+            or c.warp_spec not in (0, 1) or (c.warp_spec and not c.persistent):
         raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: warps must be 1, 2, 4, 8 or 16, GROUP_M and STAGES >= 1",
                          remedy=remedy)
     return c

@@ -254,8 +254,13 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     w(f"    group_size = tl.minimum({tm} - first_m, {gm})")
     w(f"    pid_m = first_m + (pid % {gm * tn}) % group_size")
     w(f"    pid_n = (pid % {gm * tn}) // group_size")
-    w(f"    rm = pid_m * {bm} + tl.arange(0, {bm})")
-    w(f"    rn = pid_n * {bn} + tl.arange(0, {bn})")
+    both_tma = tma_a is not None and tma_b is not None
+    # With both operands through TMA the row and column ranges are made after the K loop, where the
+    # epilogue uses them (fewer live registers across the loop; a warp-specialized loop computed
+    # wrong results with them made before it: scripts/ws_runtime_probe.py).
+    ranges = [f"    rm = pid_m * {bm} + tl.arange(0, {bm})", f"    rn = pid_n * {bn} + tl.arange(0, {bn})"]
+    if not both_tma:
+        L.extend(ranges)
     if tma_a is None:
         w(f"    ram = rm % {m}" if m % bm else "    ram = rm")
     if tma_b is None:
@@ -289,6 +294,8 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         w(f'        acc = tl.dot(a, b, acc, input_precision="{prec}")')
     else:
         w("        acc = tl.dot(a, b, acc)")
+    if both_tma:
+        L.extend(ranges)
     w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
     flat = SB * (m * n) + SM * n + SN
     w(f"    xindex = {print_index(flat, {SB: 'pid_b', SM: 'rm[:, None]', SN: 'rn[None, :]'})}")
@@ -321,7 +328,10 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         # loops over the tiles (GROUP_M order kept), and Triton's pipeliner, with the tile loop flattened
         # into the K loop, loads the next tile's operands while this tile's epilogue runs: the tensor
         # cores no longer wait out every epilogue. Any grid up to `tiles` computes the same.
-        L = pre + [f"    for tile in tl.range(tl.program_id(0), {tiles}, tl.num_programs(0), flatten=True):"] + \
+        # Warp-specialized (cfg.warp_spec, TMA operands): the tile loop is not flattened; Triton's Hopper
+        # pass splits it into a producer warpgroup and two consumer warpgroups.
+        opts = "warp_specialize=True" if cfg.warp_spec and both_tma else "flatten=True"
+        L = pre + [f"    for tile in tl.range(tl.program_id(0), {tiles}, tl.num_programs(0), {opts}):"] + \
             ["    " + ln for ln in L]
     else:
         L = ["    pid = tl.program_id(0)"] + pre + L
