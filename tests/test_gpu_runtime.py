@@ -57,7 +57,8 @@ def test_training_with_cuda_graphs_follows_eager_and_recaptures_on_new_parameter
     assert fwd.captures == 2
 
 
-def test_persistent_tma_templates_on_two_streams_and_graphs():
+@pytest.mark.parametrize("config", ["128,128,64,8,8,3,1", "128,128,64,8,4,3,1,1"], ids=["persistent", "warp-specialized"])
+def test_persistent_tma_templates_on_two_streams_and_graphs(config):
     """Persistent matmul templates (KernelEntry.persistent: one program per SM; TMA descriptors made in
     the kernel, in global scratch each launch site owns) match eager with and without CUDA graphs, and
     on two caller streams at once (each executor state has its own scratch)."""
@@ -78,7 +79,7 @@ def test_persistent_tma_templates_on_two_streams_and_graphs():
     x = torch.randn(2000, 256, dtype=torch.bfloat16)
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    with override(mm="template", mm_config="128,128,64,8,8,3,1", targets=(arch,)):
+    with override(mm="template", mm_config=config, targets=(arch,)):
         res = aotfuse.build(model, (x,), targets=(arch,))
     art0 = aotfuse.load(res.data, device="cuda", cuda_graphs=False)
     mm = [k for k in art0.kernels.values() if k.kind == "template_mm"]

@@ -287,6 +287,30 @@ def test_persistent_tma_template_numerics(dtype):
         _check_like_eager(art, model, tuple(torch.randn(t.shape, generator=g).to(dtype) for t in inputs), dtype)
 
 
+def test_warp_specialized_template_source():
+    """AOTFUSE_MM_CONFIG's 8th value: the persistent tile loop warp-specialized (not flattened), the row and
+    column ranges made after the K loop; the CPU path runs it as any persistent template."""
+    import msgpack
+
+    torch.manual_seed(0)
+    model = Odd().to(torch.bfloat16).eval()
+    inputs = (torch.randn(100, 72, dtype=torch.bfloat16), torch.randn(100, 104, dtype=torch.bfloat16))
+    with override(mm="template", mm_config="32,32,32,4,4,2,1,1"):
+        res = aotfuse.build(model, inputs, targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    srcs = msgpack.unpackb(bytes(art.archive.part("sources")))
+    for name, k in art.kernels.items():
+        if k.kind == "template_mm":
+            src = srcs[name]
+            assert "tl.num_programs(0), warp_specialize=True)" in src and "flatten" not in src
+            assert src.index("rm = pid_m") > src.index("acc = tl.dot")
+    _check_like_eager(art, model, inputs, torch.bfloat16)
+    with pytest.raises(BuildError, match="AOTFUSE_MM_CONFIG"):
+        from aotfuse.emit.mm_configs import parse_config
+
+        parse_config("128,128,64,8,4,3,0,1")  # warp specialization needs a persistent kernel
+
+
 def test_tma_operand_layouts():
     import sympy
 
