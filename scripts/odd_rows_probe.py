@@ -7,6 +7,10 @@ shared memory), reduce per row, gather back and store contiguously. Timed agains
 kernel and torch.compile (CUDA-graph replay, median), checked against eager.
 
     python3 scripts/odd_rows_probe.py [--rows 327680] [--cols 197]
+
+Result (H200, 2026-11-26): copy 63.4 us, torch.compile 95.5 us (66% of copy), the plain tile 159 us,
+the aligned groups 194553 us: tl.gather lowers to a per-element shuffle, far slower than the unaligned
+loads it would replace. The kernel generator keeps its tiles (95-96 us, parity with torch.compile).
 """
 from __future__ import annotations
 
