@@ -1,7 +1,9 @@
 """A template group (a MatMul and its pointwise epilogue) -> one Triton matmul kernel's source.
 
-Classic tiled matmul: a 1-D grid of B x ceil(M/BM) x ceil(N/BN) programs, grouped GROUP_M rows of
-tiles at a time for L2 reuse; per program a loop over K in BK steps, fp32 accumulation with tl.dot.
+Classic tiled matmul: a 1-D grid of B x ceil(M/BM) x ceil(N/BN) tiles, grouped GROUP_M rows of tiles at
+a time for L2 reuse; per tile a loop over K in BK steps, fp32 accumulation with tl.dot. One program per
+tile, or (MMConfig.persistent, sm_90's large problems) persistent: a few programs per SM loop over the
+tiles, the operands that are plain strided loads coming through TMA descriptors (tma_operand).
 The operands are the MatMul's operand expressions evaluated on [BM, BK] and [BK, BN] tiles: loads
 through arbitrary views (the index math of transposes and reshapes) and casts, so the prologue costs
 no copy. Edges: a row (column) index past M (N) is wrapped (`% M`) so operand loads stay in bounds
@@ -323,13 +325,12 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         if kn.name in out_name:
             store(kn.name, em.emit(kn.body))
     if persistent:
-        # Persistent: `persistent` programs per SM (the runtime launches min(tiles, that many):
-        # KernelEntry.persistent)
-        # loops over the tiles (GROUP_M order kept), and Triton's pipeliner, with the tile loop flattened
-        # into the K loop, loads the next tile's operands while this tile's epilogue runs: the tensor
-        # cores no longer wait out every epilogue. Any grid up to `tiles` computes the same.
-        # Warp-specialized (cfg.warp_spec, TMA operands): the tile loop is not flattened; Triton's Hopper
-        # pass splits it into a producer warpgroup and two consumer warpgroups.
+        # Persistent: each program (the runtime launches min(tiles, `persistent` per SM), see
+        # KernelEntry.persistent) loops over the tiles in GROUP_M order; any grid up to `tiles` computes
+        # the same. With the tile loop flattened into the K loop, Triton's pipeliner loads the next
+        # tile's operands while this tile's epilogue runs. Warp-specialized (cfg.warp_spec, both operands
+        # through TMA): not flattened; Triton's Hopper pass splits the loop into a producer warpgroup
+        # and two consumer warpgroups.
         opts = "warp_specialize=True" if cfg.warp_spec and both_tma else "flatten=True"
         L = pre + [f"    for tile in tl.range(tl.program_id(0), {tiles}, tl.num_programs(0), {opts}):"] + \
             ["    " + ln for ln in L]
