@@ -175,6 +175,30 @@ def test_dynamic_dims_fuse_too():
     art.close()
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_auto_mode_asks_the_cost_model(dynamic):
+    """AOTFUSE_MM=auto: the GELU goes into cuBLASLt's epilogue when the cost model finds the library no
+    slower than the template with the same epilogue (the record gives both estimates), or stays for the
+    template; dynamic sizes keep cuBLAS (templates are built for one size)."""
+    from aotfuse.knobs import override
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x = torch.randn(2, 5, 24)
+    kw = {"dynamic_shapes": ["x.0=1..4", "x.1=1..16"]} if dynamic else {}
+    # a template at a millionth of cuBLAS's rate loses; at its rate, a launch beats a library call (unless dynamic)
+    for eff, fused in ((1e-6, True), (1.0, dynamic)):
+        with override(mm="auto", mm_tile_efficiency=eff, mm_template_efficiency=eff):
+            data = aotfuse.build(model, (x,), targets=("sm_90",), **kw).data
+        recs = _gelu_records(data)
+        assert recs and all(r["fused"] == fused for r in recs), recs
+        assert (FUSED in {e.target for e in _externs(data)}) == fused
+        why = recs[0]["why"]
+        assert ("dynamic sizes" in why) if dynamic else (" us" in why and "cuBLASLt" in why and "template" in why)
+        with torch.no_grad():
+            assert rel(_run_cpu(data, x), model(x)) <= 1e-5
+
+
 def test_demo_gpt_with_erf_gelu_is_not_fused_and_explain_says_why():
     from aotfuse.examples import gpt
 
