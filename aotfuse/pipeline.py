@@ -27,7 +27,7 @@ from .emit.kernel_src import generate
 from .emit.program import build_program
 from .export import capture
 from .errors import AotfuseError, BuildError
-from .knobs import knobs
+from .knobs import knobs, override
 from .ir.sizes import current_dims, dims_scope, foreign_symbols, hint, spelled
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
@@ -168,6 +168,9 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
           train: bool = False, memory_budget: float = 1.0, progress: Progress | None = None,
           step: str | None = None, backward_stages: int | None = None, dynamic_shapes=None) -> BuildResult:
     targets = tuple(targets or knobs.targets)
+    # Decisions made for the targets (a matmul template's tiles: emit/mm_configs.py) read knobs.targets:
+    # the build's own targets, for its whole scope.
+    scope.enter_context(override(targets=targets))
     dynamic = ()
     if dynamic_shapes:
         from .export.capture import split_example

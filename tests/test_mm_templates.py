@@ -130,6 +130,40 @@ def test_config_knob():
             parse_config(bad)
 
 
+def test_review_fixes_configs_and_targets():
+    """The build's targets (not AOTFUSE_TARGETS) choose the tiles; parse_config names the bad value;
+    a large-N problem with few rows takes the small rule; a persistent kernel's binary may have 3x the
+    entry's warps (warp-specialized), no other kernel."""
+    from aotfuse.emit.mm_configs import parse_config
+    from aotfuse.errors import ArchiveError
+    from aotfuse.runtime.validate_kernels import validate_kernels
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 2048).to(torch.bfloat16).eval()
+    x = torch.randn(2048, 256, dtype=torch.bfloat16)
+    with override(mm="template"):  # knobs.targets stays sm_80,sm_90; the build asks for sm_90 only
+        res = aotfuse.build(model, (x,), targets=("sm_90",))
+    rec = [d for d in res.report.lowering if "matmul" in d][0]
+    assert rec["config"]["persistent"] == 1 and "sm_90 large" in rec["config_why"], rec
+    for bad, what in (("512,128,64,8,8,3", "at most 256"), ("128,128,64,8,8,3,9", "7th value"),
+                      ("128,128,64,8,16,3,1,1", "8th value"), ("128,128,64,8,8,3,0,1", "8th value")):
+        with pytest.raises(BuildError, match=what):
+            parse_config(bad)
+    c, why = choose_config(1, 64, 65536, 768, "bfloat16", ("sm_90",))
+    assert c.persistent == 0 and "small" in why and c.block_m == 64
+    from aotfuse.contract.kernels import Binary, KernelArg, KernelEntry
+
+    def entry_dict(kind, bin_warps):
+        b = Binary(b"\x7fELF", "k", bin_warps, 1024, 256, 0)
+        return KernelEntry(kind, ("n",), (16, 1, 1), 4, 16384, 64, 16 * 16384, 1,
+                           (KernelArg("out_ptr0", "bfloat16", "out", 16 * 16384),), {"sm_90": b}).to_dict()
+    validate_kernels({"k": entry_dict("template_mm", 12)})
+    with pytest.raises(ArchiveError, match="num_warps 12"):
+        validate_kernels({"k": entry_dict("pointwise", 12)})
+    with pytest.raises(ArchiveError, match="num_warps 6"):
+        validate_kernels({"k": entry_dict("template_mm", 6)})
+
+
 def test_gelu_epilogue_choice_follows_cost_model():
     """AOTFUSE_MM=auto: cuBLASLt's GELU_BIAS epilogue where the library's matmul is faster (the anchor's MLP
     at 8 x 1024 and 1 x 128), the template with the same epilogue where the model finds it cheaper (a
@@ -279,8 +313,8 @@ def test_persistent_tma_template_numerics(dtype):
     assert len(mm) == 3 and all(k.persistent == 1 for k in mm.values())
     for name in mm:
         assert "tl.num_programs(0), flatten=True" in srcs[name] and srcs[name].count("make_tensor_descriptor") == 2
-    # tanh.approx only where every stored value is half precision (the bf16 GELU), never in fp32
-    assert any("_tanh_approx(" in srcs[n] for n in mm) == (dtype == torch.bfloat16)
+    # the fast tanh only where every stored value is half precision (the bf16 GELU), never in fp32
+    assert any("_tanh_fast(" in srcs[n] for n in mm) == (dtype == torch.bfloat16)
     assert all("libdevice.tanh" not in srcs[n] for n in mm) == (dtype == torch.bfloat16)
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)

@@ -88,18 +88,18 @@ def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, st
     """sm_90, bf16/fp16 operands: rules fitted to scripts/tune_mm.py on an H200 (2026-11-26, the anchor
     GPT's matmuls with their epilogues at 8192 and 128 rows; docs/benchmarks.md).
 
-    Large (at least one 128x128 tile per SM): persistent (the runtime launches one program per SM;
-    operands and outputs through TMA descriptors), 128 x 256 x 64 tiles, 8 warps, 3 stages when
+    Large (at least 128 rows and one 128x128 tile per SM): persistent (the runtime launches one program
+    per SM; operands through TMA descriptors), 128 x 256 x 64 tiles, 8 warps, 3 stages when
     N >= 2048, else 128 x 128 x 64, 8 warps, 4 stages (measured best or within 2% of it on every
     case). Small: one program per tile with BM = 64 (a warpgroup's wgmma height); BN the largest of
     128, 64, 32, 16 that still gives at least half an SM's worth of programs per SM (tiles >= SMs / 2:
     the measured optimum was 72 to 128 tiles on 132 SMs); BK = 128 with 3 stages (4 when BN <= 32)
     for a narrow tile, 64 with 4 stages at BN = 128."""
     clamp = lambda v, e: max(16, min(v, _pow2_at_least(e)))  # noqa: E731
-    if b * -(-m // 128) * -(-n // 128) >= sms:
+    if m >= 128 and b * -(-m // 128) * -(-n // 128) >= sms:
         wide = n >= 2048
         c = MMConfig(128, 256 if wide else 128, 64, 8, 8, 3 if wide else 4, persistent=1)
-        c = dataclasses.replace(c, block_k=clamp(64, k))
+        c = dataclasses.replace(c, block_n=clamp(c.block_n, n), block_k=clamp(64, k))
         return c, (f"sm_90 large ({b * -(-m // 128) * -(-n // 128)} tiles of 128x128 >= {sms} SMs): persistent, "
                    f"{c.block_m}x{c.block_n}x{c.block_k}" + (" (N >= 2048)" if wide else ""))
     bm = clamp(64, m)
@@ -131,10 +131,16 @@ def parse_config(text: str) -> MMConfig:
         if v < 16 or v & (v - 1):
             raise BuildError(f"AOTFUSE_MM_CONFIG: {what}={v} is not a power of two >= 16 (tl.dot's least)",
                              remedy=remedy)
-    if c.num_warps not in (1, 2, 4, 8, 16) or c.group_m < 1 or c.num_stages < 1 or not 0 <= c.persistent <= 8 \
-            or c.warp_spec not in (0, 1) or (c.warp_spec and not c.persistent):
+    if c.block_m > 256 or c.block_n > 256:
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: BM and BN at most 256 (a TMA box's side)", remedy=remedy)
+    if c.num_warps not in (1, 2, 4, 8, 16) or c.group_m < 1 or c.num_stages < 1:
         raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: warps must be 1, 2, 4, 8 or 16, GROUP_M and STAGES >= 1",
                          remedy=remedy)
+    if not 0 <= c.persistent <= 8:
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: the 7th value (programs per SM) must be 0 to 8", remedy=remedy)
+    if c.warp_spec not in (0, 1) or (c.warp_spec and not c.persistent) or (c.warp_spec and 3 * c.num_warps > 32):
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: the 8th value (warp specialization) is 0 or 1, needs a "
+                         "persistent kernel and at most 8 warps (three warpgroups of them)", remedy=remedy)
     return c
 
 

@@ -112,11 +112,17 @@ def refusal(gelu: torch.fx.Node, mm: torch.fx.Node, chain: list[torch.fx.Node]) 
     return None
 
 
+def _mode() -> str:
+    from ..schedule.templates import mode
+
+    return mode()
+
+
 def _auto_choice(mm: torch.fx.Node) -> tuple[bool, str]:
     """AOTFUSE_MM=auto: keep this matmul on cuBLAS with the GELU epilogue? (the cost model's answer, why)."""
     from ..schedule.templates import gelu_epilogue_choice
 
-    a, b, out = _val(mm.args[1]), _val(mm.args[2]), _val(mm)
+    a, out = _val(mm.args[1]), _val(mm)
     dims = (a.shape[0], out.shape[1], a.shape[1]) if a is not None and out is not None else ()
     if not dims or not all(type(d) is int for d in dims):
         return True, "dynamic sizes: cuBLAS chooses its kernel per shape at run time"
@@ -134,7 +140,7 @@ def fuse(gm: torch.fx.GraphModule) -> tuple[int, list[dict]]:
             records.append(_record(gelu, mm, False, why))
             continue
         cost = ""
-        if knobs.mm == "auto":
+        if _mode() == "auto":
             keep, cost = _auto_choice(mm)
             if not keep:
                 records.append(_record(gelu, mm, False, cost))
@@ -165,7 +171,7 @@ def decompose(ep, table: dict):
     why = None
     if not knobs.mm_gelu:
         why = "AOTFUSE_MM_GELU=0"
-    elif knobs.mm == "template":
+    elif _mode() == "template":
         why = f"AOTFUSE_MM={knobs.mm}: a matmul template fuses its epilogue itself"
     if not tanh or why is not None:
         records = [_record(gelu, mm, False, ERF_WHY if _approximate(gelu) != "tanh" else why)

@@ -54,8 +54,8 @@ class ScratchLaunch:
     """A kernel that needs global scratch (`bytes_per_program` for each program: the TMA descriptors
     a matmul template makes in the kernel). Each prepared launch site (one per executor state, so
     per caller stream) owns its scratch, allocated once: concurrent states never share one, and a
-    CUDA graph captures a fixed address. A plain call allocates for that call, on torch's current
-    stream (the stream the executor launches on), so the allocator reuses it only after the kernel."""
+    CUDA graph captures a fixed address. A plain call allocates for that call, on the launch's stream,
+    so the allocator reuses it only after the kernel."""
 
     __slots__ = ("bound", "bytes_per_program", "device")
 
@@ -67,7 +67,11 @@ class ScratchLaunch:
         return torch.empty(max(n, 1), dtype=torch.uint8, device=self.device)
 
     def __call__(self, grid, stream, args, **kw) -> None:
-        scratch = self._alloc(grid)
+        if stream:  # allocated on the launch's stream, so the allocator reuses it only after the kernel
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+                scratch = self._alloc(grid)
+        else:
+            scratch = self._alloc(grid)
         self.bound(grid, stream, args, global_scratch=scratch.data_ptr())
 
     def prepare(self, grid):

@@ -147,11 +147,24 @@ def make_launchers(kernels: dict, sources: dict[str, str]) -> dict[str, Callable
             check_source(name, src, [a.name for a in kernels[name].args] + list(kernels[name].size_args))
             mod = load_source(name, src)
             mod.libdevice = INTERPRETER_LIBDEVICE  # the stored source imports CUDA's; not runnable here
-            if hasattr(mod, "_tanh_approx"):  # inline PTX (a matmul epilogue's tanh): the exact tanh here
-                mod._tanh_approx = INTERPRETER_LIBDEVICE.tanh
             fn = getattr(mod, name)
-            launchers[name] = _launcher(fn, triton.knobs.runtime)
+            launch = _launcher(fn, triton.knobs.runtime)
+            if getattr(kernels[name], "persistent", 0):
+                launch = _few_programs(launch)
+            launchers[name] = launch
     return launchers
+
+
+# A persistent kernel (a matmul template) strides over its tiles by tl.num_programs(0); on the GPU it runs
+# one program per SM. The CPU path launches at most this many, so the tile loop runs several times per
+# program there too (as it does on every GPU), not once per tile.
+CPU_PERSISTENT_PROGRAMS = 3
+
+
+def _few_programs(launch: Callable) -> Callable:
+    def run(grid, stream, tensors):
+        launch((min(grid[0], CPU_PERSISTENT_PROGRAMS), grid[1], grid[2]), stream, tensors)
+    return run
 
 
 def _launcher(fn, runtime_knobs) -> Callable:

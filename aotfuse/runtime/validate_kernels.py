@@ -42,7 +42,7 @@ def _kernel(name: str, k, empty_ok: bool = False) -> None:
         _int(k["persistent"], f"{where}: persistent", 1, 8)
         if k["kind"] != "template_mm":
             _fail(where, "persistent: only a matmul template's entry may be persistent")
-    _binaries(where, k["binaries"])
+    _binaries(where, k["binaries"], k["num_warps"] if k["kind"] == "template_mm" else None)
     if "xnumel" in k or "rnumel" in k:
         _kernel_sizes(where, k, xb, rb, grid, 0 if empty_ok else 1)
 
@@ -90,7 +90,8 @@ def _size_args(where: str, k: dict) -> None:
         _fail(where, f"size_args {_short(names)} repeat a name or reuse an argument's")
 
 
-def _binaries(where: str, bins) -> None:
+def _binaries(where: str, bins, template_warps: int | None = None) -> None:
+    """template_warps: a matmul template's entry warps (its binary may have 3x them: warp-specialized)."""
     _dict(bins, f"{where}: binaries")
     for arch, b in bins.items():
         if type(arch) is not str or not _ARCH.match(arch):
@@ -103,8 +104,9 @@ def _binaries(where: str, bins) -> None:
         # the compiled kernel's warps: the entry's, or 3 x them for a warp-specialized template (a producer
         # and two consumer warpgroups); the launch uses exactly this many
         _int(b["num_warps"], f"{w} num_warps", 1, 32)
-        if b["num_warps"] not in NUM_WARPS and b["num_warps"] % 4:
-            _fail(w, f"num_warps {b['num_warps']} is neither a power of two nor whole warpgroups")
+        if b["num_warps"] not in NUM_WARPS and (template_warps is None or b["num_warps"] != 3 * template_warps):
+            _fail(w, f"num_warps {b['num_warps']} is not a power of two (nor 3 x a warp-specialized template's "
+                     "warps)")
         _int(b["shared"], f"{w} shared", 0, 1 << 24)
         _int(b["global_scratch"], f"{w} global_scratch", 0, 1 << 40)
         _int(b["profile_scratch"], f"{w} profile_scratch", 0, 1 << 40)

@@ -64,7 +64,10 @@ def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, 
     pad_n = -(-n // config.block_n) * config.block_n
     util = (m * n) / (pad_m * pad_n)
     # a persistent kernel (operands through TMA) vs one program per tile (pointer loads)
-    eff = knobs.mm_template_efficiency if config.persistent else knobs.mm_tile_efficiency
+    # (TMA needs an unbatched matmul and AOTFUSE_MM_TMA; emit/template_mm.tma_operand may still refuse an
+    # operand that is not one aligned strided load, which this estimate does not see)
+    tma = bool(config.persistent) and b == 1 and knobs.mm_tma
+    eff = knobs.mm_template_efficiency if tma else knobs.mm_tile_efficiency
     template = knobs.launch_overhead_us + t_lib / (eff * util)
     return {"template": round(template, 2), "extern": round(extern, 2), "tile_utilization": round(util, 3),
             "bias_in_library": bias_in_library}
@@ -114,6 +117,8 @@ def gelu_epilogue_choice(m: int, n: int, k: int, dtype: str) -> tuple[bool, str]
     is the template with the same epilogue; both write the result once, so only the matmuls differ."""
     if dtype not in TEMPLATE_DTYPES:
         return True, f"{dtype} matmuls have no template"
+    if not (m and n and k):
+        return True, f"an empty matmul ({m}x{n}x{k}): nothing to time"
     cfg, _ = choose_config(1, m, n, k, dtype, knobs.targets)
     est = estimate(1, m, n, k, dtype, 0, 0.0, True, cfg)
     if est["extern"] <= est["template"]:
