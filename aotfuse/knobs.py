@@ -39,7 +39,7 @@
 | mm_bandwidth_gbs | AOTFUSE_MM_BANDWIDTH_GBS | 3000 | cost model: device memory bandwidth for a matmul epilogue's round trip (an H100's measured copy; an H200's is 4270) |
 | mm_tile_efficiency | AOTFUSE_MM_TILE_EFF | 0.45 | cost model: the same for a template with one program per tile (pointer loads; H200, 2026-11-26, 1024 rows: 0.40-0.82 of cuBLAS) |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
-| mm_config | AOTFUSE_MM_CONFIG | (table) | every template matmul takes this tile configuration, `BM,BN,BK,GROUP_M,WARPS,STAGES` (clamped to the problem; scripts/tune_mm.py measures them); empty: emit/mm_configs.py's table |
+| mm_config | AOTFUSE_MM_CONFIG | (table) | every template matmul takes this tile configuration, `BM,BN,BK,GROUP_M,WARPS,STAGES[,PERSISTENT[,WARP_SPEC]]` (PERSISTENT: programs per SM of a persistent kernel, 0 for one per tile; WARP_SPEC 1: its tile loop warp-specialized; clamped to the problem; scripts/tune_mm.py measures them); empty: emit/mm_configs.py's table |
 | mm_tma | AOTFUSE_MM_TMA | 1 | a matmul template loads an operand that is one strided read (a weight, a contiguous activation) through a TMA tensor descriptor (sm_90; made in the kernel, in the launch's global scratch); 0: pointer loads |
 | fast_tanh | AOTFUSE_FAST_TANH | 1 | a matmul template's epilogue whose stored values are all half precision computes tanh as 1 - 2 / (1 + e^(2x)) with ex2.approx and a fast divide (absolute error about 1e-7) instead of libdevice's tanhf; 0: libdevice |
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
