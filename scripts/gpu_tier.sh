@@ -4,7 +4,8 @@
 # STAGES picks what runs (default: all but the opt-in ones): repro host pytest sanitize check driver train bench
 # kernels trainbench; opt-in: profile (scripts/profile_train.py: per-kernel GPU time of the anchor step, aotfuse vs
 # torch.compile), knobs (scripts/knob_ab.py of KNOB_VARIANTS on KNOB_CASES: opt-in knobs vs the defaults), dynamic
-# (one dynamic archive at many shapes, reduction-length variants) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
+# (one dynamic archive at many shapes, reduction-length variants), mm (matmul templates vs cuBLAS: tune_mm.py,
+# graph_diag.py, knob_ab.py's training A/B) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
 # docs/zoo_gpu.json and run scripts/gen_models_doc.py).
 # kernels: scripts/bench_kernels.py (memory-bound cases, % of copy); trainbench: `aotfuse bench --train` of
 # TRAIN_SPECS (default: the anchor GPT, batch 8 x 1024, bf16).
@@ -69,6 +70,15 @@ if want dynamic; then
   run dynamic python3 scripts/bench_dynamic.py build/anchor_dyn.aotf --iters ${DYN_ITERS:-30} --json "$OUT/bench_dynamic.json"
   run variants python3 scripts/variants_ab.py --iters ${DYN_ITERS:-30}
 fi
+# mm: matmul templates (issue 11.3): tile configurations vs cuBLAS per anchor matmul, the anchor GPT per call
+# with AOTFUSE_MM=extern vs auto (one process, interleaved), and the training step extern vs auto
+if want mm; then
+  run tune_mm python3 scripts/tune_mm.py --rows ${MM_ROWS:-8192,1024,128} --json "$OUT/tune_mm.json"
+  for bs in ${MM_SHAPES:-8x1024 1x1024 1x128}; do
+    run "graph_diag_$bs" python3 scripts/graph_diag.py --batch "${bs%x*}" --seq "${bs#*x}" --modes extern,auto,extern,auto
+  done
+  run mm_train python3 scripts/knob_ab.py --cases anchor base: auto:mm=auto
+fi
 want zoo && run zoo python3 scripts/zoo_gpu.py ${ZOO_NAMES:-} --json "$OUT/zoo_gpu.json" --markdown "$OUT/zoo.md"
 echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
@@ -86,4 +96,7 @@ for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "E
 [ -f "$OUT/knobs.log" ] && grep -h "^|" "$OUT/knobs.log"
 [ -f "$OUT/dynamic.log" ] && grep -h "^|" "$OUT/dynamic.log"
 [ -f "$OUT/variants.log" ] && grep -h "^|" "$OUT/variants.log"
+[ -f "$OUT/tune_mm.log" ] && sed -n '/kernel time per call/,$p' "$OUT/tune_mm.log"
+for f in "$OUT"/graph_diag_*.log; do [ -f "$f" ] && grep -h "graphs=True" "$f" | cut -c1-90; done
+[ -f "$OUT/mm_train.log" ] && grep -h "^|" "$OUT/mm_train.log"
 exit 0
