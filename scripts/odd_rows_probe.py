@@ -15,12 +15,16 @@ loads it would replace. The kernel generator keeps its tiles (95-96 us, parity w
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import _median_events, capture_graph  # noqa: E402
 
 
 @triton.jit
@@ -68,26 +72,8 @@ def ln_groups(x_ptr, w_ptr, b_ptr, y_ptr, R, C: tl.constexpr, CB: tl.constexpr, 
 
 
 def graph_us(fn, iters=50, rounds=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / iters * 1e3)
-    return statistics.median(out)
+    """Kernel time of fn: captured in a CUDA graph, replayed (median of `rounds` rounds), in us."""
+    return _median_events(capture_graph(fn).replay, iters, rounds) * 1e3
 
 
 def main():

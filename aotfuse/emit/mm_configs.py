@@ -80,8 +80,23 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _count(b: int, m: int, n: int, bm: int, bn: int) -> int:
+    """Tiles of BM x BN over B x M x N."""
+    return b * -(-m // bm) * -(-n // bn)
+
+
 def _tiles(b: int, m: int, n: int, c: MMConfig) -> int:
-    return b * -(-m // c.block_m) * -(-n // c.block_n)
+    return _count(b, m, n, c.block_m, c.block_n)
+
+
+def _clamp(v: int, extent: int) -> int:
+    """A block never exceeds the next power of two of its extent; tl.dot needs 16."""
+    return max(16, min(v, _pow2_at_least(extent)))
+
+
+def _clamped(c: MMConfig, m: int, n: int, k: int) -> MMConfig:
+    return dataclasses.replace(c, block_m=_clamp(c.block_m, m), block_n=_clamp(c.block_n, n),
+                               block_k=_clamp(c.block_k, k))
 
 
 def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, str]:
@@ -95,21 +110,21 @@ def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, st
     128, 64, 32, 16 that still gives at least half an SM's worth of programs per SM (tiles >= SMs / 2:
     the measured optimum was 72 to 128 tiles on 132 SMs); BK = 128 with 3 stages (4 when BN <= 32)
     for a narrow tile, 64 with 4 stages at BN = 128."""
-    clamp = lambda v, e: max(16, min(v, _pow2_at_least(e)))  # noqa: E731
-    if m >= 128 and b * -(-m // 128) * -(-n // 128) >= sms:
+    big = _count(b, m, n, 128, 128)
+    if m >= 128 and big >= sms:
         wide = n >= 2048
         c = MMConfig(128, 256 if wide else 128, 64, 8, 8, 3 if wide else 4, persistent=1)
-        c = dataclasses.replace(c, block_n=clamp(c.block_n, n), block_k=clamp(64, k))
-        return c, (f"sm_90 large ({b * -(-m // 128) * -(-n // 128)} tiles of 128x128 >= {sms} SMs): persistent, "
+        c = dataclasses.replace(c, block_n=_clamp(c.block_n, n), block_k=_clamp(64, k))
+        return c, (f"sm_90 large ({big} tiles of 128x128 >= {sms} SMs): persistent, "
                    f"{c.block_m}x{c.block_n}x{c.block_k}" + (" (N >= 2048)" if wide else ""))
-    bm = clamp(64, m)
-    bn = clamp(128, n)
-    while bn > 16 and b * -(-m // bm) * -(-n // bn) < sms / 2:
+    bm = _clamp(64, m)
+    bn = _clamp(128, n)
+    while bn > 16 and _count(b, m, n, bm, bn) < sms / 2:
         bn //= 2
     bk = 128 if bn <= 64 else 64
     stages = 4 if (bk == 64 or bn <= 32) else 3
-    c = MMConfig(bm, bn, clamp(bk, k), 8, 4, stages)
-    return c, (f"sm_90 small: {c.block_m}x{c.block_n}x{c.block_k}, {b * -(-m // bm) * -(-n // bn)} programs "
+    c = MMConfig(bm, bn, _clamp(bk, k), 8, 4, stages)
+    return c, (f"sm_90 small: {c.block_m}x{c.block_n}x{c.block_k}, {_tiles(b, m, n, c)} programs "
                f"(BN halved from 128 while fewer than {sms} / 2)")
 
 
@@ -150,13 +165,11 @@ def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[
 
     if knobs.mm_config:
         c = parse_config(knobs.mm_config)
-        bm = max(16, min(c.block_m, _pow2_at_least(m)))
-        bn = max(16, min(c.block_n, _pow2_at_least(n)))
-        bk = max(16, min(c.block_k, _pow2_at_least(k)))
+        cc = _clamped(c, m, n, k)
         why = f"AOTFUSE_MM_CONFIG={knobs.mm_config}"
-        if (bm, bn, bk) != (c.block_m, c.block_n, c.block_k):
-            why += f"; clamped to the problem: {bm}x{bn}x{bk}"
-        return dataclasses.replace(c, block_m=bm, block_n=bn, block_k=bk), why
+        if cc != c:
+            why += f"; clamped to the problem: {cc.block_m}x{cc.block_n}x{cc.block_k}"
+        return cc, why
     targets = tuple(targets) or ("sm_90",)
     known = [t for t in targets if t in ARCH] or ["sm_90"]
     target = min(known, key=ARCH.__getitem__)
@@ -165,13 +178,10 @@ def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[
         return _hopper_half(b, m, n, k, min(SMS[t] for t in known))
     c = TABLE[target, cls, sc]
     why = [f"table[{target}, {cls}, {sc}]" + (f" (most constrained of {', '.join(known)})" if len(known) > 1 else "")]
-    # Clamp to the problem (a block never exceeds the next power of two of its extent; tl.dot needs 16).
-    bm = max(16, min(c.block_m, _pow2_at_least(m)))
-    bn = max(16, min(c.block_n, _pow2_at_least(n)))
-    bk = max(16, min(c.block_k, _pow2_at_least(k)))
-    if (bm, bn, bk) != (c.block_m, c.block_n, c.block_k):
-        why.append(f"clamped to the problem: {bm}x{bn}x{bk}")
-        c = dataclasses.replace(c, block_m=bm, block_n=bn, block_k=bk)
+    cc = _clamped(c, m, n, k)
+    if cc != c:
+        why.append(f"clamped to the problem: {cc.block_m}x{cc.block_n}x{cc.block_k}")
+        c = cc
     # Fill the SMs: halve the larger block while the grid has fewer programs than the least SM count.
     sms = min(SMS[t] for t in known)
     shrunk = False
