@@ -33,6 +33,7 @@
 | graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (not a training backward's gradients) (a loss kept by the caller pins no output set); larger ones are read and returned in place (runtime/graphs.py says which) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
 | mm | AOTFUSE_MM | extern | matmuls: `extern` (every matmul cuBLAS, a tanh GELU in cuBLASLt's epilogue), `template` (every floating-point matmul a Triton template with its epilogue fused), `auto` (per matmul the cheaper of the two by schedule/templates.py's cost model). Default extern: on an H200 (2026-11-26, `scripts/graph_diag.py`, one process, CUDA graphs) the anchor GPT runs 1.271-1.279 ms extern vs 1.279-1.293 auto at 8x1024, 0.273 vs 0.306 at 1x1024, 0.169 both at 1x128: the Hopper templates (persistent, TMA) reach 0.86-0.88 of cuBLAS's main loop at K=768 (scripts/tune_mm.py) and a residual add costs cuBLAS only a round trip inside the next LayerNorm |
+| attention | AOTFUSE_ATTENTION | auto | inference attention (scaled_dot_product_attention): `auto` a Triton flash-attention template (emit/template_attn.py) where it is supported and up to head dim 64 (H200, 2026-11-26, scripts/attn_probe.py: 0.58-0.93 of sdpa's time on the anchor GPT's shapes), `template` wherever supported, `extern` always torch's sdpa; lower/attention.py lists what keeps sdpa |
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
 | mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
 | mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.85 | cost model: a persistent (TMA) template's throughput as a fraction of cuBLAS's (H200, 2026-11-26: 0.86-0.88 on the anchor's K=768 matmuls at 8192 rows, about 1.0 at K=3072) |
@@ -110,6 +111,7 @@ class Knobs:
     mm_config: str = os.environ.get("AOTFUSE_MM_CONFIG", "")
     fast_tanh: bool = bool(_env_int("AOTFUSE_FAST_TANH", 1))
     mm_tma: bool = bool(_env_int("AOTFUSE_MM_TMA", 1))
+    attention: str = os.environ.get("AOTFUSE_ATTENTION", "auto")
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
     mm_gelu: bool = bool(_env_int("AOTFUSE_MM_GELU", 1))
     train_step: str = os.environ.get("AOTFUSE_TRAIN_STEP", "split") or "split"

@@ -2,7 +2,7 @@
 epilogue it has in the model, timed per tile configuration against cuBLAS + a separate epilogue
 (eager) and aotfuse's extern lowering (cuBLAS, the GELU in cuBLASLt's epilogue).
 
-    python3 scripts/tune_mm.py [--rows 8192,128] [--cases qkv,out,fc,proj,head] [--json FILE]
+    python3 scripts/tune_mm.py [--rows 8192,128] [--cases qkv,out,fc,proj,head] [--configs C;C] [--json FILE]
 
 Every contender is one module (Linear + its epilogue) built with AOTFUSE_MM=template and
 AOTFUSE_MM_CONFIG=<config> (or AOTFUSE_MM=extern) for this GPU's arch only, in parallel processes
@@ -50,6 +50,7 @@ LARGE += [(128, 256, 64, 8, 8, 3, 1), (128, 128, 64, 8, 8, 4, 1), (128, 128, 64,
           (128, 128, 64, 8, 4, 3, 2)]
 # warp-specialized persistent (8th value 1: a producer and two consumer warpgroups of WARPS each)
 LARGE += [(128, 256, 64, 8, 4, 3, 1, 1), (128, 256, 64, 8, 4, 4, 1, 1), (128, 128, 64, 8, 4, 4, 1, 1),
+          (128, 128, 128, 8, 4, 3, 1, 1), (128, 128, 128, 8, 4, 4, 1, 1), (128, 256, 64, 16, 4, 4, 1, 1),
           (128, 256, 64, 4, 4, 3, 1, 1), (128, 128, 64, 8, 4, 5, 1, 1), (256, 128, 64, 8, 4, 3, 1, 1)]
 MID = [(64, 128, 64, 8, 4, 4), (64, 64, 128, 8, 4, 3), (128, 128, 64, 8, 4, 4, 1), (64, 64, 64, 8, 4, 4, 1),
        (128, 64, 64, 8, 4, 4, 1), (64, 128, 64, 8, 4, 4, 1), (128, 128, 64, 8, 8, 4, 1),
@@ -109,6 +110,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default=None,
+                    help="only these configurations, ';'-separated (e.g. 128,128,128,8,4,3,1,1;128,256,64,8,8,3,1)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     a = ap.parse_args()
     import aotfuse
@@ -125,6 +128,8 @@ def main():
     for rows in (int(r) for r in a.rows.split(",")):
         for case in a.cases.split(","):
             cfgs = LARGE if rows >= 4096 else MID if rows >= 512 else SMALL
+            if a.configs:
+                cfgs = [tuple(int(v) for v in c.split(",")) for c in a.configs.split(";") if c]
             jobs.append((case, rows, "extern", None, arch, f"{tmp}/{case}_{rows}_extern.aotf"))
             jobs.append((case, rows, "template", (), arch, f"{tmp}/{case}_{rows}_table.aotf"))  # the table's choice
             jobs.extend((case, rows, "template", c, arch, f"{tmp}/{case}_{rows}_{'_'.join(map(str, c))}.aotf")

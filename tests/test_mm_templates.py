@@ -101,11 +101,17 @@ def test_hopper_rules():
     def cfg(m, n, k, targets=("sm_90",)):
         return choose_config(1, m, n, k, "bfloat16", targets)
 
-    for (m, n, k), want in {(8192, 3072, 768): (128, 256, 64, 3), (8192, 8192, 768): (128, 256, 64, 3),
-                            (8192, 768, 3072): (128, 128, 64, 4), (8192, 768, 768): (128, 128, 64, 4)}.items():
+    for (m, n, k), want in {(8192, 3072, 768): (128, 128, 128, 3), (8192, 8192, 768): (128, 256, 64, 4),
+                            (8192, 768, 3072): (128, 128, 128, 3), (8192, 768, 768): (128, 128, 128, 3)}.items():
         c, why = cfg(m, n, k)
-        assert (c.block_m, c.block_n, c.block_k, c.num_stages) == want and c.persistent == 1 and c.num_warps == 8
-        assert "persistent" in why and c.smem_bytes(2) <= 227 * 1024
+        assert (c.block_m, c.block_n, c.block_k, c.num_stages) == want and c.persistent == 1
+        assert c.warp_spec == 1 and c.num_warps == 4  # two consumer warpgroups of 4 warps and a producer
+        assert "persistent, warp-specialized" in why and c.smem_bytes(2) <= 227 * 1024
+    # batched (no TMA, so no warp specialization): the flattened persistent rules
+    for n, want in {3072: (128, 256, 64, 3), 768: (128, 128, 64, 4)}.items():
+        c, why = choose_config(4, 2048, n, 768, "bfloat16", ("sm_90",))
+        assert (c.block_m, c.block_n, c.block_k, c.num_stages) == want and c.persistent == 1
+        assert c.warp_spec == 0 and c.num_warps == 8 and "warp-specialized" not in why
     for (m, n, k), (bn, bk) in {(128, 768, 768): (16, 128), (128, 3072, 768): (64, 128), (128, 2304, 768): (64, 128),
                                 (128, 8192, 768): (128, 64)}.items():
         c, why = cfg(m, n, k)
@@ -283,6 +289,41 @@ def test_mode_extern_keeps_cublas():
     assert sum(ext.values()) <= 4 and not ext["aten.mm.out"] and not ext["aten.addmm.out"]
 
 
+class RowCol(torch.nn.Module):
+    """A per-row scale and a per-column bias in a matmul's epilogue."""
+
+    def forward(self, x, w, rs, cb):
+        return torch.mm(x, w) * rs[:, None] + cb
+
+
+@pytest.mark.parametrize("sizes", [(37, 40, 50), (64, 32, 96)], ids=["edges", "whole-tiles"])
+@pytest.mark.parametrize("persistent", [0, 1], ids=["per-tile", "persistent"])
+def test_template_row_and_column_reads_load_once_per_tile(sizes, persistent):
+    """A read that varies along one output dimension only (a bias over columns, a scale over rows) is one
+    1-D load per tile broadcast over the other; with tiles that divide M and N nothing is masked."""
+    import msgpack
+
+    m, k, n = sizes
+    dtype = torch.bfloat16
+
+    def inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(sh, generator=g).to(dtype) for sh in ((m, k), (k, n), (m,), (n,)))
+
+    with override(mm="template", mm_config=f"32,32,32,4,4,2,{persistent}"):
+        res = aotfuse.build(RowCol(), inputs(0), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    srcs = msgpack.unpackb(bytes(art.archive.part("sources")))
+    (src,) = [srcs[nm] for nm, kr in art.kernels.items() if kr.kind == "template_mm"]
+    whole = m % 32 == 0 and n % 32 == 0
+    row = f"tl.load(in_ptr2 + rm{', rm < 37, other=0' if m % 32 else ''})[:, None]"
+    col = f"tl.load(in_ptr3 + rn{', rn < 50, other=0' if n % 32 else ''})[None, :]"
+    assert row in src and col in src, src
+    assert ("xmask" in src) == (not whole), src
+    for seed in (1, 2):
+        _check_like_eager(art, RowCol(), inputs(seed), dtype)
+
+
 class Odd(torch.nn.Module):
     """A tanh GELU over a biased matmul and a residual over another, at sizes no tile divides."""
 
@@ -343,6 +384,26 @@ def test_warp_specialized_template_source():
         from aotfuse.emit.mm_configs import parse_config
 
         parse_config("128,128,64,8,4,3,0,1")  # warp specialization needs a persistent kernel
+
+
+def test_warp_specialized_config_without_tma_operands_flattens():
+    """Rows of 100 bf16 (200 bytes) are no TMA operand: a warp-specialized configuration then compiles
+    flattened with both consumer warpgroups' warps (8), not a 4-warp kernel, and computes the same."""
+    import msgpack
+
+    torch.manual_seed(0)
+    model = Odd(k=100, n=104).to(torch.bfloat16).eval()
+    inputs = (torch.randn(64, 100, dtype=torch.bfloat16), torch.randn(64, 104, dtype=torch.bfloat16))
+    with override(mm="template", mm_config="32,32,32,4,4,2,1,1"):
+        res = aotfuse.build(model, inputs, targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    srcs = msgpack.unpackb(bytes(art.archive.part("sources")))
+    fc = [(srcs[n], k) for n, k in art.kernels.items() if k.kind == "template_mm" and "in_ptr0 + " in srcs[n]
+          and "make_tensor_descriptor(in_ptr0," not in srcs[n]]
+    assert fc, "expected a template whose A operand takes the pointer path"
+    for src, k in fc:
+        assert "flatten=True" in src and "warp_specialize" not in src and k.num_warps == 8
+    _check_like_eager(art, model, inputs, torch.bfloat16)
 
 
 def test_tma_operand_layouts():

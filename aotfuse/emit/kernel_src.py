@@ -428,7 +428,7 @@ def generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     """The kernel of one fusion group. A group whose reduced length is dynamic gets kernel variants
     per sub-range of that length (emit/variants.py): the program picks one per shape."""
     main = _generate(group, graph, stored, evict)
-    if group.kind in ("template", "scan", "mix_order") or main.kind == "pointwise" or static(group.rnumel) \
+    if group.kind in ("template", "attention", "scan", "mix_order") or main.kind == "pointwise" or static(group.rnumel) \
             or not knobs.dynamic_variants:
         return main
     from .variants import with_variants
@@ -445,6 +445,10 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     variant's) instead of the heuristic's; dims: the dim arguments to take (every variant of a launch
     takes the same)."""
     forced = blocks
+    if group.kind == "attention":  # a flash-attention kernel: emit/template_attn.py
+        from .template_attn import generate_attention
+
+        return generate_attention(group, graph)
     if group.kind == "template":  # a matmul and its epilogue: emit/template_mm.py
         from .template_mm import generate_mm
 

@@ -103,14 +103,23 @@ def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, st
     """sm_90, bf16/fp16 operands: rules fitted to scripts/tune_mm.py on an H200 (2026-11-26, the anchor
     GPT's matmuls with their epilogues at 8192 and 128 rows; docs/benchmarks.md).
 
-    Large (at least 128 rows and one 128x128 tile per SM): persistent (the runtime launches one program
-    per SM; operands through TMA descriptors), 128 x 256 x 64 tiles, 8 warps, 3 stages when
-    N >= 2048, else 128 x 128 x 64, 8 warps, 4 stages (measured best or within 2% of it on every
-    case). Small: one program per tile with BM = 64 (a warpgroup's wgmma height); BN the largest of
+    Large (at least 128 rows and one 128x128 tile per SM), unbatched: persistent (the runtime launches one
+    program per SM; operands through TMA descriptors) and warp-specialized (a producer warpgroup, two
+    consumer warpgroups of 4 warps), 128 x 256 x 64 tiles with 4 stages when N >= 4096, else 128 x 128 x 128
+    with 3 stages (scripts/mm_gap_probe.py, H200 2026-11-26: best or within 2% of the best on the
+    anchor's qkv, out, proj and head, at parity with cuBLAS on qkv and head). Batched (no TMA): 128 x 256
+    x 64 tiles, 8 warps, 3 stages when N >= 2048, else 128 x 128 x 64, 8 warps, 4 stages. Small: one program per tile with BM = 64 (a warpgroup's wgmma height); BN the largest of
     128, 64, 32, 16 that still gives at least half an SM's worth of programs per SM (tiles >= SMs / 2:
     the measured optimum was 72 to 128 tiles on 132 SMs); BK = 128 with 3 stages (4 when BN <= 32)
     for a narrow tile, 64 with 4 stages at BN = 128."""
     big = _count(b, m, n, 128, 128)
+    if m >= 128 and big >= sms and b == 1:
+        wide = n >= 4096
+        c = MMConfig(128, 256 if wide else 128, 64 if wide else 128, 8, 4, 4 if wide else 3, persistent=1,
+                     warp_spec=1)
+        c = dataclasses.replace(c, block_n=_clamp(c.block_n, n), block_k=_clamp(c.block_k, k))
+        return c, (f"sm_90 large ({big} tiles of 128x128 >= {sms} SMs): persistent, warp-specialized, "
+                   f"{c.block_m}x{c.block_n}x{c.block_k}" + (" (N >= 4096)" if wide else ""))
     if m >= 128 and big >= sms:
         wide = n >= 2048
         c = MMConfig(128, 256 if wide else 128, 64, 8, 8, 3 if wide else 4, persistent=1)

@@ -110,15 +110,28 @@ class _EpilogueEmitter(_Emitter):
         self.flat_to, self.rng, self.names = flat_to, rng, names
 
     fast_tanh = False
+    edge_m = edge_n = 0  # M (N) when BM (BN) does not divide it: the 1-D loads' bound, else 0
+    full = False  # every tile whole: loads and stores unmasked
 
     def _code(self, e):
         if self.fast_tanh and isinstance(e, Op) and e.op == "tanh" and e.dtype == "float32":
             return f"_tanh_fast({self.emit(e.args[0])})"
         if isinstance(e, Load) and e.buf not in self.members and e.index.free_symbols:
             idx = simplify(sympy.sympify(e.index).xreplace({SX: self.flat_to}), self.rng)
+            free = idx.free_symbols - {SB}
+            if free in ({SN}, {SM}):
+                # a row (a bias over columns) or a column (a per-row scale): one 1-D load per tile,
+                # broadcast over the other dimension, not a [BM, BN] tile of repeated loads
+                sym, var, edge, bcast = (SN, "rn", self.edge_n, "[None, :]") if free == {SN} else \
+                    (SM, "rm", self.edge_m, "[:, None]")
+                ptr = f"{self.args[e.buf]} + {print_index(idx, {SB: 'pid_b', sym: var})}"
+                mask = f", {var} < {edge}, other=0" if edge else ""
+                return f"tl.load({ptr}{mask}){bcast}"
             ptr = f"{self.args[e.buf]} + {print_index(idx, self.names)}"
-            if not idx.free_symbols - {SB}:  # one element per tile (a per-(batch, head) scale or mask):
+            if not free:  # one element per tile (a per-(batch, head) scale or mask):
                 ptr = f"{ptr} + 0 * xindex"  # pid_b is a scalar; the masked load needs a block pointer
+            if self.full:  # every tile is whole: no mask
+                return f"tl.load({ptr})"
             return f"tl.load({ptr}, {self.mask()}, other=0)"
         return super()._code(e)
 
@@ -260,6 +273,10 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     w(f"    pid_m = first_m + (pid % {gm * tn}) % group_size")
     w(f"    pid_n = (pid % {gm * tn}) // group_size")
     both_tma = tma_a is not None and tma_b is not None
+    if cfg.warp_spec and not both_tma:
+        # Triton's Hopper warp specialization needs both operands through TMA; otherwise the same tiles,
+        # flattened, with both consumer warpgroups' warps (a 4-warp 128-row tile would halve the MMA rate)
+        cfg = dataclasses.replace(cfg, warp_spec=0, num_warps=2 * cfg.num_warps)
     # With both operands through TMA the row and column ranges are made after the K loop, where the
     # epilogue uses them (fewer live registers across the loop; a warp-specialized loop computed
     # wrong results with them made before it: scripts/ws_runtime_probe.py).
@@ -301,13 +318,16 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         w("        acc = tl.dot(a, b, acc)")
     if both_tma:
         L.extend(ranges)
-    w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
+    if m % bm or n % bn:
+        w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
     flat = SB * (m * n) + SM * n + SN
     w(f"    xindex = {print_index(flat, {SB: 'pid_b', SM: 'rm[:, None]', SN: 'rn[None, :]'})}")
     rng = {SB: bsz, SM: m, SN: n}
     em = _EpilogueEmitter(graph, {kn.name: kn for kn in knodes} | {mm.name: mm}, in_name, "pointwise",
                           flat_to=flat, rng=rng, names={SB: "pid_b", SM: "rm[:, None]", SN: "rn[None, :]"})
     em.xnumel = x
+    em.edge_m, em.edge_n = (m if m % bm else 0), (n if n % bn else 0)
+    em.full = not em.edge_m and not em.edge_n
     # tanh in two MUFU instructions (_TANH_FAST: absolute error about 1e-7) when every value the kernel
     # stores is half precision: libdevice's tanhf is some 25 instructions per element, and a template's
     # epilogue runs while its tensor cores wait.
@@ -320,7 +340,8 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     def store(name: str, value: str):
         dtype = TL_DTYPE[graph.buffer(name).dtype]
         idx = print_index(stores[name], {SX: "xindex", SR: "rindex"})
-        L.append(f"    tl.store({out_name[name]} + {idx}, {value}.to({dtype}), xmask)")
+        mask = "" if em.full else ", xmask"
+        L.append(f"    tl.store({out_name[name]} + {idx}, {value}.to({dtype}){mask})")
 
     if mm.name in out_name:
         store(mm.name, "acc")

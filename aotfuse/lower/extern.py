@@ -9,6 +9,7 @@ from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.o
 from ..errors import UnsupportedOpError
 from ..ir.views import View
 from .ctx import dtype_name, out_dtype, out_shape
+from .attention import choose as attention_choice, lower_attention
 from .matmul import add_bias, try_template
 from ..layouts import channels_last_perm
 from .rules import collector
@@ -149,7 +150,8 @@ def _convolution_backward(ctx, node, args, kwargs):
 
 
 @rule(aten.scaled_dot_product_attention.default, category="extern",
-          note="dropout_p must be 0; the result buffer is laid out [B, T, H, D] as the flash kernels write it")
+          note="dropout_p must be 0; a Triton flash-attention template where lower/attention.py takes it, else "
+               "torch's sdpa; the result buffer is laid out [B, T, H, D] as the flash kernels write it")
 def _sdpa(ctx, node, args, kwargs):
     q, k, v = args[:3]
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
@@ -164,6 +166,10 @@ def _sdpa(ctx, node, args, kwargs):
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
     _mask_decision(ctx, node)
     shape = out_shape(node)
+    template, rec = attention_choice(node.name, tq, tk, tv, tm, bool(causal), bool(gqa), out_dtype(node))
+    ctx.decisions.append(rec)
+    if template:  # a flash-attention kernel of our own (lower/attention.py)
+        return lower_attention(ctx, node, tq, tk, tv, bool(causal), scale, shape, out_dtype(node))
     perm = [0, 2, 1, 3] if len(shape) == 4 else None
     kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
     return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),

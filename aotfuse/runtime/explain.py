@@ -25,6 +25,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})"
     if "attention_mask" in d:  # export/masks.py
         return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
+    if "attention" in d and "mode" in d:  # lower/attention.py: the template or sdpa
+        return f"  {d['attention']}: attention {d.get('shape')}{' causal' if d.get('causal') else ''} -> {d['kernel']} ({d['why']})"
     if "attention" in d:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
     if "onehot" in d:  # schedule/trivial.py

@@ -35,6 +35,7 @@ from . import mix
 from .deps import analyze, classify_read, kind_in_space, node_reads, read_alignment, space, update_reverse
 from ..ir.loop import Extern, Load, LoopGraph, Node, Pointwise, Reduction, Scan, expr_loads
 from ..ir.matmul import is_matmul
+from ..ir.attention import is_attention
 from .templates import fusion_refusal
 
 
@@ -66,6 +67,7 @@ class FusionGroup:
     name: str
     nodes: tuple[str, ...]  # topological order
     kind: str  # "pointwise" | "reduction" | "scan" | "extern" | "template" (a matmul and its epilogue) | "mix_order"
+    # | "attention" (an AttentionKernel: an extern to scheduling, a kernel to codegen)
     xnumel: int
     rnumel: int
     # mix_order (schedule/mix.py): the members iterated in the column partials' space, and the rows
@@ -599,10 +601,12 @@ def _finish(st: _State, decisions) -> Schedule:
             groups.append(FusionGroup(f"g{i}", tuple(mem), "mix_order", shape.x, shape.r,
                                       tuple(st.columns[g]), shape.chunk))
         else:
-            kind = "extern" if st.is_extern(g) else "scan" if st.is_scan(g) else "template" if any(
+            kind = ("attention" if is_attention(st.nodes[mem[0]]) else "extern") if st.is_extern(g) else \
+                "scan" if st.is_scan(g) else "template" if any(
                 is_matmul(st.nodes[n]) for n in mem) else (
                 "reduction" if any(isinstance(st.nodes[n], Reduction) for n in mem) else "pointwise")
-            x, r = st.space[mem[0]] if kind == "scan" else st.gspace(g) if kind != "extern" else (0, 0)
+            x, r = st.space[mem[0]] if kind == "scan" else st.gspace(g) if kind not in ("extern", "attention") \
+                else (0, 0)
             groups.append(FusionGroup(f"g{i}", tuple(mem), kind, x, r))
         for n in mem:
             if _is_stored(st, n, mset):

@@ -1,0 +1,27 @@
+"""The attention template's loop-IR node: an inference scaled_dot_product_attention that codegen emits
+as a Triton flash-attention kernel (emit/template_attn.py) instead of calling torch's sdpa.
+
+To every pass that does not know it (dependencies, inlining, fusion, memory planning) it is an
+Extern: it reads its q, k, v views whole and writes its own buffer, and nothing fuses into it.
+Fusion gives its group the kind "attention"; codegen writes the kernel; the program launches it
+like any kernel (no extern instruction). Its output buffer is out_variant (planned in the arena).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .loop import Extern
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel(Extern):
+    causal: bool = False
+    scale: float = 0.0  # softmax scale (1/sqrt(D) when sdpa's was None)
+    block_m: int = 64  # query rows per program
+    block_n: int = 64  # keys per step of the loop
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def is_attention(node) -> bool:
+    return isinstance(node, AttentionKernel)

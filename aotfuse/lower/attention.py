@@ -1,0 +1,97 @@
+"""Inference attention: a Triton flash-attention template (emit/template_attn.py) or torch's sdpa extern.
+
+`AOTFUSE_ATTENTION` (knobs.py): `auto` (the default: the template where it is supported and was
+measured faster, else sdpa), `template` (wherever supported), `extern` (always sdpa). The template
+supports what it was written and measured for; anything else keeps sdpa, and the reason goes into
+the report (`explain`):
+- static shapes, q/k/v of rank 4 ([B, H, T, D]) with the same B and H (no GQA), D in 16..128 a power
+  of two, bf16 or fp16, the last dim contiguous;
+- no attention mask (export/masks.py turns a causal mask into is_causal first), dropout 0;
+- causal only with as many keys as queries (sdpa's causal mask is top-left aligned).
+`auto` takes the template up to D = 64 (H200, 2026-11-26, scripts/attn_probe.py: 44.0 vs 47.5 us at
+8 x 12 x 1024 x 64 causal, 13.4 vs 14.7 at 1 x 1024, 3.5 vs 6.1 at 1 x 128; not measured beyond).
+"""
+from __future__ import annotations
+
+from ..ir.attention import AttentionKernel
+from ..ir.loop import TensorArg
+from ..ir.sizes import static
+from ..knobs import knobs
+
+MODES = ("auto", "template", "extern")
+AUTO_MAX_HEAD_DIM = 64  # measured (module docstring)
+_BTHD = (0, 2, 1, 3)  # [B, H, T, D] results stored [B, T, H, D]
+
+
+def mode() -> str:
+    m = (knobs.attention or "auto").lower()
+    if m not in MODES:
+        from ..errors import BuildError
+
+        raise BuildError(f"AOTFUSE_ATTENTION={knobs.attention!r}", remedy=f"use one of {', '.join(MODES)}")
+    return m
+
+
+def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool, dtype: str) -> str | None:
+    """Why the template cannot run this attention (None: it can)."""
+    if mask is not None:
+        return "an attention mask is kept (the template has none)"
+    if gqa:
+        return "grouped-query attention (enable_gqa)"
+    if dtype not in ("bfloat16", "float16"):
+        return f"{dtype} attention (the template takes bf16 and fp16)"
+    shapes = (q.shape, k.shape, v.shape)
+    if any(len(s) != 4 for s in shapes):
+        return f"q/k/v of rank {len(q.shape)}, {len(k.shape)}, {len(v.shape)} (the template takes [B, H, T, D])"
+    if not all(static(d) for t in (q, k, v) for d in (*t.shape, *t.stride, t.offset)):
+        return "dynamic sizes (the template's sizes and strides are literals)"
+    (b, h, tq, d), (bk, hk, tk, dk), (bv, hv, tv, dv) = shapes
+    if (bk, hk, bv, hv) != (b, h, b, h) or tk != tv or dk != d or dv != d:
+        return f"q {q.shape}, k {k.shape}, v {v.shape}: the template needs the same B, H, D and as many keys as values"
+    if d < 16 or d > 128 or d & (d - 1):
+        return f"head dim {d} (the template takes a power of two from 16 to 128)"
+    if causal and tq != tk:
+        return f"causal with {tq} queries and {tk} keys (sdpa's top-left causal mask)"
+    if any(t.stride[3] != 1 for t in (q, k, v)):
+        return "a q/k/v view whose last dim is not contiguous"
+    if tq == 0 or tk == 0 or b * h == 0:
+        return "an empty attention"
+    return None
+
+
+def choose(name: str, q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool,
+           dtype: str) -> tuple[bool, dict]:
+    """(template?, the decision record for the report)."""
+    md = mode()
+    rec = {"attention": name, "mode": md, "shape": list(q.shape), "causal": bool(causal)}
+    if md == "extern":
+        rec.update(kernel="sdpa", why="AOTFUSE_ATTENTION=extern")
+        return False, rec
+    why = refusal(q, k, v, mask, causal, gqa, dtype)
+    if why is not None:
+        rec.update(kernel="sdpa", why=why)
+        return False, rec
+    d = int(q.shape[3])
+    if md == "auto" and d > AUTO_MAX_HEAD_DIM:
+        rec.update(kernel="sdpa", why=f"head dim {d} > {AUTO_MAX_HEAD_DIM}: the template was measured faster than "
+                                      "sdpa up to 64 only (AOTFUSE_ATTENTION=template forces it)")
+        return False, rec
+    rec.update(kernel="template", why=("AOTFUSE_ATTENTION=template" if md == "template" else
+                                       "flash-attention template: measured faster than sdpa at D <= 64 "
+                                       "(H200: 0.93x at 8x12x1024x64 causal, 0.58x at 1x12x128x64)"))
+    return True, rec
+
+
+def lower_attention(ctx, node, q: TensorArg, k: TensorArg, v: TensorArg, causal: bool, scale, shape, dtype: str):
+    """The AttentionKernel node writing a fresh buffer stored [B, T, H, D]; returns its logical view."""
+    from ..ir.views import View
+
+    name = ctx.fresh("attn")
+    stored = tuple(shape[p] for p in _BTHD)
+    ctx.add_buffer(name, stored, dtype, "extern")
+    view = View.of_buffer(name, stored, dtype).permute([_BTHD.index(i) for i in range(4)])
+    d = int(q.shape[3])
+    sc = float(scale) if scale is not None else d ** -0.5
+    ctx.nodes.append(AttentionKernel(name, "aotfuse.attention_template", (q, k, v), (), True, view.as_strided(),
+                                     causal=bool(causal), scale=sc))
+    return view

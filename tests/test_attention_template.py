@@ -1,0 +1,222 @@
+"""The flash-attention template (inference scaled_dot_product_attention, issue 11.3): CPU numerics of the
+emitted kernel (Triton's interpreter) vs eager and fp32 at sizes no block divides, causal and not,
+q/k/v read in place from a qkv projection, cross attention, an explicit scale; every case that keeps
+torch's sdpa says why in the report; the program launches a kernel instead of an extern."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.errors import BuildError
+from aotfuse.knobs import override
+
+
+def rel_err(out, ref) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+class SelfAttn(torch.nn.Module):
+    """q, k, v as strided views of one qkv projection (the GPT layout), the result through an out proj."""
+
+    def __init__(self, d=64, heads=2, causal=True, scale=None):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.heads, self.causal, self.scale = heads, causal, scale
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+        return a.transpose(1, 2).reshape(b, t, c) * 2.0
+
+
+class CrossAttn(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def _build(model, inputs, **kn):
+    with override(**kn), torch.no_grad():
+        return aotfuse.build(model, inputs, targets=("sm_90",))
+
+
+def _attention_records(res):
+    return [d for d in res.report.lowering if "attention" in d and "mode" in d]
+
+
+def _kinds(res):
+    art = aotfuse.load(res.data, device="cpu")
+    return collections.Counter(k.kind for k in art.kernels.values()), art
+
+
+def _check(art, model, inputs, dtype):
+    out = art(*inputs)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    with torch.no_grad():
+        ref = model(*inputs)
+        ref32 = model.float()(*[t.float() for t in inputs]) if dtype != torch.float32 else ref
+        model.to(dtype)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert rel_err(out, ref32) <= max(2e-2, 2 * rel_err(ref, ref32)), (rel_err(out, ref32), rel_err(ref, ref32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t,causal", [(100, True), (130, False), (64, True)], ids=["causal-odd", "full-odd", "causal-64"])
+def test_self_attention_template_numerics(dtype, t, causal):
+    torch.manual_seed(0)
+    model = SelfAttn(causal=causal).to(dtype).eval()
+    res = _build(model, (torch.randn(2, t, 64, dtype=dtype),))
+    (rec,) = _attention_records(res)
+    assert rec["kernel"] == "template", rec
+    kinds, art = _kinds(res)
+    assert kinds["template_attn"] == 1
+    assert not any("scaled_dot_product" in str(d) for d in art.programs["forward"].to_dict()["instructions"]
+                   if d["op"] == "extern")
+    for seed in (1, 2):  # fresh inputs, not the build's
+        g = torch.Generator().manual_seed(seed)
+        _check(art, model, (torch.randn(2, t, 64, generator=g).to(dtype),), dtype)
+
+
+def test_cross_attention_and_explicit_scale():
+    """Fewer queries than keys, not causal, contiguous [B, H, T, D] inputs; a scale given to sdpa."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    shapes = ((2, 3, 40, 32), (2, 3, 200, 32), (2, 3, 200, 32))
+    ins = tuple(torch.randn(s, dtype=dtype) for s in shapes)
+    res = _build(CrossAttn(), ins)
+    assert _attention_records(res)[0]["kernel"] == "template"
+    _, art = _kinds(res)
+    for seed in (3, 4):
+        g = torch.Generator().manual_seed(seed)
+        _check(art, CrossAttn(), tuple(torch.randn(s, generator=g).to(dtype) for s in shapes), dtype)
+    torch.manual_seed(0)
+    model = SelfAttn(d=64, heads=4, causal=True, scale=0.3).to(dtype).eval()
+    res = _build(model, (torch.randn(1, 70, 64, dtype=dtype),))
+    _, art = _kinds(res)
+    src = __import__("msgpack").unpackb(bytes(art.archive.part("sources")))
+    (attn,) = [s for n, s in src.items() if n.startswith("aotf_attn_")]
+    assert repr(0.3 * 1.4426950408889634) in attn  # the given scale, folded into log2(e)
+    _check(art, model, (torch.randn(1, 70, 64, dtype=dtype),), dtype)
+
+
+class Masked(torch.nn.Module):
+    def forward(self, q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+@pytest.mark.parametrize("case,why", [
+    ("fp32", "float32 attention"),
+    ("mask", "attention mask is kept"),
+    ("d128-auto", "head dim 128 > 64"),
+    ("causal-cross", "causal with 40 queries and 200 keys"),
+    ("d24", "head dim 24"),
+    ("extern", "AOTFUSE_ATTENTION=extern"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+def test_sdpa_kept_with_a_reason(case, why):
+    """Every attention the template does not take stays torch's sdpa, and the report says why."""
+    bf = torch.bfloat16
+    kn = {}
+    if case == "fp32":
+        model, ins = CrossAttn(), tuple(torch.randn(1, 2, 16, 32) for _ in range(3))
+    elif case == "mask":
+        model = Masked()
+        ins = tuple(torch.randn(1, 2, 16, 32, dtype=bf) for _ in range(3)) + (torch.randn(1, 2, 16, 16, dtype=bf),)
+    elif case == "d128-auto":
+        model, ins = CrossAttn(), tuple(torch.randn(1, 2, 16, 128, dtype=bf) for _ in range(3))
+    elif case == "causal-cross":
+        class CausalCross(torch.nn.Module):
+            def forward(self, q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        model = CausalCross()
+        ins = (torch.randn(1, 2, 40, 32, dtype=bf), torch.randn(1, 2, 200, 32, dtype=bf), torch.randn(1, 2, 200, 32, dtype=bf))
+    elif case == "d24":
+        model, ins = CrossAttn(), tuple(torch.randn(1, 2, 16, 24, dtype=bf) for _ in range(3))
+    else:
+        model, ins, kn = CrossAttn(), tuple(torch.randn(1, 2, 16, 32, dtype=bf) for _ in range(3)), {"attention": "extern"}
+    res = _build(model, ins, **kn)
+    (rec,) = _attention_records(res)
+    assert rec["kernel"] == "sdpa" and why in rec["why"], rec
+    kinds, art = _kinds(res)
+    assert not kinds["template_attn"]
+    from aotfuse.runtime.explain import explain
+
+    assert f"-> sdpa ({rec['why']})" in explain(res.data)
+    out = art(*ins)
+    with torch.no_grad():
+        ref = model(*ins)
+    assert rel_err(out[0] if isinstance(out, (tuple, list)) else out, ref) < 1e-2
+
+
+def test_template_mode_takes_head_dim_128_and_bad_mode_is_refused():
+    bf = torch.bfloat16
+    ins = tuple(torch.randn(1, 2, 20, 128, dtype=bf) for _ in range(3))
+    res = _build(CrossAttn(), ins, attention="template")
+    assert _attention_records(res)[0]["kernel"] == "template"
+    _, art = _kinds(res)
+    _check(art, CrossAttn(), ins, bf)
+    with pytest.raises(BuildError, match="AOTFUSE_ATTENTION"):
+        _build(CrossAttn(), ins, attention="flash")
+
+
+def test_dynamic_sequence_keeps_sdpa():
+    torch.manual_seed(0)
+    model = SelfAttn().to(torch.bfloat16).eval()
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        res = aotfuse.build(model, (x,), targets=("sm_90",), dynamic_shapes={"x": {1: torch.export.Dim("t", min=2, max=64)}})
+    (rec,) = _attention_records(res)
+    assert rec["kernel"] == "sdpa" and "dynamic" in rec["why"], rec
+
+
+def test_anchor_gpt_attention_is_a_kernel_at_every_shape():
+    """The anchor GPT's four attentions are template launches: at 1 x 128 its inference program keeps
+    only cuBLAS matmuls as externs."""
+    from aotfuse.examples.gpt import anchor
+
+    for batch, seq in ((1, 128), (8, 1024)):
+        model, ins = anchor(batch=batch, seq=seq)
+        res = _build(model, ins)
+        recs = _attention_records(res)
+        assert len(recs) == 4 and all(r["kernel"] == "template" for r in recs)
+        kinds, art = _kinds(res)
+        ext = [d["target"] for d in art.programs["forward"].to_dict()["instructions"] if d["op"] == "extern"]
+        assert not [e for e in ext if "attention" in e], ext
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_attention_template_on_gpu(dtype):
+    """The compiled kernel on the GPU: GPT-style causal self-attention at T = 1000 (no block divides it) and
+    12 heads of 64, and cross attention of 77 queries over 300 keys, vs eager sdpa on the same GPU and fp32."""
+    torch.manual_seed(0)
+    model = SelfAttn(d=768, heads=12, causal=True).to(dtype).eval()
+    x = torch.randn(2, 1000, 768, dtype=dtype)
+    res = _build(model, (x,))
+    assert _attention_records(res)[0]["kernel"] == "template"
+    art = aotfuse.load(res.data, device="cuda")
+    cm = model.cuda()
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        xi = torch.randn(2, 1000, 768, generator=g).to(dtype).cuda()
+        out = art(xi)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        with torch.no_grad():
+            ref = cm(xi)
+            ref32 = SelfAttn(d=768, heads=12).cuda().float()
+            ref32.load_state_dict({k: v.float() for k, v in cm.state_dict().items()})
+            r32 = ref32(xi.float())
+        assert rel_err(out, r32) <= max(2e-2, 2 * rel_err(ref, r32)), (rel_err(out, r32), rel_err(ref, r32))
+    shapes = ((3, 12, 77, 64), (3, 12, 300, 64), (3, 12, 300, 64))
+    res = _build(CrossAttn(), tuple(torch.randn(s, dtype=dtype) for s in shapes))
+    art = aotfuse.load(res.data, device="cuda")
+    ins = tuple(torch.randn(s, dtype=dtype, device="cuda") for s in shapes)
+    out = art(*ins)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    ref32 = F.scaled_dot_product_attention(*(t.float() for t in ins))
+    assert rel_err(out, ref32) < 1e-2
