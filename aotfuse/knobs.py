@@ -37,6 +37,7 @@
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
 | mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
 | mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.85 | cost model: a persistent (TMA) template's throughput as a fraction of cuBLAS's (H200, 2026-11-26: 0.86-0.88 on the anchor's K=768 matmuls at 8192 rows, about 1.0 at K=3072) |
+| mm_ws_efficiency | AOTFUSE_MM_WS_EFF | 0.92 | cost model: the same for a warp-specialized persistent template (sm_90's large rule; H200, 2026-11-26, scripts/tune_mm.py at 8192 rows: qkv 0.90 of cuBLAS, head 0.99, proj about 1.0) |
 | mm_bandwidth_gbs | AOTFUSE_MM_BANDWIDTH_GBS | 3000 | cost model: device memory bandwidth for a matmul epilogue's round trip (an H100's measured copy; an H200's is 4270) |
 | mm_tile_efficiency | AOTFUSE_MM_TILE_EFF | 0.45 | cost model: the same for a template with one program per tile (pointer loads; H200, 2026-11-26, 1024 rows: 0.40-0.82 of cuBLAS) |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
@@ -105,6 +106,7 @@ class Knobs:
     mm_tf32: bool = bool(_env_int("AOTFUSE_MM_TF32", 0))
     mm_tflops: float = _env_float("AOTFUSE_MM_TFLOPS", 600.0)
     mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.85)
+    mm_ws_efficiency: float = _env_float("AOTFUSE_MM_WS_EFF", 0.92)
     mm_tile_efficiency: float = _env_float("AOTFUSE_MM_TILE_EFF", 0.45)
     mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
     mm_bandwidth_gbs: float = _env_float("AOTFUSE_MM_BANDWIDTH_GBS", 3000.0)

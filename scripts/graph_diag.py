@@ -1,7 +1,7 @@
 """Why is a build slower per call than its kernels? Per mode: per-call time with and without the
 runtime's CUDA graphs, the graph stats, and host time per call (no sync).
 
-    python3 scripts/graph_diag.py [--batch 1] [--seq 128] [--modes extern,auto]
+    python3 scripts/graph_diag.py [--batch 1] [--seq 128] [--modes extern,auto,extern:attention=extern]
 """
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ import torch
 import aotfuse
 from aotfuse.examples.gpt import anchor
 from aotfuse.knobs import override
+
+
+def mode_knobs(mode: str) -> dict:
+    """`MM[:knob=value+...]`, e.g. `extern:attention=extern`: AOTFUSE_MM and other (string) knobs for one
+    contender."""
+    mm, _, rest = mode.partition(":")
+    kn = dict(kv.split("=", 1) for kv in rest.split("+") if kv)
+    return {"mm": mm, **kn}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mm import _time  # noqa: E402
@@ -38,7 +46,7 @@ def main():
     arch = f"sm_{major}{minor}"
     x = tokens.cuda()
     for mode in a.modes.split(","):
-        with override(mm=mode, targets=(arch,)):
+        with override(**mode_knobs(mode), targets=(arch,)):
             res = aotfuse.build(model, (tokens,), targets=(arch,))
         for graphs in (True, False):
             art = aotfuse.load(res.data, device="cuda", cuda_graphs=graphs)

@@ -1,6 +1,6 @@
 """Per-kernel GPU time of the anchor GPT's inference program under each matmul mode (torch.profiler).
 
-    python3 scripts/mm_profile.py [--batch 8] [--seq 1024] [--modes extern,template,auto] [--top 14]
+    python3 scripts/mm_profile.py [--batch 8] [--seq 1024] [--modes extern,template,auto,extern:attention=extern] [--top 14]
 
 Builds the anchor (4 layers, d768, vocab 8192, tanh GELU, bf16) for this GPU's arch with AOTFUSE_MM=<mode>,
 runs the forward program (executor, no CUDA graph) under torch.profiler and prints, per mode, the
@@ -18,11 +18,19 @@ from aotfuse.examples.gpt import anchor
 from aotfuse.knobs import override
 
 
+def mode_knobs(mode: str) -> dict:
+    """`MM[:knob=value+...]`, e.g. `extern:attention=extern`: AOTFUSE_MM and other (string) knobs for one
+    contender."""
+    mm, _, rest = mode.partition(":")
+    kn = dict(kv.split("=", 1) for kv in rest.split("+") if kv)
+    return {"mm": mm, **kn}
+
+
 def profile(mode: str, batch: int, seq: int, reps: int = 20) -> tuple[collections.Counter, int]:
     model, (tokens,) = anchor(batch=batch, seq=seq)
     major, minor = torch.cuda.get_device_capability()
     arch = f"sm_{major}{minor}"
-    with override(mm=mode, targets=(arch,)):
+    with override(**mode_knobs(mode), targets=(arch,)):
         res = aotfuse.build(model, (tokens,), targets=(arch,))
     art = aotfuse.load(res.data, device="cuda", cuda_graphs=False)
     x = tokens.cuda()

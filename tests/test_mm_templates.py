@@ -426,22 +426,22 @@ def test_tma_operand_layouts():
 
 def test_anchor_gpt_decisions():
     """AOTFUSE_MM=auto on the anchor GPT (issue 11): at 1 x 128 the small matmuls are templates, the head and
-    the GELU's matmul stay cuBLAS (one program per tile is costed at mm_tile_efficiency; on the GPU the two
-    tie there); at 8 x 1024 the measured winners (scripts/tune_mm.py, H200): the template for attention's
-    output projection (K = 768, residual fused), cuBLAS for qkv, the head, the MLP's fc (its GELU in
-    cuBLASLt's epilogue) and its projection (K = 3072: the residual add costs cuBLAS one round trip)."""
+    the MLP's matmuls stay cuBLAS (one program per tile is costed at mm_tile_efficiency; on the GPU the two
+    tie there); at 8 x 1024 the measured winners (scripts/tune_mm.py, H200, warp-specialized tiles): templates
+    for attention's output projection and the MLP's projection (their residual adds fused), cuBLAS for qkv, the
+    head and the MLP's fc (its GELU in cuBLASLt's epilogue). The attentions are template kernels (lower/
+    attention.py): at most 11 externs (issue 11.3) at both shapes."""
     from aotfuse.examples.gpt import anchor
 
     with override(targets=("sm_90",), mm="auto"):
         small = _program(*anchor(batch=1, seq=128))[1]
-        assert dict(_externs(small)) == {"aten.scaled_dot_product_attention.default": 4, "aten.mm.out": 5,
-                                         "aten._addmm_activation.out": 4}
+        assert dict(_externs(small)) == {"aten.mm.out": 5, "aten._addmm_activation.out": 4}
         p, big = _program(*anchor(batch=8, seq=1024))
     ext = _externs(big)
-    assert ext == {"aten.scaled_dot_product_attention.default": 4, "aten.addmm.out": 4,
-                   "aten._addmm_activation.out": 4, "aten.mm.out": 5}, ext
+    assert ext == {"aten.addmm.out": 4, "aten._addmm_activation.out": 4, "aten.mm.out": 1}, ext
+    assert sum(ext.values()) <= 11
     choice = {(d["shape"]["N"], d["shape"]["K"]): d["choice"] for d in p.lctx.decisions if "matmul" in d}
-    assert choice == {(768, 768): "template", (768, 3072): "extern", (2304, 768): "extern",
+    assert choice == {(768, 768): "template", (768, 3072): "template", (2304, 768): "extern",
                       (8192, 768): "extern"}, choice
     gelu = [d for d in p.lctx.decisions if "mm_gelu" in d]
     assert len(gelu) == 4 and all(d["fused"] and "cuBLASLt" in d["why"] and " us" in d["why"] for d in gelu)

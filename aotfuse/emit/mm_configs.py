@@ -168,6 +168,12 @@ def parse_config(text: str) -> MMConfig:
     return c
 
 
+def least_sms(targets) -> int:
+    """The fewest SMs among the known targets (132, an H100's, when none is known)."""
+    known = [t for t in (targets or ()) if t in SMS]
+    return min((SMS[t] for t in known), default=SMS["sm_90"])
+
+
 def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[MMConfig, str]:
     """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`."""
     from ..knobs import knobs

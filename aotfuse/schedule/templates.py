@@ -11,16 +11,19 @@ Choice (made at lowering, where the FX graph still shows a matmul's consumers), 
                  (no launch: the epilogue fuses into the kernel that reads it next, a residual add
                  into the LayerNorm after it)
                + per operand copy cuBLAS needs (a cast, a non-strided view): launch + its round trip
-    template = launch + flops / (throughput * efficiency * tile utilization), the efficiency
-               mm_template_efficiency for a persistent (TMA) kernel, mm_tile_efficiency for one
-               program per tile
+    template = launch + flops / (throughput * efficiency * tile utilization * wave utilization), the
+               efficiency mm_ws_efficiency for a warp-specialized persistent (TMA) kernel,
+               mm_template_efficiency for a flattened persistent one, mm_tile_efficiency for one
+               program per tile; wave utilization tiles / (waves x SMs) once there is more than one wave
   so a template wins when its epilogue saves more than the template's slower main loop costs, or
   the matmul is small enough that a launch beats a library call; cuBLAS keeps large plain matmuls.
   Measured (H200, 2026-11-26, scripts/tune_mm.py and scripts/mm_profile.py on the anchor GPT): at
   8192 rows the persistent templates' main loops reach 0.86-0.88 of cuBLAS at K = 768, one program
   per tile at 1024 rows 0.40-0.82 (qkv 14.5 vs 8.9 us), and a residual add
   costs the cuBLAS path one extra round trip inside the next LayerNorm, not a kernel; at 128 rows
-  templates and cuBLAS tie per matmul.
+  templates and cuBLAS tie per matmul. Warp-specialized (later the same day, scripts/tune_mm.py at 8192
+  rows, template / cuBLAS): qkv 56.3 / 50.7 us, head 171.9 / 170.4, proj with its residual 65.8 / 67.0,
+  out with its residual 24.6 / 26.8, fc with the GELU 83.7 / 69.8 (cuBLASLt's GELU_BIAS).
 Each decision, with the two estimates, the tile configuration and why, goes into the report's
 `lowering` records.
 
@@ -31,7 +34,7 @@ and a node that feeds the matmul's operands.
 """
 from __future__ import annotations
 
-from ..emit.mm_configs import choose_config
+from ..emit.mm_configs import choose_config, least_sms
 from ..ir.loop import ITEMSIZE, Cast, Const, IndexValue, Load, Op, Pointwise, Reduction, expr_op_count
 from ..ir.matmul import MatMul, is_matmul
 from ..knobs import knobs
@@ -50,7 +53,7 @@ def mode() -> str:
 
 
 def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, operand_copies: int,
-             bias_in_library: bool, config) -> dict:
+             bias_in_library: bool, config, sms: int = 132) -> dict:
     """The two cost estimates (us) of one matmul."""
     flops = 2.0 * b * m * n * k
     tput = knobs.mm_tflops * (0.1 if dtype == "float32" else 1.0) * 1e6  # flops per us
@@ -67,10 +70,18 @@ def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, 
     # (TMA needs an unbatched matmul and AOTFUSE_MM_TMA; emit/template_mm.tma_operand may still refuse an
     # operand that is not one aligned strided load, which this estimate does not see)
     tma = bool(config.persistent) and b == 1 and knobs.mm_tma
-    eff = knobs.mm_template_efficiency if tma else knobs.mm_tile_efficiency
-    template = knobs.launch_overhead_us + t_lib / (eff * util)
+    eff = (knobs.mm_ws_efficiency if config.warp_spec else knobs.mm_template_efficiency) if tma \
+        else knobs.mm_tile_efficiency
+    # Wave quantization: the template's fixed tile over more tiles than SMs leaves the last wave part
+    # empty (1024 x 2304 in 128 x 128 tiles: 144 tiles on 132 SMs run as two waves); cuBLAS picks its
+    # tile per problem, so only the template pays. One partial wave (fewer tiles than SMs) is latency-bound
+    # and not charged.
+    tiles = b * -(-m // config.block_m) * -(-n // config.block_n)
+    waves = -(-tiles // sms)
+    wave = tiles / (waves * sms) if waves > 1 else 1.0
+    template = knobs.launch_overhead_us + t_lib / (eff * util * wave)
     return {"template": round(template, 2), "extern": round(extern, 2), "tile_utilization": round(util, 3),
-            "bias_in_library": bias_in_library}
+            "wave_utilization": round(wave, 3), "bias_in_library": bias_in_library}
 
 
 def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *, epilogue: list[str],
@@ -86,11 +97,12 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
         rec.update(choice="extern", why="an operand indexes more than 2**31 elements (32-bit template indexing)")
         return rec
     cfg, cfg_why = choose_config(b, m, n, k, dtype, targets or knobs.targets)
+    sms = least_sms(targets or knobs.targets)
     rec.update(config=cfg.as_dict(), config_why=cfg_why)
     # Epilogue kernels the extern path needs: a bias cuBLAS cannot add in its call (addmm adds it
     # only when nothing else consumes the product), and the pointwise consumers.
     separate = 1 if epilogue else 0
-    est = estimate(b, m, n, k, dtype, separate, operand_copy_us, bias and not epilogue, cfg)
+    est = estimate(b, m, n, k, dtype, separate, operand_copy_us, bias and not epilogue, cfg, sms)
     rec["cost_us"] = est
     if md != "auto":
         rec.update(choice=md, why=f"AOTFUSE_MM={md}")
@@ -120,7 +132,7 @@ def gelu_epilogue_choice(m: int, n: int, k: int, dtype: str) -> tuple[bool, str]
     if not (m and n and k):
         return True, f"an empty matmul ({m}x{n}x{k}): nothing to time"
     cfg, _ = choose_config(1, m, n, k, dtype, knobs.targets)
-    est = estimate(1, m, n, k, dtype, 0, 0.0, True, cfg)
+    est = estimate(1, m, n, k, dtype, 0, 0.0, True, cfg, least_sms(knobs.targets))
     if est["extern"] <= est["template"]:
         return True, (f"cuBLASLt {est['extern']} us <= template {est['template']} us "
                       f"({m}x{n}x{k}; both fuse the bias and the GELU)")
