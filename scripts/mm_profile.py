@@ -43,6 +43,18 @@ def profile(mode: str, batch: int, seq: int, reps: int = 20) -> tuple[collection
         for _ in range(reps):
             ex.run([x], state=st)
         torch.cuda.synchronize()
+    # per position in the program: the kernels of each forward in launch order, averaged over the reps
+    kern = sorted((e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")
+                   and not e.name.startswith(("cudaLaunch", "cuLaunch", "Memcpy", "Memset"))),
+                  key=lambda e: e.time_range.start)
+    seq = []
+    if kern and len(kern) % reps == 0:
+        n = len(kern) // reps
+        for i in range(n):
+            ts = [getattr(kern[r * n + i], "device_time", None) or getattr(kern[r * n + i], "cuda_time", 0)
+                  for r in range(reps)]
+            seq.append((kern[i].name[:60], sorted(ts)[len(ts) // 2]))
+    profile.sequence = seq
     per = collections.Counter()
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -57,6 +69,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--modes", default="extern,template,auto")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--sequence", action="store_true", help="also each launch of one forward, in order")
     a = ap.parse_args()
     for mode in a.modes.split(","):
         per, externs = profile(mode, a.batch, a.seq)
@@ -64,6 +77,10 @@ def main():
         print(f"\n== AOTFUSE_MM={mode}, {a.batch}x{a.seq}: GPU kernel time {total:.1f} us per forward, {externs} externs")
         for name, us in per.most_common(a.top):
             print(f"  {us:8.1f} us  {name}")
+        if a.sequence:
+            print("  launch order (median per launch):")
+            for i, (name, us) in enumerate(profile.sequence):
+                print(f"    {i:3d} {us:8.1f} us  {name}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ CASES = {
     "head": (D, VOCAB, "none"),
 }
 
+WRONG = 2e-2  # relative error (norm) past which a configuration's result counts as wrong (bf16 noise: ~3e-3)
+
 # BM, BN, BK, GROUP_M, WARPS, STAGES
 LARGE = [(128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4)]  # one program per tile, for reference
 # persistent (7th value 1: one program per SM, operands through TMA descriptors)
@@ -51,7 +53,7 @@ LARGE += [(128, 256, 64, 8, 8, 3, 1), (128, 128, 64, 8, 8, 4, 1), (128, 128, 64,
 # warp-specialized persistent (8th value 1: a producer and two consumer warpgroups of WARPS each)
 LARGE += [(128, 256, 64, 8, 4, 3, 1, 1), (128, 256, 64, 8, 4, 4, 1, 1), (128, 128, 64, 8, 4, 4, 1, 1),
           (128, 128, 128, 8, 4, 3, 1, 1), (128, 128, 128, 8, 4, 4, 1, 1), (128, 256, 64, 16, 4, 4, 1, 1),
-          (128, 256, 64, 4, 4, 3, 1, 1), (128, 128, 64, 8, 4, 5, 1, 1), (256, 128, 64, 8, 4, 3, 1, 1)]
+          (128, 256, 64, 4, 4, 3, 1, 1), (256, 128, 64, 8, 4, 3, 1, 1)]
 MID = [(64, 128, 64, 8, 4, 4), (64, 64, 128, 8, 4, 3), (128, 128, 64, 8, 4, 4, 1), (64, 64, 64, 8, 4, 4, 1),
        (128, 64, 64, 8, 4, 4, 1), (64, 128, 64, 8, 4, 4, 1), (128, 128, 64, 8, 8, 4, 1),
        (128, 128, 64, 8, 4, 4, 1, 1), (128, 64, 64, 8, 4, 4, 1, 1), (128, 256, 64, 8, 4, 3, 1, 1)]
@@ -189,9 +191,14 @@ def main():
                     entry["us"] = round(statistics.median(times[i]), 2)
                 rec["eager_us"] = contenders[0][1]["us"]
                 del keep, contenders
-            ok = [t for t in rec["templates"] if "us" in t]
+            # a configuration whose result is off (NaN, or far from eager: a miscompile) is no contender
+            for t in rec["templates"]:
+                if "us" in t and not (t.get("rel_err", 0.0) <= WRONG):
+                    t["wrong"] = True
+                    print(f"WRONG {case} {rows} {t['config']}: rel err {t.get('rel_err')}", flush=True)
+            ok = [t for t in rec["templates"] if "us" in t and not t.get("wrong")]
             ok.sort(key=lambda t: t["us"])
-            rec["templates"] = ok + [t for t in rec["templates"] if "us" not in t]
+            rec["templates"] = ok + [t for t in rec["templates"] if "us" not in t or t.get("wrong")]
             results.append(rec)
             print(json.dumps(rec), flush=True)
     if a.json:

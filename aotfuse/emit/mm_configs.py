@@ -165,6 +165,11 @@ def parse_config(text: str) -> MMConfig:
     if c.warp_spec not in (0, 1) or (c.warp_spec and not c.persistent) or (c.warp_spec and 3 * c.num_warps > 32):
         raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: the 8th value (warp specialization) is 0 or 1, needs a "
                          "persistent kernel and at most 8 warps (three warpgroups of them)", remedy=remedy)
+    if c.warp_spec and c.num_stages > 4:
+        # H200, 2026-11-26 (scripts/tune_mm.py): Triton 3.6's Hopper warp specialization returned NaN at
+        # 128x128x64 with 5 and 6 stages (correct at 3 and 4)
+        raise BuildError(f"AOTFUSE_MM_CONFIG={text!r}: a warp-specialized kernel takes at most 4 stages (Triton "
+                         "3.6 computed NaN with 5 and 6)", remedy=remedy)
     return c
 
 
