@@ -492,3 +492,34 @@ def test_hopper_table_templates_on_gpu(n, k, epi):
         eager = model.cuda()(*ins)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= max(2e-2, 2 * rel_err(eager, ref)), (rel_err(out, ref), rel_err(eager, ref))
+
+
+def test_heavy_epilogue_stays_outside_the_template():
+    """A pointwise tail of more than AOTFUSE_MM_EPILOGUE_OPS ops does not fuse into a template (it would run
+    while the tensor cores wait); the refusal names the count; the numbers stay right."""
+    class Heavy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 48)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return torch.tanh(y) * torch.sigmoid(y) + torch.exp(-y * y) * torch.erf(y) + torch.sin(y) * torch.cos(y)
+
+    torch.manual_seed(0)
+    model = Heavy().eval()
+    x = torch.randn(40, 32)
+    with override(mm="template", mm_epilogue_max_ops=4):
+        p, prog = _program(model, (x,))
+    from aotfuse.schedule.fusion import FuseRefusal
+
+    refused = [d.detail for d in p.sched.decisions if d.refusal is FuseRefusal.TEMPLATE]
+    assert any("AOTFUSE_MM_EPILOGUE_OPS=4" in r for r in refused), refused
+    (tg,) = [g for g in p.sched.groups if g.kind == "template"]
+    with override(mm="template", mm_epilogue_max_ops=100):
+        p2, _ = _program(model, (x,))
+    (tg2,) = [g for g in p2.sched.groups if g.kind == "template"]
+    assert len(tg2.nodes) > len(tg.nodes)  # with room, the tail fuses
+    with override(mm="template", mm_epilogue_max_ops=4):
+        res = aotfuse.build(model, (x,), targets=("sm_90",))
+    _check_like_eager(aotfuse.load(res.data, device="cpu"), model, (x,), torch.float32)

@@ -172,6 +172,14 @@ def fusion_refusal(st, a: str, b: str) -> str | None:
         for i, ld in enumerate(st.loads(n)):
             if ld.buf in inside and st.read_kind(n, i, 1) != "point":
                 return f"{n} reads {ld.buf}[{ld.index}] at another index than the template computes it"
+    # A heavy epilogue runs in the template's consumer warps while its tensor cores wait (no ping-pong in
+    # Triton 3.6's Hopper schedule): H200, 2026-11-26, the anchor GPT's GELU backward (39 ops) in the MLP's
+    # dgrad template took 210 us against 132 for cuBLAS and a separate kernel (168 registers, spills).
+    ops = sum(expr_op_count(st.nodes[n].body) for n in (*st.members[tg], *st.members[other])
+              if not is_matmul(st.nodes[n]) and isinstance(st.nodes[n], Pointwise))
+    if ops > knobs.mm_epilogue_max_ops:
+        return (f"the epilogue would hold {ops} ops (> AOTFUSE_MM_EPILOGUE_OPS={knobs.mm_epilogue_max_ops}): it runs "
+                "while the template's tensor cores wait")
     # Nothing in the template group may read the other group at another index either, and the
     # matmul's operands may not come from a fused node (they are loaded tile by tile along K).
     for ld in st.loads(t):
