@@ -471,13 +471,19 @@ def test_hopper_table_templates_on_gpu(n, k, epi):
     (a Hopper GPU; the configurations come from the table, not a knob)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90 rules")
-    import sys, os
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import tune_mm
+    class Lin(torch.nn.Module):  # as scripts/tune_mm.py's cases
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(k, n, bias=epi != "none")
 
-    case = {"gelu": "fc", "none": "head", "residual": "proj"}[epi]
-    model, inputs = tune_mm.make(case, 8192)
+        def forward(self, x, r):
+            y = self.fc(x)
+            return F.gelu(y, approximate="tanh") if epi == "gelu" else y + r if epi == "residual" else y
+
+    torch.manual_seed(0)
+    model = Lin().to(torch.bfloat16)
+    inputs = (torch.randn(8192, k, dtype=torch.bfloat16), torch.randn(8192, n, dtype=torch.bfloat16))
     with override(mm="template", targets=("sm_90",)), torch.no_grad():
         res = aotfuse.build(model, inputs, targets=("sm_90",))
     (rec,) = [d for d in res.report.lowering if "matmul" in d]
