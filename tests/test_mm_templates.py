@@ -82,6 +82,18 @@ def test_decision_table():
         _choose(1, 64, 64, 64)
 
 
+def test_cast_only_epilogue_keeps_cublas():
+    """A cast alone (the fp32 copy of a bf16 matmul's result) saves cuBLAS no round trip: its consumer casts as
+    it reads; a template would store the wider result. auto keeps cuBLAS and says so."""
+    with override(mm="auto"):
+        rec = _choose(1, 8192, 3072, 768, epilogue=["_to_copy"], targets=("sm_90",))
+        assert rec["choice"] == "extern" and "only casts" in rec["why"], rec
+        rec = _choose(1, 8192, 768, 768, epilogue=["_to_copy", "add"], targets=("sm_90",))
+        assert rec["choice"] == "template", rec  # the add still saves its round trip
+    with override(mm="template"):
+        assert _choose(1, 8192, 3072, 768, epilogue=["_to_copy"], targets=("sm_90",))["choice"] == "template"
+
+
 def test_config_table():
     for (target, cls, _), c in TABLE.items():
         limit = 163 * 1024 if target != "sm_90" else 227 * 1024

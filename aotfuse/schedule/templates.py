@@ -40,6 +40,7 @@ from ..ir.matmul import MatMul, is_matmul
 from ..knobs import knobs
 
 MODES = ("auto", "template", "extern")
+CASTS = ("_to_copy", "convert_element_type", "to", "type_as")  # epilogue op names that only change the dtype
 TEMPLATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -100,12 +101,18 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
     sms = least_sms(targets or knobs.targets)
     rec.update(config=cfg.as_dict(), config_why=cfg_why)
     # Epilogue kernels the extern path needs: a bias cuBLAS cannot add in its call (addmm adds it
-    # only when nothing else consumes the product), and the pointwise consumers.
-    separate = 1 if epilogue else 0
+    # only when nothing else consumes the product), and the pointwise consumers. A cast alone saves no
+    # round trip: its consumer casts as it reads cuBLAS's output, while a template would store the wider
+    # result (H200, 2026-11-26: the anchor's training step with fp32 casts fused into templates lost).
+    separate = 1 if [e for e in epilogue if e not in CASTS] else 0
     est = estimate(b, m, n, k, dtype, separate, operand_copy_us, bias and not epilogue, cfg, sms)
     rec["cost_us"] = est
     if md != "auto":
         rec.update(choice=md, why=f"AOTFUSE_MM={md}")
+        return rec
+    if epilogue and not separate:
+        rec.update(choice="extern", why=f"the epilogue ({', '.join(epilogue)}) only casts: its consumer casts as it "
+                                        "reads cuBLAS's result, a template would store the wider one")
         return rec
     if est["template"] <= est["extern"]:
         parts = []
