@@ -32,16 +32,18 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
     node = next(n for n in graph.nodes if n.name == name)
     if not isinstance(node, AttentionKernel):
         raise BuildError(f"internal: attention group {group.name} holds {type(node).__name__}")
-    q, k, v = node.args
+    q, k, v = node.args[:3]
+    mask = node.args[3] if node.mask else None
     b, h, t, d = (int(x) for x in q.shape)
     tk = int(k.shape[2])
     bm, bn = node.block_m, node.block_n
-    for ta in (q, k, v):
+    operands = (q, k, v) if mask is None else (q, k, v, mask)
+    for ta in operands:
         if graph.buffer(ta.buf).numel > INDEX_LIMIT:
             raise BuildError(f"attention {name}: {ta.buf} holds more than 2**31 elements",
                              remedy="split the batch; 64-bit indexing is not supported yet")
     ins: list[str] = []
-    for ta in (q, k, v):
+    for ta in operands:
         if ta.buf not in ins:
             ins.append(ta.buf)
     args = [KernelArg(f"in_ptr{i}", bf, graph.buffer(bf).dtype, "in", int(graph.buffer(bf).numel))
@@ -58,6 +60,12 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
         return f"{ptr[ta.buf]} + {off} + b * {sb} + h * {sh}" if off else f"{ptr[ta.buf]} + b * {sb} + h * {sh}"
 
     sqt, skt, svt = int(q.stride[2]), int(k.stride[2]), int(v.stride[2])
+    if mask is not None:  # right-aligned to [B, H, T, S]; a broadcast dim (size 1) has stride 0
+        r = len(mask.shape)
+        mshape = (1,) * (4 - r) + tuple(int(x) for x in mask.shape)
+        mstride = (0,) * (4 - r) + tuple(int(x) for x in mask.stride)
+        msb, msh, msq, msk = (0 if n_ == 1 else st_ for n_, st_ in zip(mshape, mstride))
+        moff = int(mask.offset)
     L = [f"    pid = tl.program_id(0)",
          f"    pid_m = {nm - 1} - pid // {bh}  # the longest (causal) row blocks first",
          f"    bh = pid % {bh}",
@@ -68,6 +76,7 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
          f"    q_base = {base(q)}",
          f"    k_base = {base(k)}",
          f"    v_base = {base(v)}",
+         *([f"    m_base = {ptr[mask.buf]} + {moff} + b * {msb} + h * {msh}"] if mask is not None else []),
          f"    q = tl.load(q_base + {_index('rm[:, None]', sqt)} + rd[None, :], rm[:, None] < {t}, other=0)",
          f"    m_i = tl.full([{bm}], float('-inf'), tl.float32)",
          f"    l_i = tl.full([{bm}], 1.0, tl.float32)",
@@ -84,13 +93,31 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
                 f"        kt = tl.load(k_base + {_index('rn[:, None]', skt)} + rd[None, :]{kmask})",
                 f"        vt = tl.load(v_base + {_index('rn[:, None]', svt)} + rd[None, :]{kmask})",
                 f"        qk = tl.dot(q, kt.T) * {qk_scale!r}"]
+        if mask is not None:  # sdpa's attn_mask: bool keeps where True, a float one adds to the scores
+            other = "0"
+            if msq == 0:  # the same for every query row (a padding mask): one row of it per key block
+                bound = f", rn < {tk}, other={other}" if masked else ""
+                mload = f"tl.load(m_base + {_index('rn', msk)}{bound})[None, :]"
+            else:
+                mload = (f"tl.load(m_base + {_index('rm[:, None]', msq)} + {_index('rn[None, :]', msk)}, "
+                         f"(rm[:, None] < {t}) & (rn[None, :] < {tk}), other={other})")
+            body.append(f"        mk = {mload}")
+            if node.mask == "bool":
+                body.append("        qk = tl.where(mk != 0, qk, float('-inf'))")
+            else:
+                body.append(f"        qk = qk + mk.to(tl.float32) * {LOG2E!r}")
         if masked:
             keep = f"(rn[None, :] < {tk})" + (" & (rm[:, None] >= rn[None, :])" if node.causal else "")
             body.append(f"        qk = tl.where({keep}, qk, float('-inf'))")
-        body += ["        m_new = tl.maximum(m_i, tl.max(qk, 1))",
-                 "        p = tl.exp2(qk - m_new[:, None])",
-                 "        alpha = tl.exp2(m_i - m_new)",
-                 "        l_i = l_i * alpha + tl.sum(p, 1)",
+        body.append("        m_new = tl.maximum(m_i, tl.max(qk, 1))")
+        if mask is not None:  # a row masked so far everywhere: exponents against 0, not -inf - -inf
+            body += ["        m_use = tl.where(m_new == float('-inf'), 0.0, m_new)",
+                     "        p = tl.exp2(qk - m_use[:, None])",
+                     "        alpha = tl.exp2(m_i - m_use)"]
+        else:
+            body += ["        p = tl.exp2(qk - m_new[:, None])",
+                     "        alpha = tl.exp2(m_i - m_new)"]
+        body += ["        l_i = l_i * alpha + tl.sum(p, 1)",
                  "        acc = acc * alpha[:, None]",
                  f"        acc = tl.dot(p.to({TL_DTYPE[graph.buffer(v.buf).dtype]}), vt, acc)",
                  "        m_i = m_new"]
@@ -102,7 +129,8 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
     L += step(False)
     L.append(f"    for start in range(lo, hi, {bn}):")
     L += step(True)
-    L += ["    out = acc / l_i[:, None]",
+    # a row the mask hides everywhere sums to 0: it gives 0, as torch's math sdpa does
+    L += ["    out = acc / " + ("tl.where(l_i == 0, 1.0, l_i)[:, None]" if mask is not None else "l_i[:, None]"),
           f"    tl.store(out_ptr0 + b * {t * h * d} + h * {d} + {_index('rm[:, None]', h * d)} + rd[None, :], "
           f"out.to({dt}), rm[:, None] < {t})"]
     params = ", ".join(a.name for a in args)
@@ -112,7 +140,8 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
     # the runtime's checks (grid = ceil(xnumel / XBLOCK), xnumel x rnumel within 32-bit indexing) hold
     kname = f"aotf_attn_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     why = (f"flash attention {bm}x{bn}, {node.num_warps} warps, {stages} stages"
-           + (", causal" if node.causal else "") + f" ({b}x{h}x{t}x{d}, {tk} keys)")
+           + (", causal" if node.causal else "") + (f", {node.mask} mask" if node.mask else "")
+           + f" ({b}x{h}x{t}x{d}, {tk} keys)")
     return KernelSource(kname, text.replace("KERNEL_NAME", kname), tuple(args), (nm * bh, 1, 1), node.num_warps,
                         group.name, "template_attn", group.nodes, bm, bn, nm * bh * bm, d, why=why,
                         num_stages=stages)

@@ -21,6 +21,7 @@ class AttentionKernel(Extern):
     block_n: int = 64  # keys per step of the loop
     num_warps: int = 4
     num_stages: int = 3
+    mask: str = ""  # "" none; "bool": args[3] keeps where True; "add": args[3] is added to the scaled scores
 
 
 def is_attention(node) -> bool:

@@ -6,7 +6,9 @@ supports what it was written and measured for; anything else keeps sdpa, and the
 the report (`explain`):
 - static shapes, q/k/v of rank 4 ([B, H, T, D]) with the same B and H (no GQA), D in 16..128 a power
   of two, bf16 or fp16, the last dim contiguous;
-- no attention mask (export/masks.py turns a causal mask into is_causal first), dropout 0;
+- an attention mask (what export/masks.py did not turn into is_causal or drop: padding, windows) of at
+  most 4 dims broadcastable to [B, H, T, S], bool (True keeps) or float (added to the scaled scores);
+  a row masked everywhere gives 0, as torch's math sdpa does; dropout 0;
 - causal only with as many keys as queries (sdpa's causal mask is top-left aligned).
 `auto` takes the template up to D = 64 (H200, 2026-11-26, scripts/attn_probe.py: 44.0 vs 47.5 us at
 8 x 12 x 1024 x 64 causal, 13.4 vs 14.7 at 1 x 1024, 3.5 vs 6.1 at 1 x 128; not measured beyond).
@@ -32,10 +34,29 @@ def mode() -> str:
     return m
 
 
-def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool, dtype: str) -> str | None:
+MASK_DTYPES = ("bool", "bfloat16", "float16", "float32")
+
+
+def mask_kind(mask_dtype: str | None) -> str:
+    """"" (no mask), "bool" (True keeps) or "add" (added to the scaled scores), as sdpa reads them."""
+    return "" if mask_dtype is None else "bool" if mask_dtype == "bool" else "add"
+
+
+def _mask_refusal(mask: TensorArg, mask_dtype: str, q: TensorArg, k: TensorArg) -> str | None:
+    if mask_dtype not in MASK_DTYPES:
+        return f"a {mask_dtype} attention mask"
+    if len(mask.shape) > 4 or not all(static(d) for d in (*mask.shape, *mask.stride, mask.offset)):
+        return f"an attention mask of shape {mask.shape} (the template takes a static mask of at most 4 dims)"
+    want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    for got, full in zip(reversed(mask.shape), reversed(want)):
+        if int(got) not in (1, int(full)):
+            return f"an attention mask of shape {mask.shape} that does not broadcast to {list(want)}"
+    return None
+
+
+def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool, dtype: str,
+            mask_dtype: str | None = None) -> str | None:
     """Why the template cannot run this attention (None: it can)."""
-    if mask is not None:
-        return "an attention mask is kept (the template has none)"
     if gqa:
         return "grouped-query attention (enable_gqa)"
     if dtype not in ("bfloat16", "float16"):
@@ -56,18 +77,22 @@ def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: b
         return "a q/k/v view whose last dim is not contiguous"
     if tq == 0 or tk == 0 or b * h == 0:
         return "an empty attention"
+    if mask is not None:
+        return _mask_refusal(mask, mask_dtype, q, k)
     return None
 
 
 def choose(name: str, q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool,
-           dtype: str) -> tuple[bool, dict]:
+           dtype: str, mask_dtype: str | None = None) -> tuple[bool, dict]:
     """(template?, the decision record for the report)."""
     md = mode()
     rec = {"attention": name, "mode": md, "shape": list(q.shape), "causal": bool(causal)}
+    if mask is not None:
+        rec["mask"] = f"{mask_dtype} {list(mask.shape)}"
     if md == "extern":
         rec.update(kernel="sdpa", why="AOTFUSE_ATTENTION=extern")
         return False, rec
-    why = refusal(q, k, v, mask, causal, gqa, dtype)
+    why = refusal(q, k, v, mask, causal, gqa, dtype, mask_dtype)
     if why is not None:
         rec.update(kernel="sdpa", why=why)
         return False, rec
@@ -82,7 +107,8 @@ def choose(name: str, q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bo
     return True, rec
 
 
-def lower_attention(ctx, node, q: TensorArg, k: TensorArg, v: TensorArg, causal: bool, scale, shape, dtype: str):
+def lower_attention(ctx, node, q: TensorArg, k: TensorArg, v: TensorArg, causal: bool, scale, shape, dtype: str,
+                    mask: TensorArg | None = None, mask_dtype: str | None = None):
     """The AttentionKernel node writing a fresh buffer stored [B, T, H, D]; returns its logical view."""
     from ..ir.views import View
 
@@ -92,6 +118,8 @@ def lower_attention(ctx, node, q: TensorArg, k: TensorArg, v: TensorArg, causal:
     view = View.of_buffer(name, stored, dtype).permute([_BTHD.index(i) for i in range(4)])
     d = int(q.shape[3])
     sc = float(scale) if scale is not None else d ** -0.5
-    ctx.nodes.append(AttentionKernel(name, "aotfuse.attention_template", (q, k, v), (), True, view.as_strided(),
-                                     causal=bool(causal), scale=sc))
+    args = (q, k, v) if mask is None else (q, k, v, mask)
+    ctx.nodes.append(AttentionKernel(name, "aotfuse.attention_template", args, (), True, view.as_strided(),
+                                     causal=bool(causal), scale=sc, mask=mask_kind(mask_dtype if mask is not None
+                                                                                  else None)))
     return view

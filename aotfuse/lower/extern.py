@@ -166,10 +166,11 @@ def _sdpa(ctx, node, args, kwargs):
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
     _mask_decision(ctx, node)
     shape = out_shape(node)
-    template, rec = attention_choice(node.name, tq, tk, tv, tm, bool(causal), bool(gqa), out_dtype(node))
+    mdt = None if mask is None else mask.dtype
+    template, rec = attention_choice(node.name, tq, tk, tv, tm, bool(causal), bool(gqa), out_dtype(node), mdt)
     ctx.decisions.append(rec)
     if template:  # a flash-attention kernel of our own (lower/attention.py)
-        return lower_attention(ctx, node, tq, tk, tv, bool(causal), scale, shape, out_dtype(node))
+        return lower_attention(ctx, node, tq, tk, tv, bool(causal), scale, shape, out_dtype(node), tm, mdt)
     perm = [0, 2, 1, 3] if len(shape) == 4 else None
     kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
     return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),

@@ -26,7 +26,9 @@ def _lowering(d: dict) -> str | None:
     if "attention_mask" in d:  # export/masks.py
         return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
     if "attention" in d and "mode" in d:  # lower/attention.py: the template or sdpa
-        return f"  {d['attention']}: attention {d.get('shape')}{' causal' if d.get('causal') else ''} -> {d['kernel']} ({d['why']})"
+        mask = f" mask {d['mask']}" if d.get("mask") else ""
+        return (f"  {d['attention']}: attention {d.get('shape')}{' causal' if d.get('causal') else ''}{mask} -> "
+                f"{d['kernel']} ({d['why']})")
     if "attention" in d:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
     if "onehot" in d:  # schedule/trivial.py
