@@ -5,6 +5,7 @@ torch's sdpa says why in the report; the program launches a kernel instead of an
 from __future__ import annotations
 
 import collections
+import copy
 
 import pytest
 import torch
@@ -344,7 +345,7 @@ def test_masked_attention_template_on_gpu():
         res = _build(model, (x, mask))
         assert _attention_records(res)[0]["kernel"] == "template"
         art = aotfuse.load(res.data, device="cuda")
-        cm = model.cuda()
+        cm = copy.deepcopy(model).cuda()  # the build's model stays on the CPU for the next mask
         xi, mi = x.cuda(), mask.cuda()
         out = art(xi, mi)
         out = out[0] if isinstance(out, (tuple, list)) else out

@@ -11,7 +11,9 @@ the report (`explain`):
   a row masked everywhere gives 0, as torch's math sdpa does; dropout 0;
 - causal only with as many keys as queries (sdpa's causal mask is top-left aligned).
 `auto` takes the template up to D = 64 (H200, 2026-11-26, scripts/attn_probe.py: 44.0 vs 47.5 us at
-8 x 12 x 1024 x 64 causal, 13.4 vs 14.7 at 1 x 1024, 3.5 vs 6.1 at 1 x 128; not measured beyond).
+8 x 12 x 1024 x 64 causal, 13.4 vs 14.7 at 1 x 1024, 3.5 vs 6.1 at 1 x 128; scripts/attn_mask_bench.py,
+8 x 12 x 1024 x 64 with a kept mask: bool padding 83.6 vs 106.2 us, float padding 78.8 vs 101.0, a bool
+window [B, 1, T, T] 112.6 vs 137.5; not measured beyond D = 64).
 """
 from __future__ import annotations
 
