@@ -4,19 +4,24 @@ q/k/v strided views of the qkv projection's [B, T, 3, H, D] output, the result s
 
     python3 scripts/attn_probe.py [--shapes 8x1024,1x1024,1x128] [--iters 50]
 
-Kernel time by CUDA-graph replay (each contender captured once with `iters` calls, then replayed
+Kernel time by CUDA-graph replay (each contender captured once, then replayed `iters` times per round,
 round-robin, 7 rounds, median); every result checked against sdpa's math backend in fp32.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import _median_events, capture_graph  # noqa: E402
 
 H, D = 12, 64
 
@@ -134,7 +139,7 @@ def main():
                                num_warps=warps, num_stages=stages)
                 return o
             runs[f"triton {bm}x{bn} w{warps} s{stages}{' tma' if tma else ''}"] = f
-        graphs, bad = {}, []
+        graphs = {}
         for name, f in runs.items():
             try:
                 out = f()
@@ -143,27 +148,13 @@ def main():
                 if err > 1e-2:
                     print(f"{shape} {name}: WRONG rel err {err:.2e}", flush=True)
                     continue
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    f()
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(args.iters):
-                        f()
-                graphs[name] = g
+                graphs[name] = capture_graph(f)
             except Exception as e:  # noqa: BLE001
                 print(f"{shape} {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
         times = {n: [] for n in graphs}
         for _ in range(7):
             for n, g in graphs.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                times[n].append(s.elapsed_time(e) / args.iters * 1e3)
+                times[n].append(_median_events(g.replay, args.iters, rounds=1) * 1e3)
         med = {n: statistics.median(t) for n, t in times.items()}
         flops = 4 * B * H * T * T * D / 2
         print(f"\n== {shape} (B={B}, T={T}, H={H}, D={D}, causal)")

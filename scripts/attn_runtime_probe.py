@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import msgpack
@@ -22,6 +21,7 @@ from aotfuse.runtime.kernel_source import load_source
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attn_probe  # noqa: E402
+from bench_kernels import time_graph  # noqa: E402
 
 H, D = 12, 64
 
@@ -33,25 +33,9 @@ class Attn(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, H * D)
 
 
-def graph_us(fn, iters, rounds=7):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / iters * 1e3)
-    return statistics.median(ts)
+def graph_us(fn, iters) -> float:
+    """us per call of fn, by CUDA-graph replay (scripts/bench_kernels.py: median of 7 rounds)."""
+    return time_graph(fn, iters) * 1e3
 
 
 def main():
