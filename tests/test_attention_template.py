@@ -355,3 +355,35 @@ def test_masked_attention_template_on_gpu():
             m32.load_state_dict({k: v.float() for k, v in cm.state_dict().items()})
             r32 = m32(xi.float(), mi if mi.dtype == torch.bool else mi.float())
         assert rel_err(out, r32) <= max(2e-2, 2 * rel_err(ref, r32)), (rel_err(out, r32), rel_err(ref, r32))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_grouped_query_attention_template(causal):
+    """enable_gqa: 8 query heads over 2 k/v heads, each query head reading k/v head h // 4 in place."""
+    class Gqa(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    bf = torch.bfloat16
+    shapes = ((2, 8, 70, 32), (2, 2, 70, 32), (2, 2, 70, 32))
+    res = _build(Gqa(), tuple(torch.randn(s, dtype=bf) for s in shapes))
+    assert _attention_records(res)[0]["kernel"] == "template"
+    _, art = _kinds(res)
+    src = __import__("msgpack").unpackb(bytes(art.archive.part("sources")))
+    assert any("hk = h // 4" in s_ for n, s_ in src.items() if n.startswith("aotf_attn_"))
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        _check(art, Gqa(), tuple(torch.randn(s, generator=g).to(bf) for s in shapes), bf)
+
+
+def test_refusal_of_kv_heads_that_do_not_divide():
+    """6 query heads over 4 k/v heads (eager refuses it as well): the template refuses with a reason."""
+    from aotfuse.ir.loop import TensorArg
+    from aotfuse.lower.attention import refusal
+
+    def ta(h):
+        return TensorArg("x", (1, h, 16, 32), (h * 512, 512, 32, 1), 0)
+
+    assert "a divisor of them" in refusal(ta(6), ta(4), ta(4), None, False, True, "bfloat16")
+    assert "a divisor of them" in refusal(ta(8), ta(2), ta(2), None, False, False, "bfloat16")  # no enable_gqa
+    assert refusal(ta(8), ta(2), ta(2), None, False, True, "bfloat16") is None

@@ -54,10 +54,12 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
     nm = -(-t // bm)
     bh = b * h
 
-    def base(ta) -> str:
+    per_kv = h // int(k.shape[1])  # query heads per k/v head (grouped-query attention; 1 otherwise)
+
+    def base(ta, head: str = "h") -> str:
         sb, sh = int(ta.stride[0]), int(ta.stride[1])
         off = int(ta.offset)
-        return f"{ptr[ta.buf]} + {off} + b * {sb} + h * {sh}" if off else f"{ptr[ta.buf]} + b * {sb} + h * {sh}"
+        return f"{ptr[ta.buf]} + {off} + b * {sb} + {head} * {sh}" if off else f"{ptr[ta.buf]} + b * {sb} + {head} * {sh}"
 
     sqt, skt, svt = int(q.stride[2]), int(k.stride[2]), int(v.stride[2])
     if mask is not None:  # right-aligned to [B, H, T, S]; a broadcast dim (size 1) has stride 0
@@ -74,8 +76,9 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
          f"    rm = pid_m * {bm} + tl.arange(0, {bm})",
          f"    rd = tl.arange(0, {d})",
          f"    q_base = {base(q)}",
-         f"    k_base = {base(k)}",
-         f"    v_base = {base(v)}",
+         *([f"    hk = h // {per_kv}  # grouped-query attention: the k/v head of this query head"] if per_kv > 1 else []),
+         f"    k_base = {base(k, 'hk' if per_kv > 1 else 'h')}",
+         f"    v_base = {base(v, 'hk' if per_kv > 1 else 'h')}",
          *([f"    m_base = {ptr[mask.buf]} + {moff} + b * {msb} + h * {msh}"] if mask is not None else []),
          f"    q = tl.load(q_base + {_index('rm[:, None]', sqt)} + rd[None, :], rm[:, None] < {t}, other=0)",
          f"    m_i = tl.full([{bm}], float('-inf'), tl.float32)",

@@ -4,8 +4,9 @@
 measured faster, else sdpa), `template` (wherever supported), `extern` (always sdpa). The template
 supports what it was written and measured for; anything else keeps sdpa, and the reason goes into
 the report (`explain`):
-- static shapes, q/k/v of rank 4 ([B, H, T, D]) with the same B and H (no GQA), D in 16..128 a power
-  of two, bf16 or fp16, the last dim contiguous;
+- static shapes, q/k/v of rank 4 ([B, H, T, D]) with the same B and H (with enable_gqa, k and v may have
+  H / G heads: query head h reads kv head h // G), D in 16..128 a power of two, bf16 or fp16, the last dim
+  contiguous;
 - an attention mask (what export/masks.py did not turn into is_causal or drop: padding, windows) of at
   most 4 dims broadcastable to [B, H, T, S], bool (True keeps) or float (added to the scaled scores);
   a row masked everywhere gives 0, as torch's math sdpa does; dropout 0;
@@ -59,8 +60,6 @@ def _mask_refusal(mask: TensorArg, mask_dtype: str, q: TensorArg, k: TensorArg) 
 def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool, dtype: str,
             mask_dtype: str | None = None) -> str | None:
     """Why the template cannot run this attention (None: it can)."""
-    if gqa:
-        return "grouped-query attention (enable_gqa)"
     if dtype not in ("bfloat16", "float16"):
         return f"{dtype} attention (the template takes bf16 and fp16)"
     shapes = (q.shape, k.shape, v.shape)
@@ -69,8 +68,11 @@ def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: b
     if not all(static(d) for t in (q, k, v) for d in (*t.shape, *t.stride, t.offset)):
         return "dynamic sizes (the template's sizes and strides are literals)"
     (b, h, tq, d), (bk, hk, tk, dk), (bv, hv, tv, dv) = shapes
-    if (bk, hk, bv, hv) != (b, h, b, h) or tk != tv or dk != d or dv != d:
-        return f"q {q.shape}, k {k.shape}, v {v.shape}: the template needs the same B, H, D and as many keys as values"
+    # grouped-query attention (enable_gqa): k and v have H / G heads, query head h reads kv head h // G
+    kv_ok = hk == h or (gqa and hk and h % hk == 0)
+    if (bk, bv, hv) != (b, b, hk) or not kv_ok or tk != tv or dk != d or dv != d:
+        return (f"q {q.shape}, k {k.shape}, v {v.shape}: the template needs the same B and D, as many keys as values, "
+                "and as many k/v heads as query heads (or, with enable_gqa, a divisor of them)")
     if d < 16 or d > 128 or d & (d - 1):
         return f"head dim {d} (the template takes a power of two from 16 to 128)"
     if causal and tq != tk:
