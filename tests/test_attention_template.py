@@ -379,7 +379,7 @@ def test_grouped_query_attention_template(causal):
 def test_refusal_of_kv_heads_that_do_not_divide():
     """6 query heads over 4 k/v heads (eager refuses it as well): the template refuses with a reason."""
     from aotfuse.ir.loop import TensorArg
-    from aotfuse.lower.attention import refusal
+    from aotfuse.schedule.attention import refusal
 
     def ta(h):
         return TensorArg("x", (1, h, 16, 32), (h * 512, 512, 32, 1), 0)

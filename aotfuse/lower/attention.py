@@ -1,115 +1,12 @@
-"""Inference attention: a Triton flash-attention template (emit/template_attn.py) or torch's sdpa extern.
-
-`AOTFUSE_ATTENTION` (knobs.py): `auto` (the default: the template where it is supported and was
-measured faster, else sdpa), `template` (wherever supported), `extern` (always sdpa). The template
-supports what it was written and measured for; anything else keeps sdpa, and the reason goes into
-the report (`explain`):
-- static shapes, q/k/v of rank 4 ([B, H, T, D]) with the same B and H (with enable_gqa, k and v may have
-  H / G heads: query head h reads kv head h // G), D in 16..128 a power of two, bf16 or fp16, the last dim
-  contiguous;
-- an attention mask (what export/masks.py did not turn into is_causal or drop: padding, windows) of at
-  most 4 dims broadcastable to [B, H, T, S], bool (True keeps) or float (added to the scaled scores);
-  a row masked everywhere gives 0, as torch's math sdpa does; dropout 0;
-- causal only with as many keys as queries (sdpa's causal mask is top-left aligned).
-`auto` takes the template up to D = 64 (H200, 2026-11-26, scripts/attn_probe.py: 44.0 vs 47.5 us at
-8 x 12 x 1024 x 64 causal, 13.4 vs 14.7 at 1 x 1024, 3.5 vs 6.1 at 1 x 128; scripts/attn_mask_bench.py,
-8 x 12 x 1024 x 64 with a kept mask: bool padding 83.6 vs 106.2 us, float padding 78.8 vs 101.0, a bool
-window [B, 1, T, T] 112.6 vs 137.5; not measured beyond D = 64).
-"""
+"""Inference attention lowered to the flash-attention template's node (ir/attention.AttentionKernel);
+schedule/attention.py decides whether it is taken (else lower/extern.py keeps torch's sdpa)."""
 from __future__ import annotations
 
 from ..ir.attention import AttentionKernel
 from ..ir.loop import TensorArg
-from ..ir.sizes import static
-from ..knobs import knobs
+from ..schedule.attention import mask_kind
 
-MODES = ("auto", "template", "extern")
-AUTO_MAX_HEAD_DIM = 64  # measured (module docstring)
 _BTHD = (0, 2, 1, 3)  # [B, H, T, D] results stored [B, T, H, D]
-
-
-def mode() -> str:
-    m = (knobs.attention or "auto").lower()
-    if m not in MODES:
-        from ..errors import BuildError
-
-        raise BuildError(f"AOTFUSE_ATTENTION={knobs.attention!r}", remedy=f"use one of {', '.join(MODES)}")
-    return m
-
-
-MASK_DTYPES = ("bool", "bfloat16", "float16", "float32")
-
-
-def mask_kind(mask_dtype: str | None) -> str:
-    """"" (no mask), "bool" (True keeps) or "add" (added to the scaled scores), as sdpa reads them."""
-    return "" if mask_dtype is None else "bool" if mask_dtype == "bool" else "add"
-
-
-def _mask_refusal(mask: TensorArg, mask_dtype: str, q: TensorArg, k: TensorArg) -> str | None:
-    if mask_dtype not in MASK_DTYPES:
-        return f"a {mask_dtype} attention mask"
-    if len(mask.shape) > 4 or not all(static(d) for d in (*mask.shape, *mask.stride, mask.offset)):
-        return f"an attention mask of shape {mask.shape} (the template takes a static mask of at most 4 dims)"
-    want = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    for got, full in zip(reversed(mask.shape), reversed(want)):
-        if int(got) not in (1, int(full)):
-            return f"an attention mask of shape {mask.shape} that does not broadcast to {list(want)}"
-    return None
-
-
-def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool, dtype: str,
-            mask_dtype: str | None = None) -> str | None:
-    """Why the template cannot run this attention (None: it can)."""
-    if dtype not in ("bfloat16", "float16"):
-        return f"{dtype} attention (the template takes bf16 and fp16)"
-    shapes = (q.shape, k.shape, v.shape)
-    if any(len(s) != 4 for s in shapes):
-        return f"q/k/v of rank {len(q.shape)}, {len(k.shape)}, {len(v.shape)} (the template takes [B, H, T, D])"
-    if not all(static(d) for t in (q, k, v) for d in (*t.shape, *t.stride, t.offset)):
-        return "dynamic sizes (the template's sizes and strides are literals)"
-    (b, h, tq, d), (bk, hk, tk, dk), (bv, hv, tv, dv) = shapes
-    # grouped-query attention (enable_gqa): k and v have H / G heads, query head h reads kv head h // G
-    kv_ok = hk == h or (gqa and hk and h % hk == 0)
-    if (bk, bv, hv) != (b, b, hk) or not kv_ok or tk != tv or dk != d or dv != d:
-        return (f"q {q.shape}, k {k.shape}, v {v.shape}: the template needs the same B and D, as many keys as values, "
-                "and as many k/v heads as query heads (or, with enable_gqa, a divisor of them)")
-    if d < 16 or d > 128 or d & (d - 1):
-        return f"head dim {d} (the template takes a power of two from 16 to 128)"
-    if causal and tq != tk:
-        return f"causal with {tq} queries and {tk} keys (sdpa's top-left causal mask)"
-    if any(t.stride[3] != 1 for t in (q, k, v)):
-        return "a q/k/v view whose last dim is not contiguous"
-    if tq == 0 or tk == 0 or b * h == 0:
-        return "an empty attention"
-    if mask is not None:
-        return _mask_refusal(mask, mask_dtype, q, k)
-    return None
-
-
-def choose(name: str, q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool,
-           dtype: str, mask_dtype: str | None = None) -> tuple[bool, dict]:
-    """(template?, the decision record for the report)."""
-    md = mode()
-    rec = {"attention": name, "mode": md, "shape": list(q.shape), "causal": bool(causal)}
-    if mask is not None:
-        rec["mask"] = f"{mask_dtype} {list(mask.shape)}"
-    if md == "extern":
-        rec.update(kernel="sdpa", why="AOTFUSE_ATTENTION=extern")
-        return False, rec
-    why = refusal(q, k, v, mask, causal, gqa, dtype, mask_dtype)
-    if why is not None:
-        rec.update(kernel="sdpa", why=why)
-        return False, rec
-    d = int(q.shape[3])
-    if md == "auto" and d > AUTO_MAX_HEAD_DIM:
-        rec.update(kernel="sdpa", why=f"head dim {d} > {AUTO_MAX_HEAD_DIM}: the template was measured faster than "
-                                      "sdpa up to 64 only (AOTFUSE_ATTENTION=template forces it)")
-        return False, rec
-    measured = ("H200: 0.78-0.82x of sdpa's time at 8x12x1024x64 with a kept padding or window mask" if mask is not None
-                else "H200: 0.93x at 8x12x1024x64 causal, 0.58x at 1x12x128x64")
-    rec.update(kernel="template", why=("AOTFUSE_ATTENTION=template" if md == "template" else
-                                       f"flash-attention template: measured faster than sdpa at D <= 64 ({measured})"))
-    return True, rec
 
 
 def lower_attention(ctx, node, q: TensorArg, k: TensorArg, v: TensorArg, causal: bool, scale, shape, dtype: str,

@@ -9,7 +9,8 @@ from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.o
 from ..errors import UnsupportedOpError
 from ..ir.views import View
 from .ctx import dtype_name, out_dtype, out_shape
-from .attention import choose as attention_choice, lower_attention
+from ..schedule.attention import choose as attention_choice
+from .attention import lower_attention
 from .matmul import add_bias, try_template
 from ..layouts import channels_last_perm
 from .rules import collector
@@ -150,7 +151,7 @@ def _convolution_backward(ctx, node, args, kwargs):
 
 
 @rule(aten.scaled_dot_product_attention.default, category="extern",
-          note="dropout_p must be 0; a Triton flash-attention template where lower/attention.py takes it, else "
+          note="dropout_p must be 0; a Triton flash-attention template where schedule/attention.py takes it, else "
                "torch's sdpa; the result buffer is laid out [B, T, H, D] as the flash kernels write it")
 def _sdpa(ctx, node, args, kwargs):
     q, k, v = args[:3]
@@ -169,7 +170,7 @@ def _sdpa(ctx, node, args, kwargs):
     mdt = None if mask is None else mask.dtype
     template, rec = attention_choice(node.name, tq, tk, tv, tm, bool(causal), bool(gqa), out_dtype(node), mdt)
     ctx.decisions.append(rec)
-    if template:  # a flash-attention kernel of our own (lower/attention.py)
+    if template:  # a flash-attention kernel of our own (schedule/attention.py decides, lower/attention.py)
         return lower_attention(ctx, node, tq, tk, tv, bool(causal), scale, shape, out_dtype(node), tm, mdt)
     perm = [0, 2, 1, 3] if len(shape) == 4 else None
     kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}

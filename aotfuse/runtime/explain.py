@@ -25,7 +25,7 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})"
     if "attention_mask" in d:  # export/masks.py
         return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
-    if "attention" in d and "mode" in d:  # lower/attention.py: the template or sdpa
+    if "attention" in d and "mode" in d:  # schedule/attention.py: the template or sdpa
         mask = f" mask {d['mask']}" if d.get("mask") else ""
         return (f"  {d['attention']}: attention {d.get('shape')}{' causal' if d.get('causal') else ''}{mask} -> "
                 f"{d['kernel']} ({d['why']})")
