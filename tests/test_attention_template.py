@@ -387,3 +387,34 @@ def test_refusal_of_kv_heads_that_do_not_divide():
     assert "a divisor of them" in refusal(ta(6), ta(4), ta(4), None, False, True, "bfloat16")
     assert "a divisor of them" in refusal(ta(8), ta(2), ta(2), None, False, False, "bfloat16")  # no enable_gqa
     assert refusal(ta(8), ta(2), ta(2), None, False, True, "bfloat16") is None
+
+
+@pytest.mark.parametrize("mdt", [torch.float32, torch.bfloat16], ids=["fp32-mask", "bf16-mask"])
+def test_row_masked_everywhere_with_finfo_min_is_uniform(mdt):
+    """A float mask at finfo.min (HF's padding value) everywhere in a row leaves that row's scores finite and
+    equal in eager: the softmax is uniform and the row is mean(V); only -inf rows give 0 (review, 2026-11-26:
+    finfo.min times log2(e) overflowed to -inf in the kernel)."""
+    bf = torch.bfloat16
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=torch.Generator().manual_seed(i)).to(bf) for i in range(3))
+    mask = torch.zeros(1, 1, 40, 40, dtype=mdt)
+    mask[..., 3, :] = torch.finfo(mdt).min  # row 3 masked everywhere
+    mask[..., 5, :20] = torch.finfo(mdt).min
+    res = _build(Masked(), (q, k, v, mask))
+    assert _attention_records(res)[0]["kernel"] == "template"
+    out = aotfuse.load(res.data, device="cpu")(q, k, v, mask)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask.float())
+    assert torch.allclose(out[0, :, 3].float(), v.float().mean(dim=2), atol=2e-2)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_attention_past_32_bit_indexing_keeps_sdpa():
+    """A view that reaches past 2**31 elements keeps torch's sdpa with the reason (no build error)."""
+    from aotfuse.ir.loop import TensorArg
+    from aotfuse.schedule.attention import refusal
+
+    t, hd = 32768, 3 * 12 * 64
+    q, k, v = (TensorArg("qkv", (32, 12, t, 64), (t * hd, 64, hd, 1), off) for off in (0, 768, 1536))
+    assert "32-bit indexing" in refusal(q, k, v, None, True, False, "bfloat16")
+    small = [TensorArg("qkv", (2, 12, 128, 64), (128 * hd, 64, hd, 1), off) for off in (0, 768, 1536)]
+    assert refusal(*small, None, True, False, "bfloat16") is None

@@ -17,7 +17,8 @@ from ..errors import BuildError
 from ..ir.attention import AttentionKernel
 from ..ir.loop import LoopGraph
 from ..schedule.fusion import FusionGroup
-from .kernel_src import INDEX_LIMIT, KernelArg, KernelSource, _HEADER
+from ..schedule.attention import index_refusal
+from .kernel_src import KernelArg, KernelSource, _HEADER
 from .printer import TL_DTYPE
 
 LOG2E = 1.4426950408889634
@@ -38,10 +39,9 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
     tk = int(k.shape[2])
     bm, bn = node.block_m, node.block_n
     operands = (q, k, v) if mask is None else (q, k, v, mask)
-    for ta in operands:
-        if graph.buffer(ta.buf).numel > INDEX_LIMIT:
-            raise BuildError(f"attention {name}: {ta.buf} holds more than 2**31 elements",
-                             remedy="split the batch; 64-bit indexing is not supported yet")
+    why = index_refusal(operands, node.block_m)
+    if why is not None:  # schedule/attention.refusal keeps such an attention on sdpa: this is a bug if reached
+        raise BuildError(f"internal: attention {name}: {why}")
     ins: list[str] = []
     for ta in operands:
         if ta.buf not in ins:
@@ -108,7 +108,11 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
             if node.mask == "bool":
                 body.append("        qk = tl.where(mk != 0, qk, float('-inf'))")
             else:
-                body.append(f"        qk = qk + mk.to(tl.float32) * {LOG2E!r}")
+                # in base 2 like the scores; a finite mask value is clamped first so that finfo.min (HF's
+                # padding value) times log2(e) stays finite: a row masked everywhere with it is then uniform, as
+                # in eager, where only -inf rows give 0
+                body += ["        mf = mk.to(tl.float32)",
+                         f"        qk = qk + tl.where(mf == float('-inf'), mf, tl.maximum(mf, -2.0e38) * {LOG2E!r})"]
         if masked:
             keep = f"(rn[None, :] < {tk})" + (" & (rm[:, None] >= rn[None, :])" if node.causal else "")
             body.append(f"        qk = tl.where({keep}, qk, float('-inf'))")

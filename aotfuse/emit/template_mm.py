@@ -318,8 +318,9 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         w("        acc = tl.dot(a, b, acc)")
     if both_tma:
         L.extend(ranges)
-    if m % bm or n % bn:
-        w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
+    # always defined: the template's own loads and stores skip it for whole tiles, but kernel_src's emitter
+    # masks a gather in the epilogue with it
+    w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
     flat = SB * (m * n) + SM * n + SN
     w(f"    xindex = {print_index(flat, {SB: 'pid_b', SM: 'rm[:, None]', SN: 'rn[None, :]'})}")
     rng = {SB: bsz, SM: m, SN: n}

@@ -56,6 +56,23 @@ def _mask_refusal(mask: TensorArg, mask_dtype: str, q: TensorArg, k: TensorArg) 
     return None
 
 
+INDEX_LIMIT = 2**31 - 1
+BLOCK = 64  # the template's query and key blocks (ir/attention.AttentionKernel's defaults)
+
+
+def index_refusal(views, block: int = BLOCK) -> str | None:
+    """The kernel indexes with 32-bit integers: the farthest element any view reaches, with the rows and keys
+    padded to whole blocks (the padded rows' addresses are computed, then masked), must stay below 2**31."""
+    for t in views:
+        shape = [int(n) for n in t.shape]
+        if len(shape) >= 2:  # rows / keys run to the next whole block
+            shape[-2] = -(-shape[-2] // block) * block
+        reach = int(t.offset) + sum((n - 1) * abs(int(st)) for n, st in zip(shape, t.stride)) + 1
+        if reach > INDEX_LIMIT:
+            return f"a q/k/v/mask view reaches element {reach} (32-bit indexing: at most 2**31 - 1)"
+    return None
+
+
 def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool, dtype: str,
             mask_dtype: str | None = None) -> str | None:
     """Why the template cannot run this attention (None: it can)."""
@@ -81,8 +98,12 @@ def refusal(q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: b
     if tq == 0 or tk == 0 or b * h == 0:
         return "an empty attention"
     if mask is not None:
-        return _mask_refusal(mask, mask_dtype, q, k)
-    return None
+        why = _mask_refusal(mask, mask_dtype, q, k)
+        if why is not None:
+            return why
+    if b * h * tq * d > INDEX_LIMIT:
+        return f"an output of {b * h * tq * d} elements (32-bit indexing)"
+    return index_refusal((q, k, v) if mask is None else (q, k, v, mask))
 
 
 def choose(name: str, q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bool, gqa: bool,
