@@ -5,7 +5,7 @@
 # kernels trainbench; opt-in: profile (scripts/profile_train.py: per-kernel GPU time of the anchor step, aotfuse vs
 # torch.compile), knobs (scripts/knob_ab.py of KNOB_VARIANTS on KNOB_CASES: opt-in knobs vs the defaults), dynamic
 # (one dynamic archive at many shapes, reduction-length variants), mm (matmul templates vs cuBLAS: tune_mm.py,
-# graph_diag.py, knob_ab.py's training A/B) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
+# graph_diag.py, knob_ab.py's training A/B), attn (the attention template vs sdpa) and zoo (scripts/zoo_gpu.py: each zoo model at its realistic size; copy $OUT/zoo_gpu.json to
 # docs/zoo_gpu.json and run scripts/gen_models_doc.py).
 # kernels: scripts/bench_kernels.py (memory-bound cases, % of copy); trainbench: `aotfuse bench --train` of
 # TRAIN_SPECS (default: the anchor GPT, batch 8 x 1024, bf16).
@@ -79,6 +79,13 @@ if want mm; then
   done
   run mm_train python3 scripts/knob_ab.py --cases anchor base: auto:mm=auto
 fi
+# attn: the attention template vs torch's sdpa (scripts/attn_probe.py: the kernel alone; attn_mask_bench.py: kept
+# masks through the runtime; attn_runtime_probe.py --launch-diag: the runtime's launch vs Triton's, occupancy)
+if want attn; then
+  run attn_probe python3 scripts/attn_probe.py --shapes ${ATTN_SHAPES:-8x1024,1x1024,1x128}
+  run attn_mask python3 scripts/attn_mask_bench.py
+  run attn_launch python3 scripts/attn_runtime_probe.py --launch-diag
+fi
 want zoo && run zoo python3 scripts/zoo_gpu.py ${ZOO_NAMES:-} --json "$OUT/zoo_gpu.json" --markdown "$OUT/zoo.md"
 echo; echo "== GPU tier summary ($(date -u +%F)) =="
 for s in "${status[@]}"; do echo "  $s"; done
@@ -99,4 +106,6 @@ for t in memcheck racecheck; do [ -f "$OUT/$t.log" ] && { echo "$t:"; grep -h "E
 [ -f "$OUT/tune_mm.log" ] && sed -n '/kernel time per call/,$p' "$OUT/tune_mm.log"
 for f in "$OUT"/graph_diag_*.log; do [ -f "$f" ] && grep -h "graphs=True" "$f" | cut -c1-90; done
 [ -f "$OUT/mm_train.log" ] && grep -h "^|" "$OUT/mm_train.log"
+for f in attn_probe attn_mask; do [ -f "$OUT/$f.log" ] && grep -h "^|" "$OUT/$f.log"; done
+[ -f "$OUT/attn_launch.log" ] && grep -h " us \|occupancy" "$OUT/attn_launch.log"
 exit 0
