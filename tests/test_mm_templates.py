@@ -82,6 +82,19 @@ def test_decision_table():
         _choose(1, 64, 64, 64)
 
 
+def test_wave_quantization_in_the_estimate():
+    """A template's fixed tile over a little more than one wave of SMs pays for the empty part of its last wave
+    (1024 x 2304 in 128 x 128 tiles: 144 tiles on 132 SMs, two waves at 55%); a full grid of several waves
+    barely does; a single partial wave is latency-bound and not charged. The record carries the factor."""
+    with override(mm="auto"):
+        two = _choose(1, 1024, 2304, 768, epilogue=["add"], targets=("sm_90",))
+        assert two["cost_us"]["wave_utilization"] == round(144 / 264, 3) and two["choice"] == "extern", two
+        many = _choose(1, 8192, 768, 768, epilogue=["add"], targets=("sm_90",))
+        assert many["cost_us"]["wave_utilization"] == round(384 / 396, 3) and many["choice"] == "template", many
+        one = _choose(1, 128, 768, 768, targets=("sm_90",))
+        assert one["cost_us"]["wave_utilization"] == 1.0
+
+
 def test_cast_only_epilogue_keeps_cublas():
     """A cast alone (the fp32 copy of a bf16 matmul's result) saves cuBLAS no round trip: its consumer casts as
     it reads; a template would store the wider result. auto keeps cuBLAS and says so."""
