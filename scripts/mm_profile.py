@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import sys
+
 import torch
 
 import aotfuse
 from aotfuse.examples.gpt import anchor
 from aotfuse.knobs import override
 
-
-def mode_knobs(mode: str) -> dict:
-    """`MM[:knob=value+...]`, e.g. `extern:attention=extern`: AOTFUSE_MM and other (string) knobs for one
-    contender."""
-    mm, _, rest = mode.partition(":")
-    kn = dict(kv.split("=", 1) for kv in rest.split("+") if kv)
-    return {"mm": mm, **kn}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_diag import mode_knobs  # noqa: E402
 
 
 def profile(mode: str, batch: int, seq: int, reps: int = 20) -> tuple[collections.Counter, int]:

@@ -85,7 +85,8 @@ def _count(b: int, m: int, n: int, bm: int, bn: int) -> int:
     return b * -(-m // bm) * -(-n // bn)
 
 
-def _tiles(b: int, m: int, n: int, c: MMConfig) -> int:
+def tile_count(b: int, m: int, n: int, c: MMConfig) -> int:
+    """Tiles of the config's BM x BN over B x M x N."""
     return _count(b, m, n, c.block_m, c.block_n)
 
 
@@ -133,7 +134,7 @@ def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, st
     bk = 128 if bn <= 64 else 64
     stages = 4 if (bk == 64 or bn <= 32) else 3
     c = MMConfig(bm, bn, _clamp(bk, k), 8, 4, stages)
-    return c, (f"sm_90 small: {c.block_m}x{c.block_n}x{c.block_k}, {_tiles(b, m, n, c)} programs "
+    return c, (f"sm_90 small: {c.block_m}x{c.block_n}x{c.block_k}, {tile_count(b, m, n, c)} programs "
                f"(BN halved from 128 while fewer than {sms} / 2)")
 
 
@@ -205,14 +206,14 @@ def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[
     # Fill the SMs: halve the larger block while the grid has fewer programs than the least SM count.
     sms = min(SMS[t] for t in known)
     shrunk = False
-    while _tiles(b, m, n, c) < sms and max(c.block_m, c.block_n) > 32:
+    while tile_count(b, m, n, c) < sms and max(c.block_m, c.block_n) > 32:
         if c.block_n >= c.block_m:
             c = dataclasses.replace(c, block_n=c.block_n // 2)
         else:
             c = dataclasses.replace(c, block_m=c.block_m // 2)
         shrunk = True
     if shrunk:
-        why.append(f"shrunk to {c.block_m}x{c.block_n} for {_tiles(b, m, n, c)} programs (>= {sms} SMs if possible)")
+        why.append(f"shrunk to {c.block_m}x{c.block_n} for {tile_count(b, m, n, c)} programs (>= {sms} SMs if possible)")
     warps = 4 if c.block_m * c.block_n <= 64 * 128 else c.num_warps
     if warps != c.num_warps:
         c = dataclasses.replace(c, num_warps=warps)

@@ -18,7 +18,7 @@ from ..ir.attention import AttentionKernel
 from ..ir.loop import LoopGraph
 from ..schedule.fusion import FusionGroup
 from ..schedule.attention import index_refusal
-from .kernel_src import KernelArg, KernelSource, _HEADER
+from .kernel_src import KernelArg, KernelSource, _HEADER, loop_range
 from .printer import TL_DTYPE
 
 LOG2E = 1.4426950408889634
@@ -56,10 +56,12 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
 
     per_kv = h // int(k.shape[1])  # query heads per k/v head (grouped-query attention; 1 otherwise)
 
-    def base(ta, head: str = "h") -> str:
-        sb, sh = int(ta.stride[0]), int(ta.stride[1])
+    def base(ta, sb: int, sh: int, head: str = "h") -> str:
         off = int(ta.offset)
-        return f"{ptr[ta.buf]} + {off} + b * {sb} + {head} * {sh}" if off else f"{ptr[ta.buf]} + b * {sb} + {head} * {sh}"
+        return f"{ptr[ta.buf]}{f' + {off}' if off else ''} + b * {sb} + {head} * {sh}"
+
+    def qkv_base(ta, head: str = "h") -> str:
+        return base(ta, int(ta.stride[0]), int(ta.stride[1]), head)
 
     sqt, skt, svt = int(q.stride[2]), int(k.stride[2]), int(v.stride[2])
     if mask is not None:  # right-aligned to [B, H, T, S]; a broadcast dim (size 1) has stride 0
@@ -67,7 +69,6 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
         mshape = (1,) * (4 - r) + tuple(int(x) for x in mask.shape)
         mstride = (0,) * (4 - r) + tuple(int(x) for x in mask.stride)
         msb, msh, msq, msk = (0 if n_ == 1 else st_ for n_, st_ in zip(mshape, mstride))
-        moff = int(mask.offset)
     L = [f"    pid = tl.program_id(0)",
          f"    pid_m = {nm - 1} - pid // {bh}  # the longest (causal) row blocks first",
          f"    bh = pid % {bh}",
@@ -75,11 +76,11 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
          f"    h = bh % {h}",
          f"    rm = pid_m * {bm} + tl.arange(0, {bm})",
          f"    rd = tl.arange(0, {d})",
-         f"    q_base = {base(q)}",
+         f"    q_base = {qkv_base(q)}",
          *([f"    hk = h // {per_kv}  # grouped-query attention: the k/v head of this query head"] if per_kv > 1 else []),
-         f"    k_base = {base(k, 'hk' if per_kv > 1 else 'h')}",
-         f"    v_base = {base(v, 'hk' if per_kv > 1 else 'h')}",
-         *([f"    m_base = {ptr[mask.buf]} + {moff} + b * {msb} + h * {msh}"] if mask is not None else []),
+         f"    k_base = {qkv_base(k, 'hk' if per_kv > 1 else 'h')}",
+         f"    v_base = {qkv_base(v, 'hk' if per_kv > 1 else 'h')}",
+         *([f"    m_base = {base(mask, msb, msh)}"] if mask is not None else []),
          f"    q = tl.load(q_base + {_index('rm[:, None]', sqt)} + rd[None, :], rm[:, None] < {t}, other=0)",
          f"    m_i = tl.full([{bm}], float('-inf'), tl.float32)",
          f"    l_i = tl.full([{bm}], 1.0, tl.float32)",
@@ -97,13 +98,12 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
                 f"        vt = tl.load(v_base + {_index('rn[:, None]', svt)} + rd[None, :]{kmask})",
                 f"        qk = tl.dot(q, kt.T) * {qk_scale!r}"]
         if mask is not None:  # sdpa's attn_mask: bool keeps where True, a float one adds to the scores
-            other = "0"
             if msq == 0:  # the same for every query row (a padding mask): one row of it per key block
-                bound = f", rn < {tk}, other={other}" if masked else ""
+                bound = f", rn < {tk}, other=0" if masked else ""
                 mload = f"tl.load(m_base + {_index('rn', msk)}{bound})[None, :]"
             else:
                 mload = (f"tl.load(m_base + {_index('rm[:, None]', msq)} + {_index('rn[None, :]', msk)}, "
-                         f"(rm[:, None] < {t}) & (rn[None, :] < {tk}), other={other})")
+                         f"(rm[:, None] < {t}) & (rn[None, :] < {tk}), other=0)")
             body.append(f"        mk = {mload}")
             if node.mask == "bool":
                 body.append("        qk = tl.where(mk != 0, qk, float('-inf'))")
@@ -131,8 +131,7 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
         return body
 
     stages = node.num_stages
-    L.append(f"    for start in tl.range(0, lo, {bn}, num_stages={stages}):" if stages > 1 else
-             f"    for start in range(0, lo, {bn}):")
+    L.append(f"    for start in {loop_range(0, 'lo', bn, stages)}:")
     L += step(False)
     L.append(f"    for start in range(lo, hi, {bn}):")
     L += step(True)

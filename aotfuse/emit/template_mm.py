@@ -356,7 +356,7 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         # tile's operands while this tile's epilogue runs. Warp-specialized (cfg.warp_spec, both operands
         # through TMA): not flattened; Triton's Hopper pass splits the loop into a producer warpgroup
         # and two consumer warpgroups.
-        opts = "warp_specialize=True" if cfg.warp_spec and both_tma else "flatten=True"
+        opts = "warp_specialize=True" if cfg.warp_spec else "flatten=True"
         L = pre + [f"    for tile in tl.range(tl.program_id(0), {tiles}, tl.num_programs(0), {opts}):"] + \
             ["    " + ln for ln in L]
     else:

@@ -13,12 +13,15 @@ import dataclasses
 from .loop import Extern
 
 
+BLOCK_M = BLOCK_N = 64  # query rows per program, keys per step (H200: the best of scripts/attn_probe.py's configs)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionKernel(Extern):
     causal: bool = False
     scale: float = 0.0  # softmax scale (1/sqrt(D) when sdpa's was None)
-    block_m: int = 64  # query rows per program
-    block_n: int = 64  # keys per step of the loop
+    block_m: int = BLOCK_M
+    block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 3
     mask: str = ""  # "" none; "bool": args[3] keeps where True; "add": args[3] is added to the scaled scores

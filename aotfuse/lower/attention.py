@@ -22,6 +22,5 @@ def lower_attention(ctx, node, q: TensorArg, k: TensorArg, v: TensorArg, causal:
     sc = float(scale) if scale is not None else d ** -0.5
     args = (q, k, v) if mask is None else (q, k, v, mask)
     ctx.nodes.append(AttentionKernel(name, "aotfuse.attention_template", args, (), True, view.as_strided(),
-                                     causal=bool(causal), scale=sc, mask=mask_kind(mask_dtype if mask is not None
-                                                                                  else None)))
+                                     causal=bool(causal), scale=sc, mask=mask_kind(mask_dtype)))
     return view

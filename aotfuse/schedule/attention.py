@@ -19,6 +19,8 @@ window [B, 1, T, T] 112.6 vs 137.5; not measured beyond D = 64).
 """
 from __future__ import annotations
 
+from ..emit.kernel_src import INDEX_LIMIT
+from ..ir.attention import BLOCK_M, BLOCK_N
 from ..ir.loop import TensorArg
 from ..ir.sizes import static
 from ..knobs import knobs
@@ -56,11 +58,7 @@ def _mask_refusal(mask: TensorArg, mask_dtype: str, q: TensorArg, k: TensorArg) 
     return None
 
 
-INDEX_LIMIT = 2**31 - 1
-BLOCK = 64  # the template's query and key blocks (ir/attention.AttentionKernel's defaults)
-
-
-def index_refusal(views, block: int = BLOCK) -> str | None:
+def index_refusal(views, block: int = max(BLOCK_M, BLOCK_N)) -> str | None:
     """The kernel indexes with 32-bit integers: the farthest element any view reaches, with the rows and keys
     padded to whole blocks (the padded rows' addresses are computed, then masked), must stay below 2**31."""
     for t in views:

@@ -34,7 +34,7 @@ and a node that feeds the matmul's operands.
 """
 from __future__ import annotations
 
-from ..emit.mm_configs import choose_config, least_sms
+from ..emit.mm_configs import choose_config, least_sms, tile_count
 from ..ir.loop import ITEMSIZE, Cast, Const, IndexValue, Load, Op, Pointwise, Reduction, expr_op_count
 from ..ir.matmul import MatMul, is_matmul
 from ..knobs import knobs
@@ -77,7 +77,7 @@ def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, 
     # empty (1024 x 2304 in 128 x 128 tiles: 144 tiles on 132 SMs run as two waves); cuBLAS picks its
     # tile per problem, so only the template pays. One partial wave (fewer tiles than SMs) is latency-bound
     # and not charged.
-    tiles = b * -(-m // config.block_m) * -(-n // config.block_n)
+    tiles = tile_count(b, m, n, config)
     waves = -(-tiles // sms)
     wave = tiles / (waves * sms) if waves > 1 else 1.0
     template = knobs.launch_overhead_us + t_lib / (eff * util * wave)
