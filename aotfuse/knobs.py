@@ -10,11 +10,14 @@
 | inline_max_ops | AOTFUSE_INLINE_MAX_OPS | 24 | a pointwise node is inlined into its consumers when its body has at most this many ops |
 | persistent_rblock_max | AOTFUSE_PERSISTENT_RBLOCK | 4096 | largest reduction kept in registers (persistent); beyond it loops |
 | persistent_tile | AOTFUSE_PERSISTENT_TILE | 4096 | persistent row reductions: elements per program (rows packed up to this many) |
-| persistent_warp_elems | AOTFUSE_PERSISTENT_WARP_ELEMS | 256 | persistent row reductions: one warp per this many elements of the tile (1 to 8 warps) |
+| persistent_warp_elems | AOTFUSE_PERSISTENT_WARP_ELEMS | 1024 | persistent row reductions: one warp per this many elements of the tile (1 to 8 warps): 32 per thread (H100, 2026-11-26, scripts/knob_ab.py: residual add + LayerNorm over 8192 x 768 bf16 19.6 -> 16.3 us at 4 warps instead of 8, LayerNorm fwd+bwd 43.9 -> 37.0; rows of 1000 and 4096 unchanged) |
 | persistent_row_elems | AOTFUSE_PERSISTENT_EPT | 32 | rows held in registers beyond 4096 elements (when persistent_rblock_max allows): warps chosen so each thread holds about this many elements (8 to 32 warps) |
 | split_min_programs | AOTFUSE_SPLIT_PROGRAMS | 264 | a reduction whose kernel would launch fewer programs (2 per SM of an H100) is split in two stages (schedule/split.py) |
 | split_min_elems | AOTFUSE_SPLIT_ELEMS | 32768 | ... only when one of its programs would reduce at least this many elements (r; 64*r for a column tile) |
 | split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
+| split_outer_programs | AOTFUSE_SPLIT_OUTER_PROGRAMS | 0 | column reductions (a bias or norm-weight gradient) are split into enough chunks for this many partial programs; 0: split_min_programs |
+| outer_rblock | AOTFUSE_OUTER_RBLOCK | 128 | column reductions: most rows per loop step of a [64 x RBLOCK] tile, fewer while its accumulators would take more than 32 registers per thread (emit/space.block_choice) |
+| outer_stages | AOTFUSE_OUTER_STAGES | 0 | column reductions' loops over rows as `tl.range(..., num_stages=N)` (loop_stages for them); 0 or 1: plain `range` |
 | mix_order | AOTFUSE_MIX_ORDER | 1 | a column reduction over the rows of a row reduction's input is split for, and fused into, one mix-order kernel (schedule/mix.py); 0: off |
 | eviction_hints | AOTFUSE_EVICTION_HINTS | 1 | looped row kernels that read an input in two loops keep it in L2 for the second (evict_last) and stream the rest (evict_first); 0: no hints |
 | mix_programs | AOTFUSE_MIX_PROGRAMS | 256 | mix-order kernels: S, the programs (chunks of rows), is the fewest power-of-two chunking with at least this many (schedule/mix.py condition 4) |
@@ -81,11 +84,14 @@ class Knobs:
     inline_max_ops: int = _env_int("AOTFUSE_INLINE_MAX_OPS", 24)
     persistent_rblock_max: int = _env_int("AOTFUSE_PERSISTENT_RBLOCK", 4096)
     persistent_tile: int = _env_int("AOTFUSE_PERSISTENT_TILE", 4096)
-    persistent_warp_elems: int = _env_int("AOTFUSE_PERSISTENT_WARP_ELEMS", 256)
+    persistent_warp_elems: int = _env_int("AOTFUSE_PERSISTENT_WARP_ELEMS", 1024)
     persistent_row_elems: int = _env_int("AOTFUSE_PERSISTENT_EPT", 32)
     split_min_programs: int = _env_int("AOTFUSE_SPLIT_PROGRAMS", 264)
     split_min_elems: int = _env_int("AOTFUSE_SPLIT_ELEMS", 32768)
     split_min_chunk: int = _env_int("AOTFUSE_SPLIT_CHUNK", 128)
+    split_outer_programs: int = _env_int("AOTFUSE_SPLIT_OUTER_PROGRAMS", 0)
+    outer_rblock: int = _env_int("AOTFUSE_OUTER_RBLOCK", 128)
+    outer_stages: int = _env_int("AOTFUSE_OUTER_STAGES", 0)
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)
     predicated_selects: bool = bool(_env_int("AOTFUSE_PREDICATED_SELECTS", 0))

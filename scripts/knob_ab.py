@@ -38,6 +38,37 @@ def _ce():
     return CrossEntropyLoss(), (L, torch.randint(0, 32000, (8192,))), True, 2 * L.numel() * 2
 
 
+def _ln768():
+    # the anchor GPT's LayerNorm backward size: the weight and bias gradients are column sums of 8192 rows
+    x = torch.randn(8192, 768, dtype=BF16).requires_grad_()
+    return LayerNormLoss(768), (x,), True, 2 * x.numel() * 2
+
+
+class ColSum(torch.nn.Module):
+    """x.sum(0): a bias gradient's column sum (split into partial column sums and a final one)."""
+
+    def forward(self, x):
+        return x.sum(0)
+
+
+class AddLayerNorm(torch.nn.Module):
+    """h = x + r + b, LayerNorm(h): the anchor GPT's residual add and LayerNorm (both outputs kept)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.b = torch.nn.Parameter(torch.randn(n, dtype=BF16))
+        self.ln = torch.nn.LayerNorm(n, dtype=BF16)
+
+    def forward(self, x, r):
+        h = x + r + self.b
+        return h, self.ln(h)
+
+
+def _addln768():
+    x, r = (torch.randn(8192, 768, dtype=BF16) for _ in range(2))
+    return AddLayerNorm(768), (x, r), False, 4 * x.numel() * 2
+
+
 def _anchor():
     from aotfuse.examples.gpt import anchor_train
 
@@ -69,7 +100,13 @@ CASES = {"ln": _ln, "ce": _ce, "anchor": _anchor, "anchor_infer": _anchor_infer,
          "ln50257": _fwd(lambda: LayerNorm(50257), (1024, 50257), 4 * 50257),
          "softmax197": _fwd(Softmax, (327680, 197)),
          "ln197": _fwd(lambda: LayerNorm(197), (327680, 197), 4 * 197),
-         "ln1000": _fwd(lambda: LayerNorm(1000), (65536, 1000), 4 * 1000)}
+         "ln1000": _fwd(lambda: LayerNorm(1000), (65536, 1000), 4 * 1000),
+         "ln768": _ln768,
+         "ln768fwd": _fwd(lambda: LayerNorm(768), (8192, 768), 4 * 768),
+         "addln768": _addln768,
+         "colsum3072": _fwd(ColSum, (8192, 3072), -8192 * 3072 * 2),
+         "colsum2304": _fwd(ColSum, (8192, 2304), -8192 * 2304 * 2),
+         "colsum768": _fwd(ColSum, (8192, 768), -8192 * 768 * 2)}
 
 
 def _value(knob: str, raw: str):
@@ -121,7 +158,8 @@ def call_of(fn, params, inputs, train: bool):
 def grads(fn, params, inputs, train: bool):
     if not train:
         with torch.no_grad():
-            return [fn(*inputs).float()]
+            out = fn(*inputs)
+            return [o.float() for o in (out if isinstance(out, (tuple, list)) else (out,))]
     call_of(fn, params, inputs, True)()
     return [t.grad.float() for t in list(params) + [x for x in inputs if x.requires_grad]]
 

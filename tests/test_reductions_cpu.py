@@ -119,7 +119,16 @@ def test_layernorm_loss_partial_fuses_into_the_layernorm_kernel():
 
 def test_block_choice_patterns():
     col = block_choice(4096, 2048, "outer")
-    assert (col.kind, col.xblock, col.rblock) == ("looped_reduction", 64, 64) and "column" in col.why
+    assert (col.kind, col.xblock, col.rblock, col.num_warps) == ("looped_reduction", 64, 128, 8) and "column" in col.why
+    # two accumulators (a norm's weight and bias gradients): half the rows per step, 32 registers each
+    two = block_choice(4096, 2048, "outer", accumulators=2)
+    assert (two.xblock, two.rblock, two.num_warps) == (64, 64, 8) and "2 accumulators" in two.why
+    four = block_choice(4096, 2048, "outer", accumulators=4)
+    assert four.rblock == 32 and four.xblock * four.rblock * 4 <= 32 * 32 * four.num_warps
+    with override(outer_rblock=64):
+        assert block_choice(4096, 2048, "outer").rblock == 64
+    short = block_choice(4096, 40, "outer")  # a short column: one tile covers it
+    assert (short.kind, short.rblock) == ("persistent_reduction", 64)
     row = block_choice(327680, 197, "inner")
     assert row.kind == "persistent_reduction" and row.xblock > 1 and row.rblock == 256
     long = block_choice(1024, 50257, "inner")

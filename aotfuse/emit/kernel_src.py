@@ -133,6 +133,9 @@ class _Emitter:
         # (mask variable, what it bounds); loads under them are masked and their clamps resolved
         self.preds: list[tuple[str, dict]] = []
         self.predicated = 0  # structural selects emitted with predicated branches
+        # tanh as _tanh_fast (two MUFU instructions) instead of libdevice's tanhf: only in kernels whose
+        # stored values are all half precision (`fast_tanh_ok`)
+        self.fast_tanh = False
 
     def policy(self, buf: str) -> str:
         """An L2 eviction hint for a load along a looped row: a buffer a later loop of this kernel reads
@@ -178,6 +181,8 @@ class _Emitter:
         return name
 
     def _code(self, e) -> str:
+        if self.fast_tanh and isinstance(e, Op) and e.op == "tanh" and e.dtype == "float32":
+            return f"_tanh_fast({self.emit(e.args[0])})"
         if isinstance(e, Load):
             if e.buf in self.members:
                 return self.node_value(e.buf, e.index)
@@ -472,7 +477,9 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         [_at_hint(k) for k in knodes], hint(x), hint(r), lambda b: b not in names,
         lambda b: ITEMSIZE[graph.buffer(b).dtype])
     if blocks is None:
-        blocks = block_choice(x, r, pattern) if static(x) and static(r) else dynamic_blocks(x, r, pattern)
+        accs = sum(isinstance(n, Reduction) for n in knodes)
+        blocks = block_choice(x, r, pattern, accs) if static(x) and static(r) else \
+            dynamic_blocks(x, r, pattern, accs)
     kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
     from ..ir.loop import expr_loads
 
@@ -491,6 +498,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     em.xnumel, em.rnumel = x, r
     em.stores = stores
     em.evict = evict
+    em.fast_tanh = fast_tanh_ok(graph, outs)
 
     def store(n, value: str, ctx: str):
         idx = print_index(stores[n.name], {SX: "xindex", SR: "rindex"})
@@ -510,6 +518,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         em.line(f"xmask = xindex < {ktext(x)}")
         looped = kind == "looped_reduction"
         em.looped = looped
+        stages = knobs.outer_stages if pattern == "outer" else knobs.loop_stages
         # {second: (first, kind)}: two reductions of a row computed in one pass (emit/online.py)
         online = online_pairs(knodes, stores) if looped else {}
         paired = {m: (sm, kind) for sm, (m, kind) in online.items()}
@@ -547,7 +556,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                         continue
                     em.line(f"acc_{n.name} = tl.full([{xb}, {rb}], {_red_identity(n.rtype, n.acc_dtype)}, "
                              f"{TL_DTYPE[n.acc_dtype]})")
-                em.line(f"for roffset in {loop_range(0, int(r) if static(r) else ktext(r), rb, knobs.loop_stages)}:")
+                em.line(f"for roffset in {loop_range(0, int(r) if static(r) else ktext(r), rb, stages)}:")
                 em.depth += 1
                 em.scopes.append({})
                 em.line(f"rindex = roffset + tl.arange(0, {rb})[None, :]")
@@ -608,14 +617,14 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                                                                f"next loop (evict_last), other loads stream")
     body = "\n".join(em.lines)
     if "tl.range(" in body:
-        blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(knobs.loop_stages))
+        blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(
+            knobs.outer_stages if pattern == "outer" else knobs.loop_stages))
     if em.predicated:
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.predicated} positional select(s): each branch "
                                      f"loads under its predicate, the clamps it decides dropped (emit/predicate.py)")
     dims = kernel_dims(body) if dims is None else dims
     params = ", ".join([a.name for a in args] + list(dims))
-    head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
-    text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
@@ -677,8 +686,7 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     body = "\n".join(em.lines)
     dims = kernel_dims(body)
     params = ", ".join([a.name for a in args] + list(dims))
-    head = _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "")
-    text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
                         group.name, kind, group.nodes, xb, rb, spelled(x), spelled(r), sizes=dims)
@@ -695,3 +703,30 @@ _PROD_COMBINE = """
 def _prod_combine(a, b):
     return a * b
 """
+
+# tanh(x) = 1 - 2 / (1 + e^(2x)) with ex2.approx and a fast divide: two MUFU instructions instead of
+# libdevice's tanhf (some 25 instructions with a branch). Absolute error about 1e-7 over the whole range
+# (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1; below
+# |x| = 2^-6, where that absolute error would be a relative one above 6e-6, the series
+# x - x^3/3 + 2x^5/15 (relative error below 1e-12 there). Only kernels whose stored values are all half
+# precision take it (knobs.fast_tanh). Plain triton.language: the CPU path runs the same formula.
+_TANH_FAST = """
+
+@triton.jit
+def _tanh_fast(x):
+    x2 = x * x
+    t = 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(x * 2.8853900817779268), ieee_rounding=False)
+    return tl.where(tl.abs(x) < 0.015625, x - x * x2 * (0.3333333333333333 - 0.13333333333333333 * x2), t)
+"""
+
+
+def header(body: str) -> str:
+    """The kernel module's imports and the helpers `body` calls."""
+    return _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "") + \
+        (_TANH_FAST if "_tanh_fast(" in body else "")
+
+
+def fast_tanh_ok(graph: LoopGraph, outs) -> bool:
+    """tanh may be _tanh_fast in a kernel storing `outs`: knobs.fast_tanh and every stored value half
+    precision (its absolute error, 1e-7, is far below a half's rounding of the values a tanh feeds)."""
+    return knobs.fast_tanh and bool(outs) and all(graph.buffer(o).dtype in ("bfloat16", "float16") for o in outs)

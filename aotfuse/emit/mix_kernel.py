@@ -171,8 +171,7 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
                 f"acc_{p.name}.to({TL_DTYPE[graph.buffer(p.name).dtype]}), rmask)")
     body = "\n".join(em.lines)
     params = ", ".join(a.name for a in args)
-    head = ks._HEADER + (ks._PROD_COMBINE if "_prod_combine" in body else "")
-    text = f"{head}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = f"{ks.header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     name = f"aotf_mix_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     shared = ", ".join(dict.fromkeys(ld.buf for p in partials for ld in expr_loads(p.body)
                                      if ld.buf in ins and {ks.SX, ks.SR} <= ld.index.free_symbols))

@@ -23,10 +23,17 @@ def _next_pow2(n: int) -> int:
 
 
 OUTER_XBLOCK = 64  # column tiles: 64 contiguous outputs per program (128 B of bf16, 256 B of fp32 per row)
-OUTER_RBLOCK = 64  # ... times 64 rows per loop step: 4096 elements, 16 per thread at 8 warps
+OUTER_RBLOCK = 64  # a column split's chunks: a multiple of this many rows where they can be
+# (a column tile's rows per loop step: up to knobs.outer_rblock, `outer_rblock()`)
+OUTER_ACC_ELEMS = 32  # ... fewer rows while the tile's accumulators would take more than this many per thread
 SHORT_ROW = 256  # persistent rows of at most this many (padded) elements: one warp per program ...
 SHORT_ROW_TILE = 1024  # ... holding rows up to this many elements (32 per thread)
 INNER_LOOP_RBLOCK = 1024  # looped rows: elements of the row per loop step (4 times that for long rows)
+
+
+def outer_rblock() -> int:
+    """Most rows per loop step of a column tile (knobs.outer_rblock, a power of two from 8 to 512)."""
+    return max(8, min(512, _next_pow2(knobs.outer_rblock)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +47,11 @@ class Blocks:
     why: str
 
 
-def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
+def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) -> Blocks:
     """The one size-aware block heuristic. `pattern` is the group's access pattern
     (`reduction_pattern`): "inner" when its loads run along r (row reductions), "outer" when they
-    run along x with r strided (column reductions: a norm's weight/bias gradients)."""
+    run along x with r strided (column reductions: a norm's weight/bias gradients); `accumulators`:
+    the reductions the kernel computes (a column tile holds one [XBLOCK, RBLOCK] accumulator each)."""
     if r == 1:
         xb = min(1024, _next_pow2(x))
         w = max(1, min(4, xb // 128))
@@ -52,14 +60,24 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
         # Column tile: x is the contiguous axis of the loads, so a [XBLOCK, RBLOCK] tile reads
         # XBLOCK consecutive elements of each of RBLOCK rows; Triton's coalescing follows the
         # pointer's contiguity and vectorizes along x. Small r: one tile covers it (persistent).
-        rb = min(_next_pow2(r), OUTER_RBLOCK)
-        xb = min(_next_pow2(x), max(OUTER_XBLOCK, 4096 // rb))
-        while xb > OUTER_XBLOCK and -(-x // xb) < 256:
-            xb //= 2
-        w = max(1, min(8, xb * rb // 256))
+        # Rows per step: up to outer_rblock (128: a program streams a 64 x 128 tile per step, twice the
+        # bytes in flight of 64 x 64; H100, 2026-11-26, scripts/knob_ab.py: column sums of 8192 x 3072
+        # bf16 24.3 -> 20.3 us, 8192 x 2304 12.4 -> 9.6 us), fewer while the accumulators would take
+        # more than OUTER_ACC_ELEMS registers per thread (a LayerNorm's weight and bias gradients, two
+        # accumulators and four loads per element: 6 us at 64 rows, 8 at 128).
+        rb = min(_next_pow2(r), outer_rblock())
+        while True:
+            xb = min(_next_pow2(x), max(OUTER_XBLOCK, 4096 // rb))
+            while xb > OUTER_XBLOCK and -(-x // xb) < 256:
+                xb //= 2
+            w = max(1, min(8, xb * rb // 256))
+            if rb <= 16 or max(1, accumulators) * xb * rb <= OUTER_ACC_ELEMS * 32 * w:
+                break
+            rb //= 2
         kind = "persistent_reduction" if r <= rb else "looped_reduction"
+        acc = f", {accumulators} accumulators" if accumulators > 1 else ""
         return Blocks(kind, xb, rb, w, f"column reduction (loads contiguous along x, strided along r): "
-                      f"[{xb} x {rb}] tiles, x vectorized, {w} warps" + (", looped over r" if r > rb else ""))
+                      f"[{xb} x {rb}] tiles{acc}, x vectorized, {w} warps" + (", looped over r" if r > rb else ""))
     if r <= knobs.persistent_rblock_max:
         rb = _next_pow2(r)
         # Short rows (<= SHORT_ROW): a few rows per program, one warp, so each row is reduced by shuffles
@@ -88,7 +106,7 @@ def block_choice(x: int, r: int, pattern: str = "inner") -> Blocks:
                   f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, {w} warps")
 
 
-def dynamic_blocks(x, r, pattern: str = "inner") -> Blocks:
+def dynamic_blocks(x, r, pattern: str = "inner", accumulators: int = 1) -> Blocks:
     """Blocks for an iteration space with dynamic extents: one kernel serves the whole range. Rows per
     program and warps follow the example's size (any XBLOCK is correct for any x: rows are masked); a
     reduction is held in registers only when its longest row in range fits (RBLOCK covers the range's
@@ -97,10 +115,10 @@ def dynamic_blocks(x, r, pattern: str = "inner") -> Blocks:
 
     xh = hint(x)
     if static(r):
-        b = block_choice(xh, int(r), pattern)
+        b = block_choice(xh, int(r), pattern, accumulators)
         return dataclasses.replace(b, why=b.why + f"; x dynamic (sized for the example's {xh}, masked to any)")
     rh, rmax = hint(r), hi(r)
-    b = block_choice(xh, rmax, pattern)
+    b = block_choice(xh, rmax, pattern, accumulators)
     return dataclasses.replace(b, why=b.why + f"; r dynamic (example {rh}, up to {rmax}: "
                                + ("held for the longest row)" if b.kind == "persistent_reduction" else "looped)"))
 

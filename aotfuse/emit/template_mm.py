@@ -28,7 +28,7 @@ from ..ir.loop import Cast, Const, IndexValue, Load, LoopGraph, Op, expr_loads, 
 from ..ir.matmul import MatMul, split_operands
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
-from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _HEADER, _kernelize
+from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _kernelize, fast_tanh_ok, header
 from .mm_configs import choose_config
 from .printer import TL_DTYPE, index_value, literal, op_source, print_index
 
@@ -109,13 +109,10 @@ class _EpilogueEmitter(_Emitter):
         super().__init__(*a, **kw)
         self.flat_to, self.rng, self.names = flat_to, rng, names
 
-    fast_tanh = False
     edge_m = edge_n = 0  # M (N) when BM (BN) does not divide it: the 1-D loads' bound, else 0
     full = False  # every tile whole: loads and stores unmasked
 
     def _code(self, e):
-        if self.fast_tanh and isinstance(e, Op) and e.op == "tanh" and e.dtype == "float32":
-            return f"_tanh_fast({self.emit(e.args[0])})"
         if isinstance(e, Load) and e.buf not in self.members and e.index.free_symbols:
             idx = simplify(sympy.sympify(e.index).xreplace({SX: self.flat_to}), self.rng)
             free = idx.free_symbols - {SB}
@@ -134,18 +131,6 @@ class _EpilogueEmitter(_Emitter):
                 return f"tl.load({ptr})"
             return f"tl.load({ptr}, {self.mask()}, other=0)"
         return super()._code(e)
-
-
-# tanh(x) = 1 - 2 / (1 + e^(2x)) with ex2.approx and a fast divide: two MUFU instructions instead of
-# libdevice's tanhf (some 25 instructions with a branch). Absolute error about 1e-7 over the whole range
-# (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1; near 0
-# the relative error grows (tanh(1e-5) to about 1e-2), which is why only half-precision outputs take it.
-# Plain triton.language: the CPU path runs the same formula.
-_TANH_FAST = """
-@triton.jit
-def _tanh_fast(x):
-    return 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(x * 2.8853900817779268), ieee_rounding=False)
-"""
 
 
 def _affine(index, a: sympy.Symbol, b: sympy.Symbol):
@@ -332,7 +317,7 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     # tanh in two MUFU instructions (_TANH_FAST: absolute error about 1e-7) when every value the kernel
     # stores is half precision: libdevice's tanhf is some 25 instructions per element, and a template's
     # epilogue runs while its tensor cores wait.
-    em.fast_tanh = knobs.fast_tanh and all(graph.buffer(o).dtype in ("bfloat16", "float16") for o in outs)
+    em.fast_tanh = fast_tanh_ok(graph, outs)
     em.stores = stores
     em.red_vars[mm.name] = "acc"
     em.lines = L
@@ -363,8 +348,7 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         L = ["    pid = tl.program_id(0)"] + pre + L
     body = "\n".join(L)
     params = ", ".join(a.name for a in args)
-    helpers = _TANH_FAST if "_tanh_fast(" in body else ""
-    text = f"{_HEADER}{helpers}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_mm_{digest}"
     grid = tiles

@@ -163,8 +163,10 @@ _K_TANH = math.sqrt(2.0 / math.pi)
 def _gelu_backward(grad, x, approximate="none"):
     g, xf = _up(grad), _up(x)
     if approximate == "tanh":
+        # the tanh's argument spelled as the forward's decomposition spells it (export/decomp._gelu), so
+        # a backward kernel that also recomputes the GELU (the partition's choice) computes one tanh
+        t = torch.tanh(_K_TANH * (xf + 0.044715 * xf * xf * xf))
         x2 = xf * xf
-        t = torch.tanh(_K_TANH * (xf + 0.044715 * x2 * xf))
         d_inner = _K_TANH * (1.0 + 3.0 * 0.044715 * x2)
         d = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * d_inner
     else:

@@ -146,6 +146,14 @@ def _gates(n: Reduction, graph: LoopGraph, r_kernel, r: int, at: str) -> tuple[s
     return pattern, programs, per_program, None
 
 
+def _target_programs(pattern: str) -> int:
+    """The partial programs a split aims for: split_min_programs; a column reduction's, whose programs
+    each stream a 64-column strip, knobs.split_outer_programs when set."""
+    if pattern == "outer" and knobs.split_outer_programs > 0:
+        return knobs.split_outer_programs
+    return knobs.split_min_programs
+
+
 def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
     x, r = n.numel, n.rnumel
     if not static(x):
@@ -161,7 +169,7 @@ def decide(n: Reduction, graph: LoopGraph) -> SplitDecision:
 
     if refusal:
         return no(refusal)
-    need = -(-knobs.split_min_programs // programs)
+    need = -(-_target_programs(pattern) // programs)
     max_s = r // knobs.split_min_chunk
     if max_s < 2:
         return no(f"r = {r} is less than two chunks of split_min_chunk = {knobs.split_min_chunk}")
@@ -229,7 +237,7 @@ def _decide_dynamic(n: Reduction, graph: LoopGraph) -> SplitDecision:
     if refusal:
         return no(refusal)
     rblock = OUTER_RBLOCK if pattern == "outer" else INNER_LOOP_RBLOCK
-    need = -(-knobs.split_min_programs // programs)
+    need = -(-_target_programs(pattern) // programs)
     s = min(need, max(1, rh // max(knobs.split_min_chunk, rblock)))
     if s < 2:
         return no(f"r = {rh} at the example is less than two chunks of {max(knobs.split_min_chunk, rblock)}")
