@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+import msgpack
+
 import pytest
 import torch
 import torch.nn as nn
@@ -248,3 +250,25 @@ def test_knob_off_keeps_two_reads():
     assert all(g.kind != "mix_order" for g in bwd.groups) and not _mix_records(bwd)
     assert all(d["how"] != "mix-order" for d in bwd.splits)
     assert sorted(_readers(res, "backward", (256, 512)).values()) == [2]
+
+
+# ---------------------------------------------------------------- column partials of short rows
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_row_weight_grads_read_row_statistics_once_per_tile(dtype):
+    """Without mix-order (as rows shorter than mix_min_r are built): the weight and bias gradients are
+    column partials of their own. Their
+    per-row statistics (mean, rstd, read at the chunk's rows: the chunk index is x // 128 and 64 divides
+    128) are the same across a tile's x: read once per tile as [1, RBLOCK], not as an [XBLOCK, RBLOCK]
+    tile of repeated addresses; the gradients match eager."""
+    torch.manual_seed(7)
+    model = LayerNormTimes(128, dtype)
+    inputs = (torch.randn(512, 128, dtype=dtype, requires_grad=True), torch.randn(512, 128, dtype=dtype))
+    res = _build(model, inputs, 16, mix_order=False)
+    text = explain_report(res.report, program="backward")
+    part = [ln for ln in text.splitlines() if "column reduction" in ln and "read once per tile" in ln]
+    assert part, text
+    art = aotfuse.load(res.data, device="cpu")
+    srcs = msgpack.unpackb(bytes(art.archive.part("sources")))
+    assert any("xoffset" in s.split("tl.load(", 1)[-1] and "FloorDiv" not in s for s in srcs.values())
+    _check_grads(model, inputs, res, dtype)

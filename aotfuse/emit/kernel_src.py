@@ -136,6 +136,9 @@ class _Emitter:
         # tanh as _tanh_fast (two MUFU instructions) instead of libdevice's tanhf: only in kernels whose
         # stored values are all half precision (`fast_tanh_ok`)
         self.fast_tanh = False
+        # reduction kernels: XBLOCK (tile_uniform's loads read at the tile's first x, `xoffset`); 0: none
+        self.xblock = 0
+        self.uniform_loads = 0
 
     def policy(self, buf: str) -> str:
         """An L2 eviction hint for a load along a looped row: a buffer a later loop of this kernel reads
@@ -180,6 +183,21 @@ class _Emitter:
         self.scopes[-1][key] = name
         return name
 
+    def tile_uniform(self, index) -> bool:
+        """Whether `index` (of x and r) takes one value across the XBLOCK x's of any tile: x = XBLOCK*k + j
+        simplifies to an expression free of j (static sizes; a tile starts at a multiple of XBLOCK)."""
+        if not self.xblock or SX not in index.free_symbols or not (static(self.xnumel) and static(self.rnumel)):
+            return False
+        k, j = sympy.Symbol("tile_k", integer=True, nonnegative=True), sympy.Symbol("tile_j", integer=True,
+                                                                                     nonnegative=True)
+        xb = self.xblock
+        try:
+            e = simplify(sympy.sympify(index).xreplace({SX: xb * k + j}),
+                         {k: -(-int(self.xnumel) // xb), j: xb, SR: max(1, int(self.rnumel))})
+        except Exception:  # noqa: BLE001 - a form the simplifier does not take: the general load
+            return False
+        return j not in e.free_symbols
+
     def _code(self, e) -> str:
         if self.fast_tanh and isinstance(e, Op) and e.op == "tanh" and e.dtype == "float32":
             return f"_tanh_fast({self.emit(e.args[0])})"
@@ -198,6 +216,12 @@ class _Emitter:
                 # a per-column value (a norm's weight and bias): loaded once per column as [1, RBLOCK] and
                 # broadcast over the block's rows, not once per element of an [XBLOCK, RBLOCK] tile
                 return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0)"
+            if self.ctx == "xr" and self.tile_uniform(e.index):
+                # the same for every x of the tile (a column partial's row statistic: the chunk index
+                # x // C with XBLOCK dividing C): read at the tile's first x as [1, RBLOCK], broadcast
+                self.uniform_loads += 1
+                idx = print_index(e.index, {SX: "xoffset", SR: "rindex"})
+                return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0{self.policy(e.buf)})"
             if self.preds:  # a branch of a structural select: masked by its predicates, clamps resolved
                 bounds = self.preds[-1][1]
                 idx = print_index(resolve_clamps(e.index, bounds, self._extents()), {SX: "xindex", SR: "rindex"})
@@ -514,8 +538,10 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
             if n.name in out_name:
                 store(n, em.emit(n.body), "x")
     else:
-        em.line(f"xindex = tl.program_id(0) * {xb} + tl.arange(0, {xb})[:, None]")
+        em.line(f"xoffset = tl.program_id(0) * {xb}")
+        em.line(f"xindex = xoffset + tl.arange(0, {xb})[:, None]")
         em.line(f"xmask = xindex < {ktext(x)}")
+        em.xblock = xb if xb > 1 else 0
         looped = kind == "looped_reduction"
         em.looped = looped
         stages = knobs.outer_stages if pattern == "outer" else knobs.loop_stages
@@ -619,6 +645,9 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     if "tl.range(" in body:
         blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(
             knobs.outer_stages if pattern == "outer" else knobs.loop_stages))
+    if em.uniform_loads:
+        blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.uniform_loads} load(s) the same across a tile's "
+                                     f"x read once per tile as [1, RBLOCK]")
     if em.predicated:
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.predicated} positional select(s): each branch "
                                      f"loads under its predicate, the clamps it decides dropped (emit/predicate.py)")
