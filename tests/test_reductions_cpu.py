@@ -338,3 +338,25 @@ def test_looped_rows_with_pipelined_loops_match_eager():
     # a sum of 20000 values rounds differently in another order: absolute 1e-3 (the others are normalized)
     for got, want, atol in zip(art(x, t), fn(x, t), (1e-7, 1e-6, 1e-3)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
+
+
+def test_short_reduction_over_a_gather_is_split():
+    """A cross-entropy's mean over 4096 tokens gathers each token's target logit: even below
+    split_min_elems it is split (each loop step would wait on two dependent loads in one program),
+    and the loss matches eager."""
+    torch.manual_seed(3)
+    logits = torch.randn(4096, 16)
+    target = torch.randint(0, 16, (4096,))
+    target[::7] = -100  # ignored tokens
+    fn = lambda lg, t: F.cross_entropy(lg, t)  # noqa: E731
+    res = aotfuse.build(Fn(fn), (logits, target), targets=TARGETS)
+    split = [d for d in res.report.splits if d["split"]]
+    assert split and all(d["x"] == 1 and d["r"] == 4096 for d in split), res.report.splits
+    kept = [d for d in res.report.splits if not d["split"] and d["x"] == 1 and d["r"] == 4096]
+    assert all("split_min_elems" in d["reason"] for d in kept)  # the count of kept tokens gathers nothing
+    art = aotfuse.load(res.data, device="cpu")
+    for seed in (4, 5):
+        g = torch.Generator().manual_seed(seed)
+        lg, t = torch.randn(4096, 16, generator=g), torch.randint(0, 16, (4096,), generator=g)
+        t[::5] = -100
+        assert torch.allclose(art(lg, t), fn(lg, t), rtol=1e-5, atol=1e-6)

@@ -95,7 +95,7 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) 
             w = max(8, min(32, elems // (32 * max(1, knobs.persistent_row_elems))))
         rows = f"{xb} rows" if xb > 1 else "one row"
         return Blocks("persistent_reduction", xb, rb, w, f"row reduction held in registers: {rows} of {rb} per "
-                      f"program ({elems // (32 * w)} elements per thread at {w} warps)")
+                      f"program ({-(-elems // (32 * w))} elements per thread at {w} warps)")
     # Rows longer than the persistent limit loop over r. Long rows (>= 16384) take 4096 per step at 16
     # warps: 8 elements per thread, a 16-byte load of bf16, a quarter of the loop trips, and twice the
     # bytes in flight per program (H100, 2026-11-25, scripts/looped_ab.py: cross-entropy step 8192 x

@@ -52,8 +52,8 @@ from ..emit.space import INNER_LOOP_RBLOCK, OUTER_RBLOCK, OUTER_XBLOCK, reductio
 from ..ir.sizes import hint, static
 from ..ir.indexing import FloorDiv, flat_index, simplify, syms, unravel
 from ..ir.matmul import is_matmul
-from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, IndexValue, Load, LoopGraph, Op, Reduction, prod,
-                       rewrite_expr, subs_expr)
+from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, Gather, IndexValue, Load, LoopGraph, Op, Reduction,
+                       expr_leaves, prod, rewrite_expr, subs_expr)
 from ..knobs import knobs
 from .mix import Chunks, choose_chunks
 
@@ -139,11 +139,34 @@ def _gates(n: Reduction, graph: LoopGraph, r_kernel, r: int, at: str) -> tuple[s
     if programs >= knobs.split_min_programs:
         return pattern, programs, per_program, (f"{programs} programs fill the GPU (split_min_programs = "
                                                 f"{knobs.split_min_programs})")
-    if per_program < knobs.split_min_elems:
+    if per_program < knobs.split_min_elems and not gathers(n, graph):
         return pattern, programs, per_program, (
             f"{programs} programs, but each reduces only {per_program} elements{at} < split_min_elems = "
             f"{knobs.split_min_elems}: a short loop costs less than a second launch")
     return pattern, programs, per_program, None
+
+
+def gathers(n: Reduction, graph: LoopGraph, depth: int = 2) -> bool:
+    """Whether the reduction's elements come from an indirect load (a Gather: a cross-entropy's target
+    logit), in its body or in the pointwise producers fusion will likely put in its kernel (`depth`
+    levels). Each loop step of such a kernel waits for two dependent loads (the index, then the value):
+    with few programs that latency, not the bytes, bounds it (H100, the anchor GPT's loss, 8192 gathers
+    in one program: 21.5 us), so even a short reduction is split."""
+    by_name = {m.name: m for m in graph.nodes}
+    seen: set[str] = set()
+
+    def walk(body, d: int) -> bool:
+        for leaf in expr_leaves(body):
+            if isinstance(leaf, Gather):
+                return True
+            if isinstance(leaf, Load) and d > 0 and leaf.buf not in seen:
+                seen.add(leaf.buf)
+                m = by_name.get(leaf.buf)
+                if m is not None and not isinstance(m, Reduction) and hasattr(m, "body") and walk(m.body, d - 1):
+                    return True
+        return False
+
+    return walk(n.body, depth)
 
 
 def _target_programs(pattern: str) -> int:
