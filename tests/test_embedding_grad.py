@@ -9,6 +9,7 @@ import torch
 
 import aotfuse
 from aotfuse.runtime.embedding_grad import embedding_backward
+from aotfuse.runtime.explain import explain_report
 from aotfuse.testing.opcases import TRAIN_CASES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -78,3 +79,50 @@ def test_deterministic_algorithms_take_atens_sorted_kernel(monkeypatch):
     assert len(calls) == 1 and torch.allclose(out, real(g, idx, 3, -1, False))
     embedding_backward(g, idx, 3, -1)
     assert len(calls) == 1  # off again: the atomic path
+
+
+class Positions(torch.nn.Module):
+    """Token + position embeddings (pos(arange(t)), the GPT's), a position table longer than t and an
+    optional padding row: the position gradient's indices are arange(t)."""
+
+    def __init__(self, seq=16, dim=8, padding_idx=None):
+        super().__init__()
+        self.tok = torch.nn.Embedding(11, dim)
+        self.pos = torch.nn.Embedding(seq, dim, padding_idx=padding_idx)
+        with torch.no_grad():
+            self.pos.weight.normal_()
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.tok(tokens) + self.pos(torch.arange(t, device=tokens.device))
+        return (h.float() * torch.linspace(-1, 1, h.shape[-1])).pow(2).sum()
+
+
+@pytest.mark.parametrize("seq,padding_idx,dtype", [(10, None, torch.float32), (16, None, torch.float32),
+                                                   (16, 3, torch.float32), (16, None, torch.bfloat16)])
+def test_position_embedding_gradient_is_pointwise(seq, padding_idx, dtype):
+    """arange indices: the weight gradient is the output gradient's rows (lower/embedding.py), zeros for
+    rows past t and the padding row, no extern; it matches eager."""
+    torch.manual_seed(0)
+    model = Positions(seq, padding_idx=padding_idx).to(dtype)
+    tokens = torch.randint(0, 11, (3, 10))
+    res = aotfuse.build(model, (tokens,), train=True, targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    called = [getattr(i, "target", None) for i in art.executors["backward"].program.instructions]
+    assert called.count("aotfuse.embedding_backward.default") == 1, called  # the token table's only
+    assert "indices are arange(10)" in explain_report(res.report, program="backward")
+    pm = art.as_module()
+    ref = copy.deepcopy(model)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        batch = torch.randint(0, 11, (3, 10), generator=g)
+        for m in (pm, ref):
+            m.zero_grad()
+            m(batch).backward()
+        ours, theirs = dict(pm.named_parameters()), dict(ref.named_parameters())
+        for n in theirs:
+            a, b = ours[n].grad.double(), theirs[n].grad.double()
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            assert float((a - b).norm() / b.norm()) < tol, n
+        pg = ours["pos.weight"].grad
+        assert pg[10:].eq(0).all() and (padding_idx is None or pg[padding_idx].eq(0).all())

@@ -11,6 +11,7 @@ from ..ir.views import View
 from .ctx import dtype_name, out_dtype, out_shape
 from ..schedule.attention import choose as attention_choice
 from .attention import lower_attention
+from .embedding import arange_length, positional_grad
 from .matmul import add_bias, try_template
 from ..layouts import channels_last_perm
 from .rules import collector
@@ -221,6 +222,15 @@ def _attention_backward(ctx, node, args, kwargs):
            "scale_grad_by_freq")
 def _embedding_backward(ctx, node, args, kwargs):
     grad, idx, num_weights, padding_idx, scale = args[:5]
+    n = arange_length(node.args[1])
+    if isinstance(grad, View) and n is not None and n <= int(num_weights) and \
+            grad.numel == n * int(grad.shape[-1]):
+        # indices arange(n): each weight row read once, in order (a position embedding); scale_grad_by_freq
+        # divides by a frequency of 1
+        ctx.decisions.append({"embedding_backward": node.name, "kernel": "pointwise",
+                              "why": f"indices are arange({n}): the weight gradient is the output gradient's "
+                                     f"rows (lower/embedding.py), no atomics"})
+        return positional_grad(ctx, grad, n, int(num_weights), int(padding_idx), out_dtype(node))
     tg, ti = _targ(ctx, grad, node, "grad"), _targ(ctx, idx, node, "indices")
     if not scale:
         return ctx.extern("aotfuse.embedding_backward.default", (tg, ti, int(num_weights), int(padding_idx)), {},

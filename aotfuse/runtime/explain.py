@@ -31,6 +31,8 @@ def _lowering(d: dict) -> str | None:
                 f"{d['kernel']} ({d['why']})")
     if "attention" in d:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
+    if "embedding_backward" in d:  # lower/embedding.py
+        return f"  {d['embedding_backward']}: embedding weight gradient -> {d['kernel']} ({d['why']})"
     if "onehot" in d:  # schedule/trivial.py
         return f"  {d['onehot']}: a one-hot sum over {d['n']} (where(r == t, v, 0)) is v at r = t: one indirect load"
     if "uniform" in d:  # schedule/trivial.py
