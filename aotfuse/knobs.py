@@ -17,6 +17,7 @@
 | split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
 | split_outer_programs | AOTFUSE_SPLIT_OUTER_PROGRAMS | 0 | column reductions (a bias or norm-weight gradient) are split into enough chunks for this many partial programs; 0: split_min_programs |
 | outer_rblock | AOTFUSE_OUTER_RBLOCK | 128 | column reductions: most rows per loop step of a [64 x RBLOCK] tile, fewer while its accumulators would take more than 32 registers per thread (emit/space.block_choice) |
+| outer_tile | AOTFUSE_OUTER_TILE | 4096 | column reductions over few rows (r < outer_rblock): columns per tile up to this many elements / r |
 | outer_stages | AOTFUSE_OUTER_STAGES | 0 | column reductions' loops over rows as `tl.range(..., num_stages=N)` (loop_stages for them); 0 or 1: plain `range` |
 | mix_order | AOTFUSE_MIX_ORDER | 1 | a column reduction over the rows of a row reduction's input is split for, and fused into, one mix-order kernel (schedule/mix.py); 0: off |
 | eviction_hints | AOTFUSE_EVICTION_HINTS | 1 | looped row kernels that read an input in two loops keep it in L2 for the second (evict_last) and stream the rest (evict_first); 0: no hints |
@@ -24,7 +25,7 @@
 | mix_warps | AOTFUSE_MIX_WARPS | 0 | mix-order kernels: warps per program; 0: one per 1024 elements of a step (emit/mix_kernel.MIX_WARP_ELEMS), 1 to 8 |
 | mix_stages | AOTFUSE_MIX_STAGES | 3 | the mix-order kernel's row loop as `tl.range(..., num_stages=N)`: Triton copies the next rows' loads into shared memory (cp.async) while this row computes; 0 or 1: plain `range`, one row in flight per program (H100, 2026-11-25, LayerNorm fwd+bwd 16384x4096: mix kernel 145 us plain, 145 at 2 stages, 110 at 3, 112 at 4) |
 | loop_stages | AOTFUSE_LOOP_STAGES | 0 | the same for looped reductions' loops over r; 0: plain `range` (H100, 2026-11-25, cross-entropy fwd+bwd 8192x32000: 575 us plain, 727 / 686 / 677 at 2 / 3 / 4 stages) |
-| predicated_selects | AOTFUSE_PREDICATED_SELECTS | 0 | positional selects (a concatenation's sources) load each branch under its predicate with the clamps it decides dropped, so the loads vectorize (emit/predicate.py); opt-in until timed on a GPU (the SASS shows 16-byte loads: the anchor GPT's qkv-gradient cat 24 two-byte loads -> three 16-byte ones) |
+| predicated_selects | AOTFUSE_PREDICATED_SELECTS | 1 | positional selects (a concatenation's sources) load each branch under its predicate with the clamps it decides dropped, so the loads vectorize (emit/predicate.py; H100, 2026-11-26, scripts/knob_ab.py anchor: the qkv-gradient cat 30.8 -> 24.3 us per call, 123 -> 97 us per step); 0: every branch loaded everywhere with clamped indices |
 | mix_min_r | AOTFUSE_MIX_MIN_R | 2048 | mix-order only for rows of at least this many elements (H100: 8192 x 768 lost, 16384 x 4096 won; schedule/mix.py condition 2) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
@@ -92,9 +93,10 @@ class Knobs:
     split_outer_programs: int = _env_int("AOTFUSE_SPLIT_OUTER_PROGRAMS", 0)
     outer_rblock: int = _env_int("AOTFUSE_OUTER_RBLOCK", 128)
     outer_stages: int = _env_int("AOTFUSE_OUTER_STAGES", 0)
+    outer_tile: int = _env_int("AOTFUSE_OUTER_TILE", 4096)
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)
-    predicated_selects: bool = bool(_env_int("AOTFUSE_PREDICATED_SELECTS", 0))
+    predicated_selects: bool = bool(_env_int("AOTFUSE_PREDICATED_SELECTS", 1))
     mix_programs: int = _env_int("AOTFUSE_MIX_PROGRAMS", 256)
     mix_warps: int = _env_int("AOTFUSE_MIX_WARPS", 0)
     mix_stages: int = _env_int("AOTFUSE_MIX_STAGES", 3)

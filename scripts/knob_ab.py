@@ -106,7 +106,8 @@ CASES = {"ln": _ln, "ce": _ce, "anchor": _anchor, "anchor_infer": _anchor_infer,
          "addln768": _addln768,
          "colsum3072": _fwd(ColSum, (8192, 3072), -8192 * 3072 * 2),
          "colsum2304": _fwd(ColSum, (8192, 2304), -8192 * 2304 * 2),
-         "colsum768": _fwd(ColSum, (8192, 768), -8192 * 768 * 2)}
+         "colsum768": _fwd(ColSum, (8192, 768), -8192 * 768 * 2),
+         "batchsum": _fwd(ColSum, (8, 1024 * 768), -7 * 1024 * 768 * 2)}  # a position embedding's batch sum
 
 
 def _value(knob: str, raw: str):

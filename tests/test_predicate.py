@@ -48,11 +48,11 @@ class _Causal(torch.nn.Module):
 def test_cat_loads_vectorize_and_match_eager():
     args = (torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(64, 512, dtype=torch.bfloat16),
             torch.randn(64, 128, dtype=torch.bfloat16))
-    off = aotfuse.build(_Cat(), args, targets=("sm_90",))  # the default (opt-in knob): clamped loads
+    with override(predicated_selects=False):  # the knob off: every branch loaded with clamped indices
+        off = aotfuse.build(_Cat(), args, targets=("sm_90",))
     src_off = "\n".join(read_sources(*(lambda a: (a.archive, a.kernels))(aotfuse.load(off.data, device="cpu"))).values())
     assert "tl.minimum" in src_off
-    with override(predicated_selects=True):
-        res = aotfuse.build(_Cat(), args, targets=("sm_90",))
+    res = aotfuse.build(_Cat(), args, targets=("sm_90",))  # the default
     art = aotfuse.load(res.data, device="cpu")
     src = "\n".join(read_sources(art.archive, art.kernels).values())
     assert "tl.minimum" not in src and "tl.maximum" not in src  # every clamp decided by its predicate

@@ -129,6 +129,11 @@ def test_block_choice_patterns():
         assert block_choice(4096, 2048, "outer").rblock == 64
     short = block_choice(4096, 40, "outer")  # a short column: one tile covers it
     assert (short.kind, short.rblock) == ("persistent_reduction", 64)
+    # a sum over a batch of 8: threads hold whole columns, x covered by 8 halves x 32 lanes x 4 warps
+    batch = block_choice(1024 * 768, 8, "outer")
+    assert (batch.kind, batch.xblock, batch.rblock, batch.num_warps) == ("persistent_reduction", 1024, 8, 4)
+    few = block_choice(768, 8, "outer")  # few outputs: narrower tiles, fewer warps, still whole columns
+    assert few.xblock * few.rblock <= 1024 * 8 and few.num_warps == max(1, few.xblock // 256)
     row = block_choice(327680, 197, "inner")
     assert row.kind == "persistent_reduction" and row.xblock > 1 and row.rblock == 256
     long = block_choice(1024, 50257, "inner")
