@@ -283,7 +283,7 @@ fn_case("scatter_one_per_row", lambda x, i, j: (x.scatter(2, i, 2.5), x.scatter(
 fn_case("any", lambda x: ((x > 1).any(1), torch.any(x > 1.5, dim=(0, 2)), (x > 2).any(), x.any(-1)), _x(*S),
         ["aten.any.dim", "aten.any.dims", "aten.any.default"])
 fn_case("prod", lambda x: (x.prod(1), x.prod(-1, keepdim=True)), _x(*S), ["aten.prod.dim_int"])
-_LOOP = (("persistent_rblock_max", 64),)  # rows longer than 64 loop: the path rows > 4096 take by default
+_LOOP = (("persistent_rblock_max", 64), ("outer_rblock", 32))  # rows longer than 64 (columns than 32) loop: the path long rows take by default
 fn_case("looped_sum", lambda x: (x.sum(-1), x.amax(-1), (x * x).mean(-1)), _x(4, 150), ["aten.sum.dim_IntList",
         "aten.amax.default", "aten.mean.dim"], HALF, knobs=_LOOP)
 fn_case("looped_softmax", lambda x: F.softmax(x * 2, dim=-1), _x(3, 137), ["aten.amax.default", "aten.exp.default",
