@@ -457,3 +457,42 @@ def test_sdpa_math(case):
     elif case == "scale":
         kw = {"scale": 0.3}
     _close(sdpa_math(q, k, v, **kw), torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw))
+
+
+def test_materialize_knob_saves_what_a_backward_matmul_reads():
+    """partition_materialize: a tanh GELU's output feeds the weight-gradient matmul of the next Linear; as a
+    recompute it would be written again in the backward, so the charged cut saves it at budget 1 (and still
+    recomputes it at budget 0); off (the default) it is recomputed. The split graphs compute eager's
+    gradients either way."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from aotfuse.knobs import override
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x):
+            return self.proj(F.gelu(self.fc(x), approximate="tanh")).pow(2).mean()
+
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(64, 32)
+    joint = trace_joint(model, (x,))
+
+    def gelu_saved(part):
+        return any(s.kind == "activation" and tuple(s.shape) == (64, 128) and s.producer_op != "aten.addmm"
+                   and "mm" not in s.producer_op for s in part.saved)
+
+    off = partition(joint, 1.0)
+    with override(partition_materialize=True):
+        on, lean = partition(joint, 1.0), partition(joint, 0.0)
+    assert not gelu_saved(off) and gelu_saved(on) and not gelu_saved(lean)
+    assert on.saved_bytes > off.saved_bytes >= lean.saved_bytes
+    ref_loss, ref_grads = _reference(model, (x,), joint)
+    for part in (off, on):
+        loss, grads, _ = _run_split(joint, part, (x,))
+        assert _rel(loss, ref_loss) < 1e-6
+        for g, r in zip(grads, ref_grads):
+            assert _rel(g, r) < 1e-5

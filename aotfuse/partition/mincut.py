@@ -64,6 +64,7 @@ import torch.fx
 
 from ..dtypes import name_of
 from ..errors import BuildError
+from ..knobs import knobs
 from ..fxgraph import ancestors, descendants, size_hint
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
 from ..packops import PACK, UNPACK, packed_nbytes
@@ -216,6 +217,23 @@ def _opname(node) -> str:
     return "getitem" if t is operator.getitem else str(t)
 
 
+def _materialized_in_backward(n: torch.fx.Node, bwd_only: set) -> bool:
+    """Whether a backward extern (a weight-gradient matmul) reads `n`, directly or through views: recomputed
+    in the backward, `n` is then written to memory there, not fused into the kernel that reads it."""
+    todo, seen = list(n.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        cls = op_class(u)
+        if cls == "view":
+            todo.extend(u.users)
+        elif cls == "extern" and u in bwd_only:
+            return True
+    return False
+
+
 def partition(joint, memory_budget: float = 1.0) -> Partition:
     """Split `joint` (a JointGraph) into forward and backward graphs by min cut."""
     if memory_budget < 0:
@@ -280,6 +298,8 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             else:
                 G.add_edge(vin, vout, capacity=q * M * save_nbytes(val))
             r = recompute_cost(n)
+            if r is not None and knobs.partition_materialize and _materialized_in_backward(n, bwd_only):
+                r += COST_UNIT * save_nbytes(val)  # its write in the backward and the extern's read, halved
             if r is None:
                 G.add_edge("source", vin)
             else:
