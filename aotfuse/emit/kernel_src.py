@@ -369,6 +369,8 @@ def _kernelize(node, x: int, r: int):
         # r = 1 (one element per row: the group runs as a pointwise kernel, which has no rindex)
         mapping.update(dict(zip(node.rvars, unravel(SR, node.rranges) if not _one(r) else [sympy.Integer(0)] * len(node.rvars))))
         store = SX
+        if _one(r) and node.rtype in ARG_REDUCTIONS:  # the position of the one element: 0, not its value
+            return dataclasses.replace(node, body=Const(0, "int64")), store
     elif isinstance(node, Scan):  # rows: the other dims, in order; columns: the scanned dim
         outer = [i for i in range(len(node.ranges)) if i != node.dim]
         mapping = dict(zip([node.pvars[i] for i in outer], unravel(SX, [node.ranges[i] for i in outer])))
@@ -425,6 +427,8 @@ _RED_INIT = {"sum": "0", "prod": "1", "max": 'float("-inf")', "min": 'float("inf
 def _red_identity(rtype: str, dtype: str) -> str:
     if dtype in FLOATS:
         return _RED_INIT[rtype]
+    if dtype == "bool":  # Python bools stay int1 in tl.where / tl.full (an int 0 would make an int32 accumulator)
+        return {"any": "False", "max": "False", "min": "True"}.get(rtype, _RED_INIT[rtype])
     if rtype == "max":
         return "-2147483648" if dtype != "bool" else "0"
     if rtype == "min":
@@ -733,19 +737,22 @@ def _prod_combine(a, b):
     return a * b
 """
 
-# tanh(x) = 1 - 2 / (1 + e^(2x)) with ex2.approx and a fast divide: two MUFU instructions instead of
+# tanh(x) = sign(x) (1 - 2 / (1 + e^(2|x|))) with ex2.approx and a fast divide: two MUFU instructions instead of
 # libdevice's tanhf (some 25 instructions with a branch). Absolute error about 1e-7 over the whole range
-# (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1; below
-# |x| = 2^-6, where that absolute error would be a relative one above 6e-6, the series
-# x - x^3/3 + 2x^5/15 (relative error below 1e-12 there). Only kernels whose stored values are all half
-# precision take it (knobs.fast_tanh). Plain triton.language: the CPU path runs the same formula.
+# (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1. Below
+# |x| = 1/8 the series x (1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835) (truncation below 1e-11
+# relative): there the exp form's absolute error would be a large relative one, for tanh itself and for
+# what cancels against it (tanhshrink, x - tanh(x) ~ x^3/3). Only kernels whose stored values are all
+# half precision take it (knobs.fast_tanh). Plain triton.language: the CPU path runs the same formula.
 _TANH_FAST = """
 
 @triton.jit
 def _tanh_fast(x):
+    a = tl.abs(x)
     x2 = x * x
-    t = 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(x * 2.8853900817779268), ieee_rounding=False)
-    return tl.where(tl.abs(x) < 0.015625, x - x * x2 * (0.3333333333333333 - 0.13333333333333333 * x2), t)
+    t = 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(a * 2.8853900817779268), ieee_rounding=False)
+    s = x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203)))
+    return tl.where(a < 0.125, x + x * s, tl.where(x < 0, -t, t))
 """
 
 
@@ -757,5 +764,6 @@ def header(body: str) -> str:
 
 def fast_tanh_ok(graph: LoopGraph, outs) -> bool:
     """tanh may be _tanh_fast in a kernel storing `outs`: knobs.fast_tanh and every stored value half
-    precision (its absolute error, 1e-7, is far below a half's rounding of the values a tanh feeds)."""
+    precision (within 2 ulps below |x| = 1/8, an absolute error about 1e-7 above: far below a half's
+    rounding of what a tanh feeds, a GELU's 1 + tanh and a tanhshrink's x - tanh alike)."""
     return knobs.fast_tanh and bool(outs) and all(graph.buffer(o).dtype in ("bfloat16", "float16") for o in outs)

@@ -7,6 +7,7 @@ import torch
 from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.ops.aotfuse.*)
 
 from ..errors import UnsupportedOpError
+from ..ir.sizes import static
 from ..ir.views import View
 from .ctx import dtype_name, out_dtype, out_shape
 from ..schedule.attention import choose as attention_choice
@@ -223,8 +224,8 @@ def _attention_backward(ctx, node, args, kwargs):
 def _embedding_backward(ctx, node, args, kwargs):
     grad, idx, num_weights, padding_idx, scale = args[:5]
     n = arange_length(node.args[1])
-    if isinstance(grad, View) and n is not None and n <= int(num_weights) and \
-            grad.numel == n * int(grad.shape[-1]):
+    if isinstance(grad, View) and n is not None and isinstance(num_weights, int) and n <= num_weights and \
+            static(grad.shape[-1]) and grad.numel == n * int(grad.shape[-1]):
         # indices arange(n): each weight row read once, in order (a position embedding); scale_grad_by_freq
         # divides by a frequency of 1
         ctx.decisions.append({"embedding_backward": node.name, "kernel": "pointwise",
