@@ -17,7 +17,7 @@
 | split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
 | split_outer_programs | AOTFUSE_SPLIT_OUTER_PROGRAMS | 0 | column reductions (a bias or norm-weight gradient) are split into enough chunks for this many partial programs; 0: split_min_programs |
 | outer_rblock | AOTFUSE_OUTER_RBLOCK | 128 | column reductions: most rows per loop step of a [64 x RBLOCK] tile, fewer while its accumulators would take more than 32 registers per thread (emit/space.block_choice) |
-| outer_tile | AOTFUSE_OUTER_TILE | 4096 | column reductions over few rows (r < outer_rblock): columns per tile up to this many elements / r |
+| outer_tile | AOTFUSE_OUTER_TILE | 4096 | column reductions: outputs per tile up to this many elements / RBLOCK (at least 64; what matters for short columns, r < outer_rblock, whose RBLOCK is small) |
 | outer_stages | AOTFUSE_OUTER_STAGES | 0 | column reductions' loops over rows as `tl.range(..., num_stages=N)` (loop_stages for them); 0 or 1: plain `range` |
 | mix_order | AOTFUSE_MIX_ORDER | 1 | a column reduction over the rows of a row reduction's input is split for, and fused into, one mix-order kernel (schedule/mix.py); 0: off |
 | eviction_hints | AOTFUSE_EVICTION_HINTS | 1 | looped row kernels that read an input in two loops keep it in L2 for the second (evict_last) and stream the rest (evict_first); 0: no hints |

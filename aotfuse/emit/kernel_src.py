@@ -32,7 +32,7 @@ from .online import finish as online_finish, init as online_init, pairs as onlin
 from .online import update as online_update
 from .predicate import condition_bounds, index_only, merge, resolve_clamps
 from .printer import (PTR_TYPE, TL_DTYPE, dim_value, grid_size, index_value, kernel_dims, ktext, literal,
-                      op_source, print_index)
+                      header, op_source, print_index)
 # the iteration space's symbols and block heuristic, also read through this module (ks.SX, ks.block_choice)
 from .space import SR, SX, Blocks, _next_pow2, block_choice, dynamic_blocks, reduction_pattern, same_index  # noqa: F401
 from ..ir.sizes import current_dims, hi, hint, same, spelled, static
@@ -429,11 +429,7 @@ def _red_identity(rtype: str, dtype: str) -> str:
         return _RED_INIT[rtype]
     if dtype == "bool":  # Python bools stay int1 in tl.where / tl.full (an int 0 would make an int32 accumulator)
         return {"any": "False", "max": "False", "min": "True"}.get(rtype, _RED_INIT[rtype])
-    if rtype == "max":
-        return "-2147483648" if dtype != "bool" else "0"
-    if rtype == "min":
-        return "2147483647" if dtype != "bool" else "1"
-    return _RED_INIT[rtype]
+    return {"max": "-2147483648", "min": "2147483647"}.get(rtype, _RED_INIT[rtype])
 
 
 def _finalize(rtype: str, v: str, dtype: str = "") -> str:
@@ -509,6 +505,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         blocks = block_choice(x, r, pattern, accs) if static(x) and static(r) else \
             dynamic_blocks(x, r, pattern, accs)
     kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
+    stages = knobs.outer_stages if pattern == "outer" else knobs.loop_stages  # a looped kernel's pipelining
     from ..ir.loop import expr_loads
 
     ins: list[str] = []
@@ -548,7 +545,6 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         em.xblock = xb if xb > 1 else 0
         looped = kind == "looped_reduction"
         em.looped = looped
-        stages = knobs.outer_stages if pattern == "outer" else knobs.loop_stages
         # {second: (first, kind)}: two reductions of a row computed in one pass (emit/online.py)
         online = online_pairs(knodes, stores) if looped else {}
         paired = {m: (sm, kind) for sm, (m, kind) in online.items()}
@@ -647,8 +643,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                                                                f"next loop (evict_last), other loads stream")
     body = "\n".join(em.lines)
     if "tl.range(" in body:
-        blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(
-            knobs.outer_stages if pattern == "outer" else knobs.loop_stages))
+        blocks = dataclasses.replace(blocks, why=blocks.why + loop_note(stages))
     if em.uniform_loads:
         blocks = dataclasses.replace(blocks, why=blocks.why + f"; {em.uniform_loads} load(s) the same across a tile's "
                                      f"x read once per tile as [1, RBLOCK]")
@@ -723,43 +718,6 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
                         group.name, kind, group.nodes, xb, rb, spelled(x), spelled(r), sizes=dims)
-
-
-_HEADER = """import triton
-import triton.language as tl
-from triton.language.extra import libdevice
-"""
-
-_PROD_COMBINE = """
-
-@triton.jit
-def _prod_combine(a, b):
-    return a * b
-"""
-
-# tanh(x) = sign(x) (1 - 2 / (1 + e^(2|x|))) with ex2.approx and a fast divide: two MUFU instructions instead of
-# libdevice's tanhf (some 25 instructions with a branch). Absolute error about 1e-7 over the whole range
-# (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1. Below
-# |x| = 1/8 the series x (1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835) (truncation below 1e-11
-# relative): there the exp form's absolute error would be a large relative one, for tanh itself and for
-# what cancels against it (tanhshrink, x - tanh(x) ~ x^3/3). Only kernels whose stored values are all
-# half precision take it (knobs.fast_tanh). Plain triton.language: the CPU path runs the same formula.
-_TANH_FAST = """
-
-@triton.jit
-def _tanh_fast(x):
-    a = tl.abs(x)
-    x2 = x * x
-    t = 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(a * 2.8853900817779268), ieee_rounding=False)
-    s = x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203)))
-    return tl.where(a < 0.125, x + x * s, tl.where(x < 0, -t, t))
-"""
-
-
-def header(body: str) -> str:
-    """The kernel module's imports and the helpers `body` calls."""
-    return _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "") + \
-        (_TANH_FAST if "_tanh_fast(" in body else "")
 
 
 def fast_tanh_ok(graph: LoopGraph, outs) -> bool:

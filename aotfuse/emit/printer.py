@@ -181,3 +181,42 @@ def dim_value(v: sympy.Expr, dtype: str) -> str:
     if not dtype.startswith(("float", "bfloat")):
         raise BuildError(f"constant {v} (a quotient of dims) in integer dtype {dtype}")
     return f"({base} / {ktext(den)})"
+
+
+# ---------------------------------------------------------------- a kernel module's head
+
+_HEADER = """import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+"""
+
+_PROD_COMBINE = """
+
+@triton.jit
+def _prod_combine(a, b):
+    return a * b
+"""
+
+# tanh(x) = sign(x) (1 - 2 / (1 + e^(2|x|))) with ex2.approx and a fast divide: two MUFU instructions instead of
+# libdevice's tanhf (some 25 instructions with a branch). Absolute error about 1e-7 over the whole range
+# (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1. Below
+# |x| = 1/8 the series x (1 - x^2/3 + 2x^4/15 - 17x^6/315 + 62x^8/2835) (truncation below 1e-11
+# relative): there the exp form's absolute error would be a large relative one, for tanh itself and for
+# what cancels against it (tanhshrink, x - tanh(x) ~ x^3/3). Only kernels whose stored values are all
+# half precision take it (knobs.fast_tanh). Plain triton.language: the CPU path runs the same formula.
+_TANH_FAST = """
+
+@triton.jit
+def _tanh_fast(x):
+    a = tl.abs(x)
+    x2 = x * x
+    t = 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(a * 2.8853900817779268), ieee_rounding=False)
+    s = x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203)))
+    return tl.where(a < 0.125, x + x * s, tl.where(x < 0, -t, t))
+"""
+
+
+def header(body: str) -> str:
+    """The kernel module's imports and the helpers `body` calls."""
+    return _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "") + \
+        (_TANH_FAST if "_tanh_fast(" in body else "")

@@ -8,7 +8,8 @@ once to the gradient's dtype.
 """
 from __future__ import annotations
 
-from .kernel_src import _HEADER, KernelArg, KernelSource
+from .kernel_src import KernelArg, KernelSource
+from .printer import _HEADER
 from .printer import TL_DTYPE
 
 SCALE_BLOCK = 2048  # elements per loop step (8 per thread at 8 warps)

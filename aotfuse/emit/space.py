@@ -37,6 +37,15 @@ def outer_rblock() -> int:
     return max(8, min(512, _next_pow2(knobs.outer_rblock)))
 
 
+def _fill_columns(x: int, most: int) -> int:
+    """A column tile's XBLOCK: up to `most` outputs, halved (not below OUTER_XBLOCK) while fewer than 256
+    programs would fill the GPU."""
+    xb = min(_next_pow2(x), most)
+    while xb > OUTER_XBLOCK and -(-x // xb) < 256:
+        xb //= 2
+    return xb
+
+
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """The launch shape one x-by-r iteration space gets, and why (recorded per kernel for explain)."""
@@ -61,11 +70,6 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) 
         # Column tile: x is the contiguous axis of the loads, so a [XBLOCK, RBLOCK] tile reads
         # XBLOCK consecutive elements of each of RBLOCK rows; Triton's coalescing follows the
         # pointer's contiguity and vectorizes along x. Small r: one tile covers it (persistent).
-        # Rows per step: up to outer_rblock (128: a program streams a 64 x 128 tile per step, twice the
-        # bytes in flight of 64 x 64; H100, 2026-11-26, scripts/knob_ab.py: column sums of 8192 x 3072
-        # bf16 24.3 -> 20.3 us, 8192 x 2304 12.4 -> 9.6 us), fewer while the accumulators would take
-        # more than OUTER_ACC_ELEMS registers per thread (a LayerNorm's weight and bias gradients, two
-        # accumulators and four loads per element: 6 us at 64 rows, 8 at 128).
         if _next_pow2(r) <= SHORT_COLUMN:
             # A few rows (a position embedding's sum over the batch): every row of a column in one thread,
             # the x axis covered by the threads of all warps (8 halves per 16-byte vector x 32 lanes x w),
@@ -73,17 +77,18 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) 
             # layout otherwise split the rows across warps: 8192 x 768 x 8 rows bf16 on an H100 took 30 us
             # as [512 x 8] tiles at 8 warps, 58 us as [256 x 8], 9.4 us as [1024 x 8] (torch.compile 16.2).
             rb = _next_pow2(r)
-            xb = min(_next_pow2(x), 1024)
-            while xb > OUTER_XBLOCK and -(-x // xb) < 256:
-                xb //= 2
+            xb = _fill_columns(x, 1024)
             w = max(1, min(4, xb // 256))
             return Blocks("persistent_reduction", xb, rb, w, f"column reduction over {r} rows: [{xb} x {rb}] tiles, "
                           f"{w} warps, each thread summing whole columns (x vectorized across all lanes)")
+        # Rows per step: up to outer_rblock (128: a program streams a 64 x 128 tile per step, twice the
+        # bytes in flight of 64 x 64; H100, 2026-11-26, scripts/knob_ab.py: column sums of 8192 x 3072
+        # bf16 24.3 -> 20.3 us, 8192 x 2304 12.4 -> 9.6 us), fewer while the accumulators would take
+        # more than OUTER_ACC_ELEMS registers per thread (a LayerNorm's weight and bias gradients, two
+        # accumulators and four loads per element: 6 us at 64 rows, 8 at 128).
         rb = min(_next_pow2(r), outer_rblock())
         while True:
-            xb = min(_next_pow2(x), max(OUTER_XBLOCK, knobs.outer_tile // rb))
-            while xb > OUTER_XBLOCK and -(-x // xb) < 256:
-                xb //= 2
+            xb = _fill_columns(x, max(OUTER_XBLOCK, knobs.outer_tile // rb))
             w = max(1, min(8, xb * rb // 256))
             if rb <= 16 or max(1, accumulators) * xb * rb <= OUTER_ACC_ELEMS * 32 * w:
                 break

@@ -18,8 +18,8 @@ from ..ir.attention import AttentionKernel
 from ..ir.loop import LoopGraph
 from ..schedule.fusion import FusionGroup
 from ..schedule.attention import index_refusal
-from .kernel_src import KernelArg, KernelSource, _HEADER, loop_range
-from .printer import TL_DTYPE
+from .kernel_src import KernelArg, KernelSource, loop_range
+from .printer import TL_DTYPE, header
 
 LOG2E = 1.4426950408889634
 
@@ -141,7 +141,7 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
           f"out.to({dt}), rm[:, None] < {t})"]
     params = ", ".join(a.name for a in args)
     body = "\n".join(L)
-    text = f"{_HEADER}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
     # xnumel: the query rows the grid covers (padded to BM per (batch, head)), rnumel: the head dim, so
     # the runtime's checks (grid = ceil(xnumel / XBLOCK), xnumel x rnumel within 32-bit indexing) hold
     kname = f"aotf_attn_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
