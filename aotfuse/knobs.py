@@ -10,6 +10,7 @@
 | inline_max_ops | AOTFUSE_INLINE_MAX_OPS | 24 | a pointwise node is inlined into its consumers when its body has at most this many ops |
 | persistent_rblock_max | AOTFUSE_PERSISTENT_RBLOCK | 4096 | largest reduction kept in registers (persistent); beyond it loops |
 | persistent_tile | AOTFUSE_PERSISTENT_TILE | 4096 | persistent row reductions: elements per program (rows packed up to this many) |
+| short_row_tile | AOTFUSE_SHORT_ROW_TILE | 1024 | persistent row reductions of at most 256 (padded) elements: elements per program, rows packed, one warp |
 | persistent_warp_elems | AOTFUSE_PERSISTENT_WARP_ELEMS | 1024 | persistent row reductions: one warp per this many elements of the tile (1 to 8 warps): 32 per thread (H100, 2026-11-26, scripts/knob_ab.py: residual add + LayerNorm over 8192 x 768 bf16 19.6 -> 16.3 us at 4 warps instead of 8, LayerNorm fwd+bwd 43.9 -> 37.0; rows of 1000 and 4096 unchanged) |
 | persistent_row_elems | AOTFUSE_PERSISTENT_EPT | 32 | rows held in registers beyond 4096 elements (when persistent_rblock_max allows): warps chosen so each thread holds about this many elements (8 to 32 warps) |
 | split_min_programs | AOTFUSE_SPLIT_PROGRAMS | 264 | a reduction whose kernel would launch fewer programs (2 per SM of an H100) is split in two stages (schedule/split.py) |
@@ -25,6 +26,7 @@
 | mix_warps | AOTFUSE_MIX_WARPS | 0 | mix-order kernels: warps per program; 0: one per 1024 elements of a step (emit/mix_kernel.MIX_WARP_ELEMS), 1 to 8 |
 | mix_stages | AOTFUSE_MIX_STAGES | 3 | the mix-order kernel's row loop as `tl.range(..., num_stages=N)`: Triton copies the next rows' loads into shared memory (cp.async) while this row computes; 0 or 1: plain `range`, one row in flight per program (H100, 2026-11-25, LayerNorm fwd+bwd 16384x4096: mix kernel 145 us plain, 145 at 2 stages, 110 at 3, 112 at 4) |
 | loop_stages | AOTFUSE_LOOP_STAGES | 0 | the same for looped reductions' loops over r; 0: plain `range` (H100, 2026-11-25, cross-entropy fwd+bwd 8192x32000: 575 us plain, 727 / 686 / 677 at 2 / 3 / 4 stages) |
+| hoist_loads | AOTFUSE_HOIST_LOADS | columns | row reductions held in registers issue some loads at the top of the kernel, before the first reduction, so they are in flight with the rows: "columns" the per-column loads (a norm's weight and bias, [1, RBLOCK]; H100, 2026-11-26, scripts/odd_rows_probe.py --sweep: LayerNorm over 327680 x 197 bf16 104.6 -> 95.7 us, torch.compile 103.1); "all" every load of the tile's rows as well; "off" each load where its value is first needed |
 | predicated_selects | AOTFUSE_PREDICATED_SELECTS | 1 | positional selects (a concatenation's sources) load each branch under its predicate with the clamps it decides dropped, so the loads vectorize (emit/predicate.py; H100, 2026-11-26, scripts/knob_ab.py anchor: the qkv-gradient cat 30.8 -> 24.3 us per call, 123 -> 97 us per step); 0: every branch loaded everywhere with clamped indices |
 | mix_min_r | AOTFUSE_MIX_MIN_R | 2048 | mix-order only for rows of at least this many elements (H100: 8192 x 768 lost, 16384 x 4096 won; schedule/mix.py condition 2) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
@@ -87,6 +89,7 @@ class Knobs:
     persistent_rblock_max: int = _env_int("AOTFUSE_PERSISTENT_RBLOCK", 4096)
     persistent_tile: int = _env_int("AOTFUSE_PERSISTENT_TILE", 4096)
     persistent_warp_elems: int = _env_int("AOTFUSE_PERSISTENT_WARP_ELEMS", 1024)
+    short_row_tile: int = _env_int("AOTFUSE_SHORT_ROW_TILE", 1024)
     persistent_row_elems: int = _env_int("AOTFUSE_PERSISTENT_EPT", 32)
     split_min_programs: int = _env_int("AOTFUSE_SPLIT_PROGRAMS", 264)
     split_min_elems: int = _env_int("AOTFUSE_SPLIT_ELEMS", 32768)
@@ -98,6 +101,7 @@ class Knobs:
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)
     predicated_selects: bool = bool(_env_int("AOTFUSE_PREDICATED_SELECTS", 1))
+    hoist_loads: str = os.environ.get("AOTFUSE_HOIST_LOADS", "columns") or "columns"
     mix_programs: int = _env_int("AOTFUSE_MIX_PROGRAMS", 256)
     mix_warps: int = _env_int("AOTFUSE_MIX_WARPS", 0)
     mix_stages: int = _env_int("AOTFUSE_MIX_STAGES", 3)

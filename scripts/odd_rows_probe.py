@@ -42,6 +42,48 @@ def ln_tile(x_ptr, w_ptr, b_ptr, y_ptr, R, C: tl.constexpr, CB: tl.constexpr, XB
 
 
 @triton.jit
+def ln_tile2(x_ptr, w_ptr, b_ptr, y_ptr, R, C: tl.constexpr, CB: tl.constexpr, XB: tl.constexpr,
+             EVICT: tl.constexpr, WB_ONCE: tl.constexpr):
+    """The generator's tile (two-pass variance), with a streaming eviction hint on the row traffic
+    (EVICT) or the weight and bias loaded before the rows (WB_ONCE)."""
+    rows = tl.program_id(0) * XB + tl.arange(0, XB)[:, None]
+    cols = tl.arange(0, CB)[None, :]
+    m = (rows < R) & (cols < C)
+    if WB_ONCE:
+        w = tl.load(w_ptr + cols, cols < C, other=0).to(tl.float32)
+        b = tl.load(b_ptr + cols, cols < C, other=0).to(tl.float32)
+    if EVICT:
+        x = tl.load(x_ptr + rows * C + cols, m, other=0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(x_ptr + rows * C + cols, m, other=0).to(tl.float32)
+    mean = tl.sum(tl.where(m, x, 0), 1)[:, None] * (1.0 / C)
+    d = x - mean
+    rstd = tl.rsqrt(tl.sum(tl.where(m, d * d, 0), 1)[:, None] * (1.0 / C) + 1e-5)
+    if not WB_ONCE:
+        w = tl.load(w_ptr + cols, cols < C, other=0).to(tl.float32)
+        b = tl.load(b_ptr + cols, cols < C, other=0).to(tl.float32)
+    if EVICT:
+        tl.store(y_ptr + rows * C + cols, (d * rstd * w + b).to(tl.bfloat16), m, cache_modifier=".cs")
+    else:
+        tl.store(y_ptr + rows * C + cols, (d * rstd * w + b).to(tl.bfloat16), m)
+
+
+@triton.jit
+def ln_tile3(x_ptr, w_ptr, b_ptr, y_ptr, R, C: tl.constexpr, CB: tl.constexpr, W: tl.constexpr, XB: tl.constexpr):
+    """[W, XB, CB]: W warps, XB rows each (a 3-D tile, to keep each row's sum inside one warp)."""
+    rows = tl.program_id(0) * (W * XB) + tl.arange(0, W)[:, None, None] * XB + tl.arange(0, XB)[None, :, None]
+    cols = tl.arange(0, CB)[None, None, :]
+    m = (rows < R) & (cols < C)
+    x = tl.load(x_ptr + rows * C + cols, m, other=0).to(tl.float32)
+    mean = tl.sum(x, 2)[:, :, None] * (1.0 / C)
+    d = tl.where(m, x - mean, 0)
+    rstd = tl.rsqrt(tl.sum(d * d, 2)[:, :, None] * (1.0 / C) + 1e-5)
+    w = tl.load(w_ptr + cols, cols < C, other=0).to(tl.float32)
+    b = tl.load(b_ptr + cols, cols < C, other=0).to(tl.float32)
+    tl.store(y_ptr + rows * C + cols, (d * rstd * w + b).to(tl.bfloat16), m)
+
+
+@triton.jit
 def ln_groups(x_ptr, w_ptr, b_ptr, y_ptr, R, C: tl.constexpr, CB: tl.constexpr, G: tl.constexpr,
               FLAT: tl.constexpr, NG: tl.constexpr):
     # NG groups of G rows per program; a group is G * C contiguous elements starting 16-byte aligned
@@ -80,6 +122,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=327680)
     ap.add_argument("--cols", type=int, default=197)
+    ap.add_argument("--sweep", action="store_true", help="the plain tile's rows per program, warps, hints")
     a = ap.parse_args()
     R, C = a.rows, a.cols
     CB = triton.next_power_of_2(C)
@@ -101,6 +144,26 @@ def main():
         err = float((y.float() - ref).norm() / ref.norm())
         rows[f"tile XB={xb} (err {err:.1e})"] = graph_us(f)
         print(list(rows.items())[-1], flush=True)
+    if a.sweep:
+        def check(f, label):
+            y.zero_()
+            f()
+            err = float((y.float() - ref).norm() / ref.norm())
+            rows[f"{label} (err {err:.1e})"] = graph_us(f)
+            print(list(rows.items())[-1], flush=True)
+        for xb, nw in ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 4)):
+            for ev, once in ((0, 0), (1, 0), (0, 1)):
+                check(lambda xb=xb, nw=nw, ev=ev, once=once: ln_tile2[(triton.cdiv(R, xb),)](
+                    x, w, b, y, R, C, CB, xb, ev, once, num_warps=nw),
+                    f"tile2 XB={xb} warps={nw} evict={ev} wb_once={once}")
+        for wn, xb in ((2, 2), (2, 4), (4, 2), (4, 4), (8, 1), (8, 2)):
+            try:
+                check(lambda wn=wn, xb=xb: ln_tile3[(triton.cdiv(R, wn * xb),)](x, w, b, y, R, C, CB, wn, xb,
+                                                                               num_warps=wn),
+                      f"tile3 W={wn} XB={xb}")
+            except Exception as e:  # noqa: BLE001
+                print("tile3", wn, xb, type(e).__name__, str(e)[:100])
+        return report(rows, R, C)
     for ng, nw in ((1, 4), (2, 8)):
         f = lambda ng=ng, nw=nw: ln_groups[(triton.cdiv(triton.cdiv(R, G), ng),)](  # noqa: E731
             x, w, b, y, R, C, CB, G, FLAT, ng, num_warps=nw)
@@ -112,6 +175,10 @@ def main():
             print(list(rows.items())[-1], flush=True)
         except Exception as e:  # noqa: BLE001
             rows[f"groups {ng}/{nw}: {type(e).__name__}: {str(e)[:80]}"] = float("nan")
+    report(rows, R, C)
+
+
+def report(rows, R, C):
     copy_us = rows["copy (read+write)"]
     print(f"\n{torch.cuda.get_device_name()}: LayerNorm {R} x {C} bf16, kernel us (graph replay, median)")
     for k, v in rows.items():

@@ -360,6 +360,41 @@ class _Emitter:
             self.ctx = saved
 
 
+HOIST_MODES = ("columns", "all", "off")
+
+
+def hoist_mode() -> str:
+    m = (knobs.hoist_loads or "columns").lower()
+    if m not in HOIST_MODES:
+        raise BuildError(f"AOTFUSE_HOIST_LOADS={knobs.hoist_loads!r} is not a hoisting mode",
+                         remedy=f"use one of {', '.join(HOIST_MODES)}")
+    return m
+
+
+def hoist_loads(em: "_Emitter", knodes, names: set) -> int:
+    """A row reduction held in registers: issue loads at the top of the kernel, before the first reduction,
+    so their latency overlaps the rows' (Triton keeps a load where it is written; one written after a
+    row sum waits for it). "columns": the loads free of x (a norm's weight and bias, [1, RBLOCK]);
+    "all": also every other load of the tile. Written through the emitter's cache in the row context,
+    so where the value is needed the same load is found, not issued again. Returns how many."""
+    from ..ir.loop import expr_loads
+
+    mode = hoist_mode()
+    if mode == "off":
+        return 0
+    em.ctx = "xr"
+    done = 0
+    for n in knodes:
+        for ld in expr_loads(n.body):
+            free = ld.index.free_symbols
+            if ld.buf in names or SR not in free or (mode == "columns" and SX in free):
+                continue
+            if em.lookup((em.ctx, (), ld)) is None:
+                em.emit(ld)
+                done += 1
+    return done
+
+
 def _kernelize(node, x: int, r: int):
     """(node with its loop variables replaced by kernel indices sx (row) and sr (column),
     the offset it stores to in those indices)."""
@@ -556,6 +591,12 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         if not looped:
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")
             em.line(f"rmask = rindex < {ktext(r)}")
+            if pattern == "inner":
+                hoisted = hoist_loads(em, [n for n in knodes if not (isinstance(n, Pointwise) and n.numel == x)],
+                                      names)
+                if hoisted:
+                    blocks = dataclasses.replace(blocks, why=blocks.why + f"; {hoisted} load(s) issued before the "
+                                                 f"first reduction (hoist_loads={hoist_mode()})")
         for lv in range(max(levels.values()) + 1):
             em.level = lv
             at = [n for n in knodes if levels[n.name] == lv]

@@ -28,7 +28,7 @@ OUTER_RBLOCK = 64  # a column split's chunks: a multiple of this many rows where
 SHORT_COLUMN = 8  # column reductions over at most this many rows: a tile whose threads hold whole columns
 OUTER_ACC_ELEMS = 32  # ... fewer rows while the tile's accumulators would take more than this many per thread
 SHORT_ROW = 256  # persistent rows of at most this many (padded) elements: one warp per program ...
-SHORT_ROW_TILE = 1024  # ... holding rows up to this many elements (32 per thread)
+# ... holding rows up to knobs.short_row_tile elements (32 per thread)
 INNER_LOOP_RBLOCK = 1024  # looped rows: elements of the row per loop step (4 times that for long rows)
 
 
@@ -103,7 +103,7 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) 
         # inside one warp, never across warps through shared memory (scripts/knob_ab.py, H100: LayerNorm
         # and softmax over 327680 x 197 bf16 took 196 / 249 us as 16 rows at 8 warps, 104 / 102 us as 4 rows
         # at 1 warp, torch.compile 102 / 103 us).
-        tile, per_warp = (SHORT_ROW_TILE, SHORT_ROW_TILE) if rb <= SHORT_ROW else \
+        tile, per_warp = (knobs.short_row_tile, knobs.short_row_tile) if rb <= SHORT_ROW else \
             (knobs.persistent_tile, knobs.persistent_warp_elems)
         xb = max(1, min(_next_pow2(x), tile // rb))
         while xb > 1 and -(-x // xb) < 256:  # keep enough programs to fill the SMs
