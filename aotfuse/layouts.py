@@ -25,3 +25,16 @@ def channels_last_perm(val) -> tuple[int, ...] | None:
         return None
     perm = CHANNELS_LAST[val.dim()]
     return perm if val.permute(perm).is_contiguous() else None
+
+
+def node_layout(val) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(storage permutation, shape) a lowered node's results take, from its FX value: a tensor's
+    channels-last order, or, for a node of several results (max_pool2d_with_indices: the values and
+    their indices), the order they all share when they have one shape; else None (row-major)."""
+    vals = [v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)]
+    if not vals or len({tuple(v.shape) for v in vals}) != 1:
+        return None
+    perms = {channels_last_perm(v) for v in vals}
+    if len(perms) != 1 or None in perms:
+        return None
+    return perms.pop(), tuple(vals[0].shape)

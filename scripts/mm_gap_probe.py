@@ -110,7 +110,8 @@ CONFIGS = [
     (128, 256, 64, 8, 4, 3, True, False, False), (128, 256, 64, 8, 4, 4, True, False, False),
     (128, 256, 64, 8, 4, 3, True, False, True), (128, 128, 64, 8, 4, 4, True, False, False),
     (128, 128, 64, 8, 4, 5, True, False, False), (128, 128, 128, 8, 4, 3, True, False, False),
-    (128, 256, 64, 4, 4, 3, True, False, False),
+    (128, 256, 64, 4, 4, 3, True, False, False), (128, 128, 128, 8, 4, 3, True, False, True),
+    (128, 128, 64, 8, 4, 4, True, False, True),
 ]
 
 

@@ -11,7 +11,7 @@ from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
-from ..layouts import channels_last_perm
+from ..layouts import channels_last_perm, node_layout
 from .registry import registry
 from ..ir.sizes import current_dims, size, sizes
 
@@ -96,8 +96,9 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             args = _map_args(node.args, env)
             kwargs = _map_args(dict(node.kwargs), env)
             if info.category == "pointwise":  # channels-last values stay channels-last (aotfuse/layouts.py)
-                ctx.layout = channels_last_perm(node.meta.get("val"))
-                ctx.layout_shape = out_shape(node) if ctx.layout is not None else None
+                lay = node_layout(node.meta.get("val"))
+                if lay is not None:
+                    ctx.layout, ctx.layout_shape = lay[0], sizes(lay[1])
             guards = len(cg.shape_env.guards) if cg.shape_env is not None else 0
             try:
                 env[node] = info.fn(ctx, node, args, kwargs)
