@@ -27,14 +27,19 @@ def channels_last_perm(val) -> tuple[int, ...] | None:
     return perm if val.permute(perm).is_contiguous() else None
 
 
-def node_layout(val) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def node_layout(val) -> tuple[tuple[int, ...], tuple] | None:
     """(storage permutation, shape) a lowered node's results take, from its FX value: a tensor's
     channels-last order, or, for a node of several results (max_pool2d_with_indices: the values and
-    their indices), the order they all share when they have one shape; else None (row-major)."""
-    vals = [v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)]
-    if not vals or len({tuple(v.shape) for v in vals}) != 1:
+    their indices), the order they all share when they have one static shape; else None (row-major).
+    Dynamic dims are never compared (a comparison would guard them to the example's size)."""
+    if isinstance(val, torch.Tensor):
+        perm = channels_last_perm(val)
+        return None if perm is None else (perm, tuple(val.shape))
+    vals = [v for v in (val if isinstance(val, (tuple, list)) else ()) if isinstance(v, torch.Tensor)]
+    if not vals or not all(type(d) is int for v in vals for d in v.shape):
         return None
-    perms = {channels_last_perm(v) for v in vals}
-    if len(perms) != 1 or None in perms:
+    shape = tuple(vals[0].shape)
+    if any(tuple(v.shape) != shape for v in vals):
         return None
-    return perms.pop(), tuple(vals[0].shape)
+    perms = [channels_last_perm(v) for v in vals]
+    return (perms[0], shape) if perms[0] is not None and all(p == perms[0] for p in perms) else None
