@@ -180,13 +180,21 @@ def reduction_pattern(knodes, x: int, r: int, outside, itemsize) -> str:
     by bytes, contiguous along x and strided along r; else "inner". `knodes` are kernelized nodes
     (indices in SX, SR); `outside(buf)` says whether a load reads memory; `itemsize(buf)` its bytes.
     Strides are measured at two points of the space (indices may hold // and % of the x index)."""
+    votes = pattern_votes(knodes, x, r, outside, itemsize)
+    return "outer" if votes["outer"] > votes["inner"] else "inner"
+
+
+def pattern_votes(knodes, x: int, r: int, outside, itemsize) -> dict[str, int]:
+    """{"inner": bytes, "outer": bytes}: per element, the bytes of the loads contiguous along r (inner) and
+    of those contiguous along x and strided along r (outer); loads broadcast along an axis or of unknown
+    stride do not vote (reduction_pattern's evidence)."""
     from ..ir.loop import expr_loads
 
+    votes = {"inner": 0, "outer": 0}
     if x < 2 or r < 2:
-        return "inner"
+        return votes
     # Sample points away from the round numbers where a // or % of the index wraps.
     pts = sorted({(min(a, x - 2), min(b, r - 2)) for a, b in ((0, 0), (1, 1), (x // 3, r // 3), (2 * x // 3, 2 * r // 3))})
-    votes = {"inner": 0, "outer": 0}
 
     def typical(steps):  # the step most sample points agree on
         best = collections.Counter(steps).most_common(1)[0]
@@ -207,7 +215,7 @@ def reduction_pattern(knodes, x: int, r: int, outside, itemsize) -> str:
                 votes["outer"] += itemsize(ld.buf)
             elif sr_ == 1:
                 votes["inner"] += itemsize(ld.buf)
-    return "outer" if votes["outer"] > votes["inner"] else "inner"
+    return votes
 
 
 def same_index(a: sympy.Expr, b: sympy.Expr, xnumel: int, rnumel: int) -> bool:

@@ -54,6 +54,7 @@ class FuseRefusal(enum.Enum):
     OUT_OF_FUEL = "out of fusion fuel"
     TEMPLATE = "matmul template"  # what may join a template group: schedule/templates.py
     MIX_ORDER = "mix-order"  # a column partial and a row group: schedule/mix.py's numbered conditions
+    ACCESS_PATTERN = "access pattern"  # a row group and a column group: one kernel reads one side strided
 
 
 def _reason(refusal: FuseRefusal | None, detail: str) -> str:
@@ -155,6 +156,7 @@ class _State:
         self.mix: dict[str, mix.MixShape] = {}  # mix-order groups (second phase): their shape
         self.columns: dict[str, list[str]] = {}  # ... and their column-side members
         self._align: dict[tuple[str, int], tuple[str, int] | None] = {}
+        self.kernelized: dict[tuple, Node] = {}  # (node, x, r) -> the node in kernel indices (_pattern_clash)
 
     def gspace(self, g: str) -> tuple[int, int]:
         xs = [self.space[n] for n in self.members[g]]
@@ -318,11 +320,50 @@ def can_fuse(st: _State, a: str, b: str) -> Verdict:
     shared = _shared_bytes(st, a, b)
     if shared == 0:
         return _refuse(FuseRefusal.NO_SHARED_DATA)
+    why = _pattern_clash(st, a, b, *sp)
+    if why is not None:
+        return _refuse(FuseRefusal.ACCESS_PATTERN, why)
     sep = _cost_us(st, [a]) + _cost_us(st, [b])
     fused = _cost_us(st, [a, b])
     if fused > sep:
         return _refuse(FuseRefusal.COST_MODEL, f"fused {fused:.1f} us > separate {sep:.1f} us")
     return Verdict(True, None, f"saves {shared} bytes")
+
+
+def _group_pattern(st: _State, g: str, x: int, r: int, merged: set) -> str | None:
+    """How group g's memory loads run in the merged x*r space: "inner" (contiguous along r: rows),
+    "outer" (contiguous along x, strided along r: columns), None when none votes (emit/space.py)."""
+    from ..emit.kernel_src import _kernelize  # emit imports this module: import at use
+    from ..emit.space import pattern_votes
+    from ..ir.loop import ITEMSIZE
+
+    knodes = []
+    for n in st.members[g]:
+        key = (n, x, r)
+        if key not in st.kernelized:
+            st.kernelized[key] = _kernelize(st.nodes[n], x, r)[0]
+        knodes.append(st.kernelized[key])
+    v = pattern_votes(knodes, x, r, lambda buf: buf not in merged, lambda buf: ITEMSIZE[st.bufs[buf].dtype])
+    if not (v["inner"] or v["outer"]):
+        return None
+    return "outer" if v["outer"] > v["inner"] else "inner"
+
+
+def _pattern_clash(st: _State, a: str, b: str, x, r) -> str | None:
+    """Why a and b may not share a kernel: one reads rows (contiguous along r), the other columns
+    (contiguous along x). A kernel lays its tile out for one of the two, and the other side's loads then
+    run a whole row apart per lane: ResNet-18's BatchNorm backward (channels-last, H100) fused a
+    channel-sum partial, strided by 64 channels, into the row-order input-gradient kernel: 282 us where
+    each alone streams. Mix-order groups (schedule/mix.py) are the kernel that serves both."""
+    if not (reduces(r) and static(x) and static(r)):
+        return None
+    x, r = int(x), int(r)
+    merged = set(st.members[a]) | set(st.members[b])
+    pa, pb = _group_pattern(st, a, x, r, merged), _group_pattern(st, b, x, r, merged)
+    if pa and pb and pa != pb:
+        return (f"{a} reads {'rows' if pa == 'inner' else 'columns'}, {b} reads "
+                f"{'rows' if pb == 'inner' else 'columns'} of the {x}x{r} space: one side's loads would be strided")
+    return None
 
 
 def _shared_bytes(st: _State, a: str, b: str) -> int:
