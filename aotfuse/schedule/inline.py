@@ -15,8 +15,8 @@ from ..knobs import knobs
 from .deps import classify_read, update_reverse
 from ..ir.indexing import simplify, unravel
 from ..ir.sizes import hint
-from ..ir.loop import (INDIRECT, Extern, LoopGraph, Pointwise, TensorArg, expr_loads, expr_op_count, map_loads,
-                 subs_expr)
+from ..ir.loop import (INDIRECT, ITEMSIZE, Cast, Extern, Load, LoopGraph, Pointwise, TensorArg, expr_loads,
+                       expr_op_count, map_loads, subs_expr)
 from .deps import iteration
 from .templates import inline_ok
 
@@ -99,6 +99,7 @@ class _Inliner:
     def __init__(self, graph: LoopGraph):
         self.nodes = {n.name: n for n in graph.nodes}
         self.numel = {b.name: b.numel for b in graph.buffers}
+        self.dtypes = {b.name: b.dtype for b in graph.buffers}
         self.order = [n.name for n in graph.nodes]
         self.pos = {name: i for i, name in enumerate(self.order)}
         self.pinned = {o.view.buf for o in graph.outputs}
@@ -161,6 +162,25 @@ class _Inliner:
         big = {ld.buf for ld in self.loads[p.name] if hint(self.numel.get(ld.buf, 0)) * 2 >= hint(p.numel)}
         return len(big) > 1
 
+    def _widens(self, p) -> bool:
+        """p's stored element is wider than every per-element input it reads (at most one such input;
+        the others per-row or per-column: statistics, weights)."""
+        out = ITEMSIZE.get(self.dtypes.get(p.name), 0)
+        big = [ld.buf for ld in self.loads[p.name] if hint(self.numel.get(ld.buf, 0)) * 2 >= hint(p.numel)]
+        return bool(big) and len(set(big)) == 1 and all(ITEMSIZE.get(self.dtypes.get(b), out) < out for b in big)
+
+    def _widening_cast_of(self, u: str, name: str) -> bool:
+        """Whether node u is only a cast of `name`, read at u's own point, to a wider dtype."""
+        node = self.nodes.get(u)
+        if not isinstance(node, Pointwise):
+            return False
+        body = node.body
+        if not isinstance(body, Cast) or not isinstance(body.arg, Load) or body.arg.buf != name:
+            return False
+        if self._kind(u, body.arg.index, self.numel[name]) != "point":
+            return False
+        return ITEMSIZE.get(self.dtypes.get(u), 0) > ITEMSIZE.get(self.dtypes.get(name), 0)
+
     def _kind(self, consumer: str, index, producer_numel: int) -> str:
         # A consumer's iteration space never changes (substitution rewrites only its body).
         key = (consumer, index, producer_numel)
@@ -197,6 +217,11 @@ class _Inliner:
         cheap = self._is_cheap(name)
         if len(users) == 1:
             u = users[0]
+            if not cheap and self._widening_cast_of(u, name):
+                # u only casts this node up (bf16 -> fp32 for a BatchNorm backward): substituted into u,
+                # the whole expression would be stored at the wider type; stored as it is, the cast is
+                # recomputed where u is read (the rule below), as eager rounds the value at this node
+                return
             n_idx = len({ld.index for ld in self.loads[u] if ld.buf == name})
             if (n_idx == 1 or cheap) and inline_ok(self.nodes[u], p):  # matmul operands: views/casts only
                 self._replace(u, _substitute(self.nodes[u], p, self.simplified))
@@ -209,6 +234,18 @@ class _Inliner:
             # Recomputed at a consumer, it would read two or more buffers of its own size where the
             # consumer read one: more traffic, and chained (a residual stream's running sums) it grows
             # with depth. It is stored for its point consumers anyway; the others read it.
+            return
+        if self._widens(p):
+            # Recomputed at every consumer it reads fewer bytes than it would store and read back (a
+            # BatchNorm backward's x_hat in fp32 from bf16 x and per-channel statistics; a cast up):
+            # substituted everywhere, point readers included, and not stored (ResNet-18's channels-last
+            # BatchNorm backward stored three fp32 tensors of 51M elements per stem pass, H100).
+            for u in users:
+                if inline_ok(self.nodes[u], p):
+                    self._replace(u, _substitute(self.nodes[u], p, self.simplified))
+                    self.decisions.append(InlineDecision(name, u, "recomputed from narrower inputs (widens)"))
+            if not self.users.get(name):
+                self._remove(name)
             return
         for u in users:
             kinds = {self._kind(u, ld.index, p.numel) for ld in self.loads[u] if ld.buf == name}
