@@ -323,7 +323,9 @@ def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train
     weights = {}
     for p in progs:
         for buf, fqn in p.graph.weights:
-            weights[fqn] = p.lctx.constants[buf] if fqn.startswith("__const__.") else p.cg.weights[fqn]
+            w = p.lctx.constants[buf] if fqn.startswith("__const__.") else p.cg.weights[fqn]
+            perm = p.lctx.weight_perms.get(buf)
+            weights[fqn] = w if perm is None else w.permute(perm).contiguous()  # stored in its channels-last order
     weights.update(params)
     fwd = progs[0]
     bufs = fwd.graph.buffer_map

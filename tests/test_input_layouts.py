@@ -210,3 +210,24 @@ def _stem_step_matches_eager(mod, model) -> None:
     ours = dict(mod.named_parameters())
     for n, p in ref_model.named_parameters():
         assert rel(ours[n].grad, p.grad) < 1e-4, n
+
+
+def test_channels_last_weights_are_stored_in_their_order_for_inference():
+    """model.to(memory_format=torch.channels_last) makes conv filters NHWC: an inference archive stores them
+    in that order (the tensor under the weight's name is the permuted one) and the convolution reads them
+    through a channels-last view, so cuDNN converts nothing per call; results match eager. A training archive
+    keeps row-major parameters (test_channels_last_module_keeps_row_major_parameters)."""
+    torch.manual_seed(0)
+    model = Stem().to(memory_format=CL).eval()
+    assert not model.conv.weight.is_contiguous()
+    res = aotfuse.build(model, _stem_x(1), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    w = model.conv.weight
+    assert tuple(art.weights["conv.weight"].shape) == (w.shape[0], w.shape[2], w.shape[3], w.shape[1])
+    assert torch.equal(art.weights["conv.weight"], w.detach().permute(0, 2, 3, 1))
+    x, t = _stem_x(2)
+    with torch.no_grad():
+        for got, want in zip(art(x, t), model(x, t)):
+            assert rel(got, want) < 1e-5
+    contiguous = aotfuse.build(Stem().eval(), _stem_x(1), targets=("sm_90",))
+    assert tuple(aotfuse.load(contiguous.data, device="cpu").weights["conv.weight"].shape) == tuple(w.shape)

@@ -232,7 +232,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
         ph_by_name[node.name] = node
         if node.name in ph_map or node.name in folded_fqn:
             fqn = ph_map.get(node.name) or folded_fqn[node.name]
-            weights[fqn] = state[fqn].detach().contiguous()
+            w = state[fqn].detach()
+            # a channels-last weight keeps its layout: an inference archive stores it so (lower/graph.py)
+            weights[fqn] = w if channels_last_perm(w) is not None else w.contiguous()
             placeholders.append((node.name, "weight", fqn))
         elif node.name in user_inputs:
             placeholders.append((node.name, "input", user_inputs.index(node.name)))

@@ -59,6 +59,9 @@ class LoweringCtx:
     buffers: dict[str, Buffer] = dataclasses.field(default_factory=dict)
     nodes: list = dataclasses.field(default_factory=list)
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # weight buffer -> the storage permutation the archive keeps it in (an inference program's channels-last
+    # weights, lower/graph.py); the archive stores weight.permute(perm).contiguous()
+    weight_perms: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     decisions: list = dataclasses.field(default_factory=list)
     _counter: int = 0
     rng: str | None = None
