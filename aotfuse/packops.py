@@ -71,3 +71,46 @@ def _unpack_bits_fake(p: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 PACK = torch.ops.aotfuse.pack_bits.default
 UNPACK = torch.ops.aotfuse.unpack_bits.default
+
+
+# ---------------------------------------------------------------- max-pool indices as window offsets
+
+@torch.library.custom_op("aotfuse::pool_offsets", mutates_args=())
+def pool_offsets(indices: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
+                 dilation: list[int], width: int) -> torch.Tensor:
+    """max_pool2d_with_indices' indices (int64 [..., Ho, Wo]: the flat h * width + w of each window's
+    maximum in the input) -> the tap of the window it is (int8, i * kw + j for tap (i, j)): what a saved
+    index costs the backward in 1 byte instead of 8. `pool_indices` is the inverse."""
+    ho, wo = indices.shape[-2], indices.shape[-1]
+    oh = torch.arange(ho, device=indices.device).view(ho, 1)
+    ow = torch.arange(wo, device=indices.device).view(1, wo)
+    i = (indices // width - (oh * stride[0] - padding[0])) // dilation[0]
+    j = (indices % width - (ow * stride[1] - padding[1])) // dilation[1]
+    return torch.empty_like(indices, dtype=torch.int8).copy_(i * kernel[1] + j)  # the indices' layout
+
+
+@pool_offsets.register_fake
+def _pool_offsets_fake(indices, kernel, stride, padding, dilation, width):
+    return torch.empty_like(indices, dtype=torch.int8)  # channels-last indices give channels-last offsets
+
+
+@torch.library.custom_op("aotfuse::pool_indices", mutates_args=())
+def pool_indices(offsets: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
+                 dilation: list[int], width: int) -> torch.Tensor:
+    """The inverse of pool_offsets: int8 taps -> int64 flat input indices h * width + w."""
+    ho, wo = offsets.shape[-2], offsets.shape[-1]
+    oh = torch.arange(ho, device=offsets.device).view(ho, 1)
+    ow = torch.arange(wo, device=offsets.device).view(1, wo)
+    t = offsets.to(torch.int64)
+    h = oh * stride[0] - padding[0] + (t // kernel[1]) * dilation[0]
+    w = ow * stride[1] - padding[1] + (t % kernel[1]) * dilation[1]
+    return torch.empty_like(offsets, dtype=torch.int64).copy_(h * width + w)  # the offsets' layout
+
+
+@pool_indices.register_fake
+def _pool_indices_fake(offsets, kernel, stride, padding, dilation, width):
+    return torch.empty_like(offsets, dtype=torch.int64)
+
+
+POOL_OFFSETS = torch.ops.aotfuse.pool_offsets.default
+POOL_INDICES = torch.ops.aotfuse.pool_indices.default

@@ -5,6 +5,7 @@ and training, on the CPU path, against eager."""
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import pytest
@@ -231,3 +232,19 @@ def test_channels_last_weights_are_stored_in_their_order_for_inference():
             assert rel(got, want) < 1e-5
     contiguous = aotfuse.build(Stem().eval(), _stem_x(1), targets=("sm_90",))
     assert tuple(aotfuse.load(contiguous.data, device="cpu").weights["conv.weight"].shape) == tuple(w.shape)
+
+
+@pytest.mark.parametrize("step", ["split", "step"])
+def test_max_pool_indices_are_saved_as_int8_window_offsets(step):
+    """The indices max_pool2d_with_indices hands its backward are saved as the tap of the window (int8,
+    aotfuse::pool_offsets: 1 byte instead of 8) and restored in the backward (aotfuse::pool_indices); in one
+    fused step program the pair cancels. Gradients match eager either way."""
+    torch.manual_seed(0)
+    model = Stem(loss=True).to(memory_format=CL).train()
+    res = aotfuse.build(model, _stem_x(1), train=True, targets=("sm_90",), step=step)
+    saved = [s for s in res.report.partition["saved"] if s.get("pool_offsets")]
+    if step == "split":
+        assert len(saved) == 1, res.report.partition["saved"]
+        s = saved[0]
+        assert s["dtype"] == "int64" and s["nbytes"] == math.prod(s["shape"]) and "window offsets" in s["why"]
+    _stem_step_matches_eager(aotfuse.load(res.data, device="cpu").as_module(), model)

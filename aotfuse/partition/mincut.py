@@ -67,7 +67,7 @@ from ..errors import BuildError
 from ..knobs import knobs
 from ..fxgraph import ancestors, descendants, size_hint
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
-from ..packops import PACK, UNPACK, packed_nbytes
+from ..packops import PACK, POOL_INDICES, POOL_OFFSETS, UNPACK, packed_nbytes
 
 def is_banned(node: torch.fx.Node) -> bool:
     """May this node NOT be recomputed in the backward?"""
@@ -95,6 +95,48 @@ def _packable(val) -> bool:
     if any(isinstance(s, torch.SymInt) for s in val.shape):
         return False
     return packed_nbytes(val.numel()) < val.numel()
+
+
+def pool_offsets_args(n: torch.fx.Node) -> tuple | None:
+    """(kernel, stride, padding, dilation, width) when `n` is max_pool2d_with_indices' indices (static
+    shapes, at most 127 taps) and only max_pool2d_with_indices_backward reads it, as its indices: saved as
+    int8 window offsets (aotfuse::pool_offsets, 1 byte per element instead of 8), restored in the backward
+    by aotfuse::pool_indices (index math the pool backward's kernel inlines). Else None."""
+    aten = torch.ops.aten
+    if n.target is not operator.getitem or n.args[1] != 1:
+        return None
+    pool = n.args[0]
+    if getattr(pool, "target", None) is not aten.max_pool2d_with_indices.default:
+        return None
+    val = n.meta.get("val")
+    x = pool.args[0].meta.get("val") if isinstance(pool.args[0], torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(x, torch.Tensor) or val.dtype != torch.int64 \
+            or val.dim() != 4 or any(not isinstance(d, int) for d in (*val.shape, *x.shape)):
+        return None
+    if not n.users or any(u.target is not aten.max_pool2d_with_indices_backward.default or u.args[7] is not n
+                          or n in u.args[:7] for u in n.users):
+        return None
+
+    def pair(v, default):
+        v = default if v is None or (isinstance(v, (list, tuple)) and not v) else v
+        v = list(v) if isinstance(v, (list, tuple)) else [v]
+        return [int(v[0]), int(v[-1])]
+
+    args = pool.args
+    kernel = pair(args[1], None)
+    stride = pair(args[2] if len(args) > 2 else None, kernel)
+    padding = pair(args[3] if len(args) > 3 else 0, [0, 0])
+    dilation = pair(args[4] if len(args) > 4 else 1, [1, 1])
+    if kernel[0] * kernel[1] > 127:
+        return None
+    return kernel, stride, padding, dilation, int(x.shape[-1])
+
+
+def _save_bytes(n: torch.fx.Node, val) -> int:
+    """save_nbytes, with max-pool indices at one byte per element (pool_offsets_args)."""
+    if isinstance(val, torch.Tensor) and pool_offsets_args(n) is not None:
+        return size_hint(val.numel())
+    return save_nbytes(val)
 
 
 def save_nbytes(val) -> int:
@@ -141,6 +183,8 @@ class SavedTensor:
     kind: str = "activation"
     shape: tuple[int, ...] = ()
     dtype: str = ""  # dtype of the tensor before packing
+    # max-pool indices saved as int8 window offsets: (kernel, stride, padding, dilation, width) (pool_offsets_args)
+    pool_offsets: tuple | None = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -284,7 +328,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             if op_class(n) == "view" or is_tuple:
                 G.add_edge(vin, vout)
             else:
-                G.add_edge(vin, vout, capacity=q * M * save_nbytes(val))
+                G.add_edge(vin, vout, capacity=q * M * _save_bytes(n, val))
             for a in n.all_input_nodes:
                 if a in floating:  # computed in the forward => its floating inputs are too
                     G.add_edge(vin, a.name + ".in")
@@ -296,7 +340,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             if cls == "view" or is_tuple:
                 G.add_edge(vin, vout)
             else:
-                G.add_edge(vin, vout, capacity=q * M * save_nbytes(val))
+                G.add_edge(vin, vout, capacity=q * M * _save_bytes(n, val))
             r = recompute_cost(n)
             if r is not None and knobs.partition_materialize and _materialized_in_backward(n, bwd_only):
                 r += COST_UNIT * save_nbytes(val)  # its write in the backward and the extern's read, halved
@@ -364,7 +408,8 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         else:
             kind = "activation"
             packed = _packable(val)
-            nbytes = save_nbytes(val)
+            offsets = pool_offsets_args(n) is not None
+            nbytes = _save_bytes(n, val)
             cls = op_class(n)
             if n in floating:
                 reason = (f"only the backward needs it, but it does not depend on the tangent: computed once "
@@ -380,10 +425,12 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
                 reason = (f"min cut: saving {nbytes} B costs less than recomputing it in the backward "
                           f"(with what its recompute would need; its own recompute cost {r / COST_UNIT:.1f} B "
                           f"x budget {float(memory_budget):g})")
-            why = reason + f"; backward uses: {uses}" + ("; bit-packed" if packed else "")
+            why = reason + f"; backward uses: {uses}" + ("; bit-packed" if packed else "") + \
+                ("; saved as int8 window offsets (aotfuse::pool_offsets)" if offsets else "")
             saved_bytes += nbytes
         saved_infos.append(SavedTensor(
             name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
+            pool_offsets=pool_offsets_args(n) if kind == "activation" else None,
             shape=tuple(size_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
             dtype=name_of(val.dtype) if isinstance(val, torch.Tensor) else ""))
 
@@ -420,6 +467,10 @@ def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_info
             pk = g.create_node("call_function", PACK, (v,), {}, name=n.name + "_packed")
             pk.meta["val"] = _fake_call(PACK, n.meta["val"])
             v = pk
+        if info.pool_offsets is not None:
+            off = g.create_node("call_function", POOL_OFFSETS, (v, *info.pool_offsets), {}, name=n.name + "_offsets")
+            off.meta["val"] = _fake_call(POOL_OFFSETS, n.meta["val"], *info.pool_offsets)
+            v = off
         outs.append(v)
     g.output(tuple(outs))
     g.lint()
@@ -440,12 +491,16 @@ def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, s
     for n in sorted(sizes, key=nodes.index):
         env[n] = g.create_node("call_function", dim_value, (), {}, name=n.name)
         env[n].meta["val"] = n.meta["val"]
-    packed_ph = []
+    packed_ph, offsets_ph = [], []
     for n, info in zip(saved_list, saved_infos):
         if info.packed:
             ph = g.placeholder(n.name + "_packed")
             ph.meta["val"] = _fake_call(PACK, n.meta["val"])
             packed_ph.append((n, ph))
+        elif info.pool_offsets is not None:
+            ph = g.placeholder(n.name + "_offsets")
+            ph.meta["val"] = _fake_call(POOL_OFFSETS, n.meta["val"], *info.pool_offsets)
+            offsets_ph.append((n, ph, info.pool_offsets))
         else:
             ph = g.placeholder(n.name)
             ph.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
@@ -458,6 +513,10 @@ def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, s
         up = g.create_node("call_function", UNPACK, (ph, shape), {}, name=n.name)
         up.meta["val"] = _fake_call(UNPACK, ph.meta["val"], shape)
         env[n] = up
+    for n, ph, args in offsets_ph:
+        ix = g.create_node("call_function", POOL_INDICES, (ph, *args), {}, name=n.name)
+        ix.meta["val"] = _fake_call(POOL_INDICES, ph.meta["val"], *args)
+        env[n] = ix
     for n in nodes:
         if n in bwd_compute and n.op == "call_function":
             env[n] = g.node_copy(n, lambda a: env[a])

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import BuildError
-from ..packops import PACK, UNPACK
+from ..packops import PACK, POOL_INDICES, POOL_OFFSETS, UNPACK
 
 STEP_MODES = ("auto", "step", "split")
 
@@ -109,7 +109,8 @@ def step_graph(part) -> torch.fx.GraphModule:
 
 
 def _drop_crossing_ops(g: torch.fx.Graph) -> None:
-    """What only served the crossing between two programs: unpack(pack(v)) is v; the copy of a buffer the
+    """What only served the crossing between two programs: unpack(pack(v)) is v, as is
+    pool_indices(pool_offsets(v)); the copy of a buffer the
     runtime overwrites after the forward (partition's "buffer_copy") is the buffer itself, which the step
     program never writes."""
     aten = torch.ops.aten
@@ -117,6 +118,8 @@ def _drop_crossing_ops(g: torch.fx.Graph) -> None:
         if n.op != "call_function":
             continue
         if n.target is UNPACK and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is PACK:
+            n.replace_all_uses_with(n.args[0].args[0])
+        elif n.target is POOL_INDICES and isinstance(n.args[0], torch.fx.Node) and n.args[0].target is POOL_OFFSETS:
             n.replace_all_uses_with(n.args[0].args[0])
         elif (n.target is aten.copy.default and n.args[0] is n.args[1] and isinstance(n.args[0], torch.fx.Node)
               and n.args[0].op == "placeholder"):
