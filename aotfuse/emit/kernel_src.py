@@ -173,8 +173,11 @@ class _Emitter:
         return "xmask & rmask" if self.ctx == "xr" else "xmask"
 
     def emit(self, e) -> str:
-        # under predicates a value may hold masked loads; what reads no load is the same everywhere
-        key = (self.ctx, tuple(p[0] for p in self.preds) if self.preds and not index_only(e) else (), e)
+        # under predicates a value may hold masked loads; what reads no load is the same everywhere, and so is
+        # a load whose code ignores the predicates (a scalar, per-row or per-column load: `_code`), so one
+        # hoisted before the first reduction (hoist_loads) is found again under a positional select
+        key = (self.ctx, tuple(p[0] for p in self.preds) if self.preds and not index_only(e)
+               and not self._ignores_preds(e) else (), e)
         hit = self.lookup(key)
         if hit is not None:
             return hit
@@ -182,6 +185,14 @@ class _Emitter:
         name = code if code.isidentifier() else self.tmp(code)
         self.scopes[-1][key] = name
         return name
+
+    def _ignores_preds(self, e) -> bool:
+        """A load `_code` writes without the predicates' mask: a scalar, or in the row context one free of x
+        or of r."""
+        if not isinstance(e, Load) or e.buf in self.members:
+            return False
+        free = e.index.free_symbols
+        return not free or (self.ctx == "xr" and (SR not in free or SX not in free))
 
     def tile_uniform(self, index) -> bool:
         """Whether `index` (of x and r) takes one value across the XBLOCK x's of any tile: x = XBLOCK*k + j

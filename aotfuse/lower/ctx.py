@@ -62,6 +62,9 @@ class LoweringCtx:
     # weight buffer -> the storage permutation the archive keeps it in (an inference program's channels-last
     # weights, lower/graph.py); the archive stores weight.permute(perm).contiguous()
     weight_perms: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # max-pool indices restored from saved int8 window taps (aotfuse::pool_indices): indices buffer -> (the indices'
+    # View, the taps' View, kernel); the pool backward compares the taps with its own tap number instead (lower/pool.py)
+    pool_taps: dict[str, tuple] = dataclasses.field(default_factory=dict)
     decisions: list = dataclasses.field(default_factory=list)
     _counter: int = 0
     rng: str | None = None

@@ -101,4 +101,8 @@ def register_all(register) -> None:
                        Op("mul", (tj, Const(int(dilation[1]), "int32")), "int32")), "int32")
         flat = Op("add", (Op("mul", (as_dtype(h, "int64"), Const(int(width), "int64")), "int64"), as_dtype(w, "int64")),
                   "int64")
-        return ctx.pointwise(shape, "int64", flat, hint="pool_ix")
+        out = ctx.pointwise(shape, "int64", flat, hint="pool_ix")
+        # a max-pool backward reading these indices compares the taps directly (lower/pool.py); the
+        # index node is then read by nothing and dropped
+        ctx.pool_taps[out.buf] = (out, offsets, (int(kernel[0]), int(kernel[1])))
+        return out

@@ -160,6 +160,11 @@ def _max_pool2d_backward(ctx, node, args, kwargs):
     pv = syms("p", len(shape))
     ranges = dict(zip(pv, shape))
     me = IndexValue(pv[-2] * W + pv[-1], I64)
+    # indices restored from saved int8 window taps (aotfuse::pool_indices): the window's maximum is this
+    # element exactly when its tap is the tap (i, j) that lands here, a compare with a constant
+    taps = ctx.pool_taps.get(getattr(indices, "buf", None))
+    if taps is not None and (taps[0] != indices or tuple(taps[2]) != tuple(k)):
+        taps = None  # a view of them, or another window: compare the indices
     acc = None
     for i in range(k[0]):
         oh, vh = _windows_of(pv[-2], pad[0], i * dil[0], stride[0], Ho, ranges)
@@ -170,7 +175,10 @@ def _max_pool2d_backward(ctx, node, args, kwargs):
             if vw == "never":
                 continue
             at = list(pv[:-2]) + [oh, ow]
-            hit = Op("eq", (as_dtype(ctx.load(indices, at, ranges), I64), me), "bool")
+            if taps is not None:
+                hit = Op("eq", (as_dtype(ctx.load(taps[1], at, ranges), "int32"), Const(i * k[1] + j, "int32")), "bool")
+            else:
+                hit = Op("eq", (as_dtype(ctx.load(indices, at, ranges), I64), me), "bool")
             hit = _and(_and(vh, vw), hit)
             term = Op("where", (hit, ctx.load_compute(g, at, ranges), Const(0.0, cdt)), cdt)
             acc = term if acc is None else Op("add", (acc, term), cdt)

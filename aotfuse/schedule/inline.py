@@ -219,8 +219,10 @@ class _Inliner:
             u = users[0]
             if not cheap and self._widening_cast_of(u, name):
                 # u only casts this node up (bf16 -> fp32 for a BatchNorm backward): substituted into u,
-                # the whole expression would be stored at the wider type; stored as it is, the cast is
-                # recomputed where u is read (the rule below), as eager rounds the value at this node
+                # the whole expression would be stored at the wider type where u's readers are other
+                # kernels; kept, it is stored at its own type (rounded there, as eager rounds it) and the
+                # cast is recomputed where u is read (the rule below). Only the form Cast(Load) read at
+                # u's own point is recognized (a double cast or a transposed read is inlined as before).
                 return
             n_idx = len({ld.index for ld in self.loads[u] if ld.buf == name})
             if (n_idx == 1 or cheap) and inline_ok(self.nodes[u], p):  # matmul operands: views/casts only
