@@ -49,7 +49,7 @@ def _layout_kept(node) -> bool:
     Any other pointwise or reduction result is laid out row-major whatever strides the FX trace gave it."""
     import operator
 
-    from ..layouts import channels_last_perm
+    from ..layouts import channels_last_perm, node_layout
     from ..lower.registry import registry
     from ..runtime.externs import keep_whole
 
@@ -61,6 +61,11 @@ def _layout_kept(node) -> bool:
             return True
     else:
         node = node.args[0]
+        # a result of a pointwise node of several results stored in the layout they share
+        # (layouts.node_layout: max_pool2d_with_indices' values and indices)
+        info = registry().get(getattr(node, "target", None))
+        if info is not None and info.category == "pointwise" and node_layout(node.meta.get("val")) is not None:
+            return True
     return getattr(node, "target", None) in keep_whole(train=True)
 
 
