@@ -112,7 +112,9 @@ _COARSER = {
     ("pointwise", "copy"): {"aten.cat.default", "aten.index_select.default", "aten.gather.default",
                             "aten.index.Tensor", "aten.slice_scatter.default", "aten.copy.default",
                             "aten.scatter.value", "aten.scatter.src"},  # a gather by index to lowering; a copy to the cost model
-    ("pointwise", "unknown"): {"aten.rsub.Tensor", "aotfuse.pack_bits.default", "aotfuse.unpack_bits.default"},
+    ("pointwise", "unknown"): {"aten.rsub.Tensor", "aotfuse.pack_bits.default", "aotfuse.unpack_bits.default",
+                               # inserted after the partition (saved-tensor encodings), never recomputed
+                               "aotfuse.pool_offsets.default", "aotfuse.pool_indices.default"},
     ("structural", "unknown"): {"aten._assert_tensor_metadata.default"},
 }
 

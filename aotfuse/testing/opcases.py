@@ -236,6 +236,18 @@ def _packing():
 fn_case("pack_bits", lambda x: (_packing().PACK(x > 0), _packing().UNPACK(_packing().PACK(x > 0.5), [3, 5, 7])),
         _x(*S), ["aotfuse.pack_bits.default", "aotfuse.unpack_bits.default"])
 
+
+def _pool_taps(x):
+    """max-pool indices as int8 window taps and back (a training build saves the taps): 3x3 windows, stride 2,
+    padding 1, ceil mode, as ResNet's stem."""
+    p = _packing()
+    _, idx = F.max_pool2d(x, 3, 2, 1, ceil_mode=True, return_indices=True)
+    taps = p.POOL_OFFSETS(idx, [3, 3], [2, 2], [1, 1], [1, 1], int(x.shape[-1]))
+    return taps, p.POOL_INDICES(taps, [3, 3], [2, 2], [1, 1], [1, 1], int(x.shape[-1])) - idx
+
+
+fn_case("pool_taps", _pool_taps, _x(2, 3, 9, 7), ["aotfuse.pool_offsets.default", "aotfuse.pool_indices.default"])
+
 # ---------------------------------------------------------------- indexing stress
 
 fn_case("broadcast", lambda x, y, z: (x + y) * z, lambda dt: (randn(3, 1, 7, dtype=dt), randn(4, 1, dtype=dt),
