@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_train import packaged_step  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -24,21 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--infer", action="store_true")
     a = ap.parse_args(argv)
-    import aotfuse
-    from aotfuse.bench_train import _stepper
-    from aotfuse.specs import load_spec
     from torch.profiler import ProfilerActivity, profile
 
-    major, minor = torch.cuda.get_device_capability()
-    model, inputs = load_spec(a.spec, batch=a.batch)
-    res = aotfuse.build(model, inputs, train=not a.infer, targets=(f"sm_{major}{minor}",))
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "t.aotf"
-        res.save(path)
-        art = aotfuse.load(path, device="cuda")
-    mod = art if a.infer else art.as_module()
-    gin = tuple(t.cuda() for t in inputs)
-    step = (lambda: mod(*gin)) if a.infer else _stepper(mod, list(mod.parameters()), gin, False)
+    step, _ = packaged_step(a.spec, a.batch, a.infer)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

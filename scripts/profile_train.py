@@ -48,6 +48,25 @@ def _profile(step, steps: int, top: int):
     return _table(prof, steps, top)
 
 
+def packaged_step(spec: str, batch: int, infer: bool):
+    """(call, cuda inputs): SPEC built for this GPU's arch on the CPU, loaded on the GPU; the call is a forward
+    (infer) or a training step (grads to None, loss.backward())."""
+    import aotfuse
+    from aotfuse.bench_train import _stepper
+    from aotfuse.specs import load_spec
+
+    major, minor = torch.cuda.get_device_capability()
+    model, inputs = load_spec(spec, batch=batch)
+    res = aotfuse.build(model, inputs, train=not infer, targets=(f"sm_{major}{minor}",))
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.aotf"
+        res.save(path)
+        art = aotfuse.load(path, device="cuda")
+        mod = art if infer else art.as_module()
+    gin = tuple(t.cuda() for t in inputs)
+    return ((lambda: mod(*gin)) if infer else _stepper(mod, list(mod.parameters()), gin, False)), gin
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("spec", nargs="?", default="aotfuse.examples.gpt:anchor_train")
@@ -60,24 +79,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    import aotfuse
+    from aotfuse.bench_train import _stepper  # a training step: grads to None, loss.backward()
     from aotfuse.specs import load_spec
 
-    major, minor = torch.cuda.get_device_capability()
-    model, inputs = load_spec(a.spec, batch=a.batch)
-    res = aotfuse.build(model, inputs, train=not a.infer, targets=(f"sm_{major}{minor}",))
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "t.aotf"
-        res.save(path)
-        art = aotfuse.load(path, device="cuda")
-        mod = art if a.infer else art.as_module()
-    gin = tuple(t.cuda() for t in inputs)
-
-    from aotfuse.bench_train import (
-        _stepper,  # a training step: grads to None, loss.backward()
-    )
-
-    ours = (lambda: mod(*gin)) if a.infer else _stepper(mod, list(mod.parameters()), gin, False)
+    ours, gin = packaged_step(a.spec, a.batch, a.infer)
 
     text, total = _profile(ours, a.steps, a.top)
     print(f"== aotfuse ({a.spec}, batch {a.batch}) ==\n{text}\n")

@@ -408,8 +408,8 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
         else:
             kind = "activation"
             packed = _packable(val)
-            offsets = pool_offsets_args(n) is not None
-            nbytes = _save_bytes(n, val)
+            pool = pool_offsets_args(n)
+            nbytes = size_hint(val.numel()) if pool is not None else save_nbytes(val)
             cls = op_class(n)
             if n in floating:
                 reason = (f"only the backward needs it, but it does not depend on the tangent: computed once "
@@ -426,11 +426,11 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
                           f"(with what its recompute would need; its own recompute cost {r / COST_UNIT:.1f} B "
                           f"x budget {float(memory_budget):g})")
             why = reason + f"; backward uses: {uses}" + ("; bit-packed" if packed else "") + \
-                ("; saved as int8 window offsets (aotfuse::pool_offsets)" if offsets else "")
+                ("; saved as int8 window offsets (aotfuse::pool_offsets)" if pool is not None else "")
             saved_bytes += nbytes
         saved_infos.append(SavedTensor(
             name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
-            pool_offsets=pool_offsets_args(n) if kind == "activation" else None,
+            pool_offsets=pool if kind == "activation" else None,
             shape=tuple(size_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
             dtype=name_of(val.dtype) if isinstance(val, torch.Tensor) else ""))
 
