@@ -25,6 +25,7 @@
 | mix_programs | AOTFUSE_MIX_PROGRAMS | 256 | mix-order kernels: S, the programs (chunks of rows), is the fewest power-of-two chunking with at least this many (schedule/mix.py condition 4) |
 | mix_warps | AOTFUSE_MIX_WARPS | 0 | mix-order kernels: warps per program; 0: one per 1024 elements of a step (emit/mix_kernel.MIX_WARP_ELEMS), 1 to 8 |
 | mix_stages | AOTFUSE_MIX_STAGES | 3 | the mix-order kernel's row loop as `tl.range(..., num_stages=N)`: Triton copies the next rows' loads into shared memory (cp.async) while this row computes; 0 or 1: plain `range`, one row in flight per program (H100, 2026-11-25, LayerNorm fwd+bwd 16384x4096: mix kernel 145 us plain, 145 at 2 stages, 110 at 3, 112 at 4) |
+| welford_rblock | AOTFUSE_WELFORD_RBLOCK | 2048 | looped rows of at least 16384 elements whose kernel computes a Welford pair (mean and variance in one pass): elements per loop step, at 16 warps (H100, 2026-11-26, scripts/long_rows_probe.py: LayerNorm 1024 x 50257 bf16 177 us at 4096, 165 at 2048; torch.compile 188) |
 | loop_stages | AOTFUSE_LOOP_STAGES | 0 | the same for looped reductions' loops over r; 0: plain `range` (H100, 2026-11-25, cross-entropy fwd+bwd 8192x32000: 575 us plain, 727 / 686 / 677 at 2 / 3 / 4 stages) |
 | hoist_loads | AOTFUSE_HOIST_LOADS | columns | row reductions held in registers issue some loads at the top of the kernel, before the first reduction, so they are in flight with the rows: "columns" the per-column loads (a norm's weight and bias, [1, RBLOCK]; H100, 2026-11-26, scripts/odd_rows_probe.py --sweep: LayerNorm over 327680 x 197 bf16 104.6 -> 95.7 us, torch.compile 103.1); "all" every load of the tile's rows as well; "off" each load where its value is first needed |
 | predicated_selects | AOTFUSE_PREDICATED_SELECTS | 1 | positional selects (a concatenation's sources) load each branch under its predicate with the clamps it decides dropped, so the loads vectorize (emit/predicate.py; H100, 2026-11-26, scripts/knob_ab.py anchor: the qkv-gradient cat 30.8 -> 24.3 us per call, 123 -> 97 us per step); 0: every branch loaded everywhere with clamped indices |
@@ -106,6 +107,7 @@ class Knobs:
     mix_warps: int = _env_int("AOTFUSE_MIX_WARPS", 0)
     mix_stages: int = _env_int("AOTFUSE_MIX_STAGES", 3)
     loop_stages: int = _env_int("AOTFUSE_LOOP_STAGES", 0)
+    welford_rblock: int = _env_int("AOTFUSE_WELFORD_RBLOCK", 2048)
     eviction_hints: bool = bool(_env_int("AOTFUSE_EVICTION_HINTS", 1))
     launch_overhead_us: float = _env_float("AOTFUSE_LAUNCH_US", 4.0)
     bandwidth_gbs: float = _env_float("AOTFUSE_BANDWIDTH_GBS", 2000.0)

@@ -138,6 +138,17 @@ def test_block_choice_patterns():
     assert row.kind == "persistent_reduction" and row.xblock > 1 and row.rblock == 256
     long = block_choice(1024, 50257, "inner")
     assert (long.kind, long.rblock, long.num_warps) == ("looped_reduction", 4096, 16)
+    # a Welford pair over long rows steps by knobs.welford_rblock
+    wf = block_choice(1024, 50257, "inner", welford=True)
+    assert (wf.kind, wf.rblock, wf.num_warps) == ("looped_reduction", 2048, 16) and "welford_rblock" in wf.why
+    with override(welford_rblock=4096):
+        assert block_choice(1024, 50257, "inner", welford=True).rblock == 4096
+    assert block_choice(1024, 8000, "inner", welford=True).rblock == 1024  # shorter rows: the plain loop
+    # one row of 4096 in registers: 8 warps (16 per thread); four rows of 1024 packed: 4 warps (32 per thread)
+    one = block_choice(8192, 4096, "inner")
+    assert (one.kind, one.xblock, one.num_warps) == ("persistent_reduction", 1, 8), one
+    packed = block_choice(8192, 1024, "inner")
+    assert (packed.xblock, packed.num_warps) == (4, 4), packed
 
 
 # ---------------------------------------------------------------- numerics vs eager (interpreter)
@@ -319,6 +330,23 @@ def test_welford_layernorm_looped_rows_match_eager_and_fp64():
         ours_err = float((art(x).double() - ref).abs().max())
         torch_err = float((m(x).double() - ref).abs().max())
         assert ours_err <= 3 * torch_err + 1e-6, (mu, sd, ours_err, torch_err)
+
+
+def test_welford_long_rows_step_by_welford_rblock():
+    """Rows of 20000 (>= 16384): the Welford loop steps by welford_rblock with a per-trip reciprocal, and
+    the last trip's partial block (20000 = 9 * 2048 + 1568) keeps the masked lanes' counts right."""
+    torch.manual_seed(5)
+    m = nn.LayerNorm(20000)
+    nn.init.normal_(m.weight)
+    nn.init.normal_(m.bias)
+    x = torch.randn(3, 20000) * 2 + 5
+    res = aotfuse.build(m, (x,), targets=TARGETS)
+    whys = _kernel_whys(res)
+    assert any("Welford" in w and "2048 per step" in w for w in whys), whys
+    ref = copy.deepcopy(m).double()(x.double())
+    ours_err = float((aotfuse.load(res.data, device="cpu")(x).double() - ref).abs().max())
+    torch_err = float((m(x).double() - ref).abs().max())
+    assert ours_err <= 3 * torch_err + 1e-6, (ours_err, torch_err)
 
 
 def test_welford_layernorm_training_looped():

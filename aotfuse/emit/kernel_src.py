@@ -548,8 +548,9 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         lambda b: ITEMSIZE[graph.buffer(b).dtype])
     if blocks is None:
         accs = sum(isinstance(n, Reduction) for n in knodes)
-        blocks = block_choice(x, r, pattern, accs) if static(x) and static(r) else \
-            dynamic_blocks(x, r, pattern, accs)
+        welford = pattern == "inner" and any(k == "welford" for _, k in online_pairs(knodes, stores).values())
+        blocks = block_choice(x, r, pattern, accs, welford) if static(x) and static(r) else \
+            dynamic_blocks(x, r, pattern, accs, welford)
     kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
     stages = knobs.outer_stages if pattern == "outer" else knobs.loop_stages  # a looped kernel's pipelining
     from ..ir.loop import expr_loads
@@ -650,7 +651,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                     if n.name in paired:
                         second, how = paired[n.name]
                         online_update(em, how, f"acc_{n.name}", f"acc_{second}", v, TL_DTYPE[n.acc_dtype],
-                                      "xmask & rmask")
+                                      "xmask & rmask", f"(roffset // {rb} + 1)")
                         continue
                     if n.rtype in ARG_REDUCTIONS:
                         if looped:

@@ -57,11 +57,12 @@ class Blocks:
     why: str
 
 
-def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) -> Blocks:
+def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1, welford: bool = False) -> Blocks:
     """The one size-aware block heuristic. `pattern` is the group's access pattern
     (`reduction_pattern`): "inner" when its loads run along r (row reductions), "outer" when they
     run along x with r strided (column reductions: a norm's weight/bias gradients); `accumulators`:
-    the reductions the kernel computes (a column tile holds one [XBLOCK, RBLOCK] accumulator each)."""
+    the reductions the kernel computes (a column tile holds one [XBLOCK, RBLOCK] accumulator each);
+    `welford`: a looped kernel would compute a mean and variance in one pass (emit/online.py)."""
     if r == 1:
         xb = min(1024, _next_pow2(x))
         w = max(1, min(4, xb // 128))
@@ -110,7 +111,12 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) 
             xb //= 2
         elems = xb * rb
         w = max(1, min(8, elems // max(1, per_warp)))
-        if elems > 4096:  # a long row in registers: enough warps that no thread holds more than ~EPT elements
+        if xb == 1 and elems >= 4096:
+            # One long row in registers: at least 8 warps (16 elements per thread for 4096), more beyond
+            # so that no thread holds more than ~EPT elements. H100, 2026-11-26, scripts/long_rows_probe.py,
+            # 16384 x 4096 bf16 at 4 / 8 warps: softmax 92.1 / 92.0 us, LayerNorm 92.4 / 91.7 (copy 91.7);
+            # LayerNorm(x*sigmoid(x) + b) over 8192 x 4096, whose sigmoid makes it math-bound at 32
+            # elements per thread: 57.5 / 50.2 us (copy 47.5).
             w = max(8, min(32, elems // (32 * max(1, knobs.persistent_row_elems))))
         rows = f"{xb} rows" if xb > 1 else "one row"
         return Blocks("persistent_reduction", xb, rb, w, f"row reduction held in registers: {rows} of {rb} per "
@@ -120,12 +126,19 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1) 
     # bytes in flight per program (H100, 2026-11-25, scripts/looped_ab.py: cross-entropy step 8192 x
     # 32000 544 -> 482 us, softmax 1024 x 50257 156 -> 139 us against 2048 at 8 warps; 4096 at 8 warps
     # 474 / 226 us, 8192 at 16: 494 / 175 us).
+    # A Welford pair (a LayerNorm's mean and variance in one pass) carries three accumulators and more
+    # math per element: knobs.welford_rblock per step (LayerNorm 1024 x 50257 bf16, H100: 177 us at 4096,
+    # 165 at 2048, both 16 warps; torch.compile 188).
     rb, w = (4 * INNER_LOOP_RBLOCK, 16) if r >= 16384 else (INNER_LOOP_RBLOCK, 8)
+    why = ""
+    if welford and r >= 16384:
+        rb = max(256, min(8192, _next_pow2(knobs.welford_rblock)))
+        why = " (Welford pair: welford_rblock)"
     return Blocks("looped_reduction", 1, rb, w, f"row reduction looped over r (r = {r} > persistent limit "
-                  f"{knobs.persistent_rblock_max}): one row per program, {rb} per step, {w} warps")
+                  f"{knobs.persistent_rblock_max}): one row per program, {rb} per step{why}, {w} warps")
 
 
-def dynamic_blocks(x, r, pattern: str = "inner", accumulators: int = 1) -> Blocks:
+def dynamic_blocks(x, r, pattern: str = "inner", accumulators: int = 1, welford: bool = False) -> Blocks:
     """Blocks for an iteration space with dynamic extents: one kernel serves the whole range. Rows per
     program and warps follow the example's size (any XBLOCK is correct for any x: rows are masked); a
     reduction is held in registers only when its longest row in range fits (RBLOCK covers the range's
@@ -134,10 +147,10 @@ def dynamic_blocks(x, r, pattern: str = "inner", accumulators: int = 1) -> Block
 
     xh = hint(x)
     if static(r):
-        b = block_choice(xh, int(r), pattern, accumulators)
+        b = block_choice(xh, int(r), pattern, accumulators, welford)
         return dataclasses.replace(b, why=b.why + f"; x dynamic (sized for the example's {xh}, masked to any)")
     rh, rmax = hint(r), hi(r)
-    b = block_choice(xh, rmax, pattern, accumulators)
+    b = block_choice(xh, rmax, pattern, accumulators, welford)
     return dataclasses.replace(b, why=b.why + f"; r dynamic (example {rh}, up to {rmax}: "
                                + ("held for the longest row)" if b.kind == "persistent_reduction" else "looped)"))
 
