@@ -2,6 +2,8 @@
 sum, v for max/min/any; the report says so, and results match eager (forward and gradients)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -190,3 +192,62 @@ def test_onehot_with_a_positional_producer_matches_eager():
         xs = torch.randn(4, 30, generator=torch.Generator().manual_seed(seed))
         for got, want in zip(art(xs, t), _PickPositional()(xs, t)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_duplicate_reductions_read_the_first_one():
+    """A reduction equal to an earlier one (body, loops, type, accumulator, buffer dims and dtype) becomes a
+    pointwise read of its buffer, whatever size-1 dims either buffer has; a different body, type or buffer
+    dtype keeps its own reduction."""
+    p0, = syms("p", 1)
+    r0, = syms("r", 1)
+    a = Reduction("a1", (4,), (3,), Load("x", p0 + 4 * r0, "float32"), "sum", "float32")
+    dup = dataclasses.replace(a, name="a2")
+    other_body = Reduction("a3", (4,), (3,), Load("x", p0 + 4 * r0 + 0 * p0 + 1, "float32"), "sum", "float32")
+    other_type = dataclasses.replace(a, name="a4", rtype="max")
+    half = dataclasses.replace(a, name="a5")
+    bufs = (Buffer("x", (16,), "float32", "input"), Buffer("a1", (1, 4, 1), "float32", "node"),
+            Buffer("a2", (4,), "float32", "node"), Buffer("a3", (4,), "float32", "node"),
+            Buffer("a4", (4,), "float32", "node"), Buffer("a5", (4,), "bfloat16", "node"))
+    g = LoopGraph(buffers=bufs, nodes=(a, dup, other_body, other_type, half), inputs=("x",), weights=(), outputs=())
+    g2, dec = trivial_reductions(g)
+    assert dec == ({"duplicate": "a2", "of": "a1"},)
+    copy = g2.nodes[1]
+    assert isinstance(copy, Pointwise) and copy.name == "a2" and copy.ranges == (4,)
+    assert copy.body == Load("a1", p0, "float32")
+    assert g2.nodes[0] is a and all(isinstance(n, Reduction) for n in g2.nodes[2:])
+
+
+class _BNTwice(torch.nn.Module):
+    """A channels-last conv + BatchNorm (train) whose backward sums dy and dy * x_hat for the input gradient
+    and again for the weight and bias gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x))).square().mean()
+
+
+def test_batchnorm_backward_sums_once_and_matches_eager():
+    import copy as _copy
+
+    torch.manual_seed(3)
+    cl = torch.channels_last
+    model = _BNTwice().to(memory_format=cl).train()
+    torch.nn.init.normal_(model.bn.weight)
+    x = torch.randn(2, 3, 10, 10).contiguous(memory_format=cl)
+    res = aotfuse.build(model, (x,), train=True, targets=("sm_90",))
+    dups = [d for d in _lowering(res.report) if "duplicate" in d]
+    assert len(dups) == 2, _lowering(res.report)
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = _copy.deepcopy(model)
+    x2 = torch.randn(2, 3, 10, 10).contiguous(memory_format=cl)
+    loss, want = mod(x2), ref(x2)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    ours = dict(mod.named_parameters())
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(ours[n].grad, p.grad, rtol=1e-4, atol=1e-5)

@@ -35,6 +35,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['embedding_backward']}: embedding weight gradient -> {d['kernel']} ({d['why']})"
     if "onehot" in d:  # schedule/trivial.py
         return f"  {d['onehot']}: a one-hot sum over {d['n']} (where(r == t, v, 0)) is v at r = t: one indirect load"
+    if "duplicate" in d:  # schedule/trivial.py
+        return f"  {d['duplicate']}: the same reduction as {d['of']} (body, loops, type): reads its result"
     if "uniform" in d:  # schedule/trivial.py
         how = f"{d['n']} x the value" if d["rtype"] == "sum" else "the value"
         return f"  {d['uniform']}: a {d['rtype']} over {d['n']} equal values (reads no reduced index) is {how}"

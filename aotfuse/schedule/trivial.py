@@ -17,8 +17,15 @@ kernel 8192 x 32000: 550 -> 523 us, and the fewer registers let the loop take 40
 sums (`-100`-style ignored targets never match and give 0, as the mask does), one reduced dim, v
 affine in it.
 
+3. Duplicate: a reduction equal to an earlier one (the same body, loops, type and accumulator, a
+buffer of the same dtype and shape up to size-1 dims) reads the earlier one's result. After inlining, a BatchNorm's
+backward sums dy and dy * x_hat once for the input gradient and again for the weight and bias
+gradients: per BatchNorm, two more split reductions (a partial kernel over the whole activation's
+gradient and a final kernel each). The copy left is a pointwise node over the per-channel result, which
+inlines into its readers or fuses into the kept reduction's kernel as a second store.
+
 A pure pass over the LoopGraph: the node keeps its name and buffer; its decision (lowering section
-of the report: {uniform, rtype, n} or {onehot, n}) says what it became.
+of the report: {uniform, rtype, n}, {onehot, n} or {duplicate, of}) says what it became.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import dataclasses
 
 import sympy
 
-from ..ir.indexing import simplify, syms, unravel
+from ..ir.indexing import flat_index, simplify, syms, unravel
 from ..ir.sizes import static
 from ..ir.loop import (FLOATS, Const, Gather, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, expr_leaves,
                        rewrite_expr, subs_expr)
@@ -147,10 +154,17 @@ def _as_pointwise(node: Reduction, body, out_shape) -> Pointwise | None:
     return Pointwise(node.name, tuple(int(s) for s in out_shape), body)
 
 
+def _copy_of(node: Reduction, kept: str, buf) -> Pointwise | None:
+    """node as a pointwise read of `kept`'s buffer (the same shape and dtype): element for element."""
+    idx = flat_index(node.pvars, node.ranges)
+    return _as_pointwise(node, Load(kept, idx, buf.dtype), buf.shape)
+
+
 def trivial_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[dict, ...]]:
     bufs = graph.buffer_map
     producers = {n.name: n for n in graph.nodes if isinstance(n, Pointwise)}
     nodes, decisions = [], []
+    seen: dict = {}  # a reduction's (body, loops, type, accumulator, buffer dims and dtype) -> its name
     for n in graph.nodes:
         pw = None
         if isinstance(n, Reduction) and not all(static(d) for d in (*n.ranges, *n.rranges, *bufs[n.name].shape)):
@@ -163,6 +177,16 @@ def trivial_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[dict, ...]]:
                 pw = _onehot(n, bufs[n.name].shape, producers)
                 if pw is not None:
                     decisions.append({"onehot": n.name, "n": n.rnumel})
+            if pw is None:
+                buf = bufs[n.name]
+                # the buffer's elements in the same order: its shape up to size-1 dims ((1, C, 1, 1) and (C,))
+                dims = tuple(int(d) for d in buf.shape if int(d) != 1)
+                key = (n.body, tuple(n.ranges), tuple(n.rranges), n.rtype, n.acc_dtype, dims, buf.dtype)
+                first = seen.setdefault(key, n.name)
+                if first != n.name:
+                    pw = _copy_of(n, first, buf)
+                    if pw is not None:
+                        decisions.append({"duplicate": n.name, "of": first})
         nodes.append(pw if pw is not None else n)
     if not decisions:
         return graph, ()
