@@ -19,6 +19,7 @@
 | split_outer_programs | AOTFUSE_SPLIT_OUTER_PROGRAMS | 0 | column reductions (a bias or norm-weight gradient) are split into enough chunks for this many partial programs; 0: split_min_programs |
 | outer_rblock | AOTFUSE_OUTER_RBLOCK | 128 | column reductions: most rows per loop step of a [64 x RBLOCK] tile, fewer while its accumulators would take more than 32 registers per thread (emit/space.block_choice) |
 | outer_tile | AOTFUSE_OUTER_TILE | 4096 | column reductions: outputs per tile up to this many elements / RBLOCK (at least 64; what matters for short columns, r < outer_rblock, whose RBLOCK is small) |
+| outer_persistent_r | AOTFUSE_OUTER_PERSISTENT_R | 1024 | column reductions with fewer than 8 programs' worth of outputs (a split reduction's final) hold columns of up to this many rows whole, in narrower tiles and more programs (emit/space._few_columns); 0: off |
 | outer_stages | AOTFUSE_OUTER_STAGES | 0 | column reductions' loops over rows as `tl.range(..., num_stages=N)` (loop_stages for them); 0 or 1: plain `range` |
 | mix_order | AOTFUSE_MIX_ORDER | 1 | a column reduction over the rows of a row reduction's input is split for, and fused into, one mix-order kernel (schedule/mix.py); 0: off |
 | eviction_hints | AOTFUSE_EVICTION_HINTS | 1 | looped row kernels that read an input in two loops keep it in L2 for the second (evict_last) and stream the rest (evict_first); 0: no hints |
@@ -98,6 +99,7 @@ class Knobs:
     split_outer_programs: int = _env_int("AOTFUSE_SPLIT_OUTER_PROGRAMS", 0)
     outer_rblock: int = _env_int("AOTFUSE_OUTER_RBLOCK", 128)
     outer_stages: int = _env_int("AOTFUSE_OUTER_STAGES", 0)
+    outer_persistent_r: int = _env_int("AOTFUSE_OUTER_PERSISTENT_R", 1024)
     outer_tile: int = _env_int("AOTFUSE_OUTER_TILE", 4096)
     mix_order: bool = bool(_env_int("AOTFUSE_MIX_ORDER", 1))
     mix_min_r: int = _env_int("AOTFUSE_MIX_MIN_R", 2048)

@@ -84,10 +84,11 @@ def _anchor_infer():
     return model, inputs, False, 0
 
 
-def _fwd(model, shape, extra=0):
+def _fwd(model, shape, extra=0, dtype=BF16):
     def make():
-        x = torch.randn(*shape, dtype=BF16)
-        return model(), (x,), False, 2 * x.numel() * 2 + extra
+        x = torch.randn(*shape, dtype=dtype)
+        size = torch.finfo(dtype).bits // 8
+        return model(), (x,), False, 2 * x.numel() * size + extra
     return make
 
 
@@ -107,7 +108,11 @@ CASES = {"ln": _ln, "ce": _ce, "anchor": _anchor, "anchor_infer": _anchor_infer,
          "colsum3072": _fwd(ColSum, (8192, 3072), -8192 * 3072 * 2),
          "colsum2304": _fwd(ColSum, (8192, 2304), -8192 * 2304 * 2),
          "colsum768": _fwd(ColSum, (8192, 768), -8192 * 768 * 2),
-         "batchsum": _fwd(ColSum, (8, 1024 * 768), -7 * 1024 * 768 * 2)}  # a position embedding's batch sum
+         "batchsum": _fwd(ColSum, (8, 1024 * 768), -7 * 1024 * 768 * 2),  # a position embedding's batch sum
+         # a split BatchNorm statistic's final (ResNet-18: 392 partials of 64 channels, 196 of 128, 98 of 256)
+         "final64": _fwd(ColSum, (392, 64), -391 * 64 * 4, torch.float32),
+         "final128": _fwd(ColSum, (196, 128), -195 * 128 * 4, torch.float32),
+         "final256": _fwd(ColSum, (98, 256), -97 * 256 * 4, torch.float32)}
 
 
 def _value(knob: str, raw: str):

@@ -134,6 +134,12 @@ def test_block_choice_patterns():
     assert (batch.kind, batch.xblock, batch.rblock, batch.num_warps) == ("persistent_reduction", 1024, 8, 4)
     few = block_choice(768, 8, "outer")  # few outputs: narrower tiles, fewer warps, still whole columns
     assert few.xblock * few.rblock <= 1024 * 8 and few.num_warps == max(1, few.xblock // 256)
+    # a split reduction's final (few outputs, a short column): narrower tiles holding whole columns, 8 programs
+    fin = block_choice(64, 392, "outer")
+    assert (fin.kind, fin.xblock, fin.rblock) == ("persistent_reduction", 8, 512) and "short column" in fin.why
+    with override(outer_persistent_r=0):
+        assert block_choice(64, 392, "outer").kind == "looped_reduction"
+    assert block_choice(64, 2048, "outer").kind == "looped_reduction"  # longer than outer_persistent_r
     row = block_choice(327680, 197, "inner")
     assert row.kind == "persistent_reduction" and row.xblock > 1 and row.rblock == 256
     long = block_choice(1024, 50257, "inner")
@@ -191,6 +197,22 @@ def test_column_sums(shape):
     x = torch.randn(*shape)
     res = _check(lambda x: (x.sum(0), x.amax(0)), (x,), tol=1e-4)
     assert any(g.blocks["pattern"] == "outer" for g in res.report.groups if g.blocks)
+
+
+@pytest.mark.parametrize("shape", [(392, 64), (300, 70), (1000, 24)])
+def test_short_columns_of_few_outputs_held_whole(shape):
+    """Few outputs over a short column (a split statistic's final): narrow tiles that hold the whole column
+    (emit/space._few_columns), the last tile's columns masked where x is not a multiple; sums, maxima and a
+    mean against eager."""
+    x = torch.randn(*shape)
+    with override(persistent_rblock_max=4096):
+        res = aotfuse.build(Fn(lambda x: (x.sum(0), x.amax(0), x.mean(0) * 2)), (x,), targets=TARGETS)
+    whys = [g.blocks.get("why", "") for g in res.report.groups if g.blocks]
+    assert any("short column" in w for w in whys), whys
+    art = aotfuse.load(res.data, device="cpu")
+    x2 = torch.randn(*shape)
+    for got, want in zip(art(x2), (x2.sum(0), x2.amax(0), x2.mean(0) * 2)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_middle_dims():

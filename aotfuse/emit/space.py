@@ -94,6 +94,9 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1, 
             if rb <= 16 or max(1, accumulators) * xb * rb <= OUTER_ACC_ELEMS * 32 * w:
                 break
             rb //= 2
+        few = _few_columns(x, r, xb, accumulators)
+        if few is not None:
+            return few
         kind = "persistent_reduction" if r <= rb else "looped_reduction"
         acc = f", {accumulators} accumulators" if accumulators > 1 else ""
         return Blocks(kind, xb, rb, w, f"column reduction (loads contiguous along x, strided along r): "
@@ -136,6 +139,31 @@ def block_choice(x: int, r: int, pattern: str = "inner", accumulators: int = 1, 
         why = " (Welford pair: welford_rblock)"
     return Blocks("looped_reduction", 1, rb, w, f"row reduction looped over r (r = {r} > persistent limit "
                   f"{knobs.persistent_rblock_max}): one row per program, {rb} per step{why}, {w} warps")
+
+
+FEW_COLUMN_PROGRAMS = 8  # column tiles: fewer programs than this over a short r take the whole column at once
+COLUMN_TILE_ELEMS = 8192  # ... a tile of at most this many elements per accumulator (32 per thread at 8 warps)
+
+
+def _few_columns(x: int, r: int, xb: int, accumulators: int) -> Blocks | None:
+    """Few outputs and a short column (a split reduction's final over its chunks: a BatchNorm's per-channel
+    mean over 392 partials of 64 channels): a [64 x 128] tile would loop over r in one or two programs, a
+    memory latency per step. Instead narrower tiles that hold the whole column (r <= knobs.outer_persistent_r),
+    at least FEW_COLUMN_PROGRAMS programs where x allows, in one step. H100, 2026-11-26, ResNet-18 training
+    (scripts/profile_train.py): the 64 x 392 finals took 6.2 us as one looped program."""
+    limit = knobs.outer_persistent_r
+    if not limit or -(-x // xb) >= FEW_COLUMN_PROGRAMS or r > limit or r <= 16:
+        return None
+    rb = _next_pow2(r)
+    xb2 = min(_next_pow2(x), max(1, COLUMN_TILE_ELEMS // (rb * max(1, accumulators))))
+    while xb2 > 8 and -(-x // xb2) < FEW_COLUMN_PROGRAMS:
+        xb2 //= 2
+    if xb2 < 8:
+        return None
+    w = max(1, min(8, xb2 * rb // 256))
+    return Blocks("persistent_reduction", xb2, rb, w, f"column reduction over a short column ({r} rows, {x} outputs): "
+                  f"[{xb2} x {rb}] tiles holding whole columns, {-(-x // xb2)} programs, {w} warps "
+                  f"(outer_persistent_r = {limit})")
 
 
 def dynamic_blocks(x, r, pattern: str = "inner", accumulators: int = 1, welford: bool = False) -> Blocks:
