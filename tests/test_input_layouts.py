@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotfuse
+from aotfuse.runtime.explain import explain_report
 from aotfuse.contract.manifest import InputSpec, dense_strides
 from aotfuse.errors import ArchiveError, GuardError
 from aotfuse.specs import random_inputs
@@ -147,6 +148,34 @@ def test_channels_last_module_keeps_row_major_parameters():
     assert [p is q for p, q in zip(mod.parameters(), params)] == [True] * len(params)
     assert all(p.is_contiguous() for p in mod.parameters())
     _step_matches_eager(mod, model)
+
+
+@pytest.mark.parametrize("step", ["split", "step"])
+def test_channels_last_parameters_stay_channels_last(step):
+    """A model made channels-last (model.to(memory_format=torch.channels_last): its conv filters too) trains
+    with channels-last Parameters: the programs read each filter in place and write its gradient in that
+    layout (TrainInfo.param_strides), so cuDNN converts nothing; a layout change on the module is undone;
+    state dicts go both ways with eager."""
+    torch.manual_seed(0)
+    model = Net(loss=True).to(memory_format=CL).train()
+    res = aotfuse.build(model, _x(1), train=True, targets=("sm_90",), step=step)
+    art = aotfuse.load(res.data, device="cpu")
+    strides = dict(zip(art.manifest.train.params, art.manifest.train.param_strides))
+    assert strides["conv.weight"] == tuple(model.conv.weight.stride()) and strides["fc.weight"] is None
+    mod = art.as_module()
+    w = dict(mod.named_parameters())["conv.weight"]
+    assert w.stride() == model.conv.weight.stride() and torch.equal(w, model.conv.weight)
+    _step_matches_eager(mod, model)
+    assert w.grad.stride() == w.stride()  # autograd took the program's gradient as it is (no layout copy)
+    text = explain_report(res.report, program="step" if step == "step" else "backward")
+    assert "read as a row-major buffer" not in text.split("-- inlining")[0], text
+    mod.to(memory_format=torch.contiguous_format)
+    assert dict(mod.named_parameters())["conv.weight"].stride() == model.conv.weight.stride()
+    eager = copy.deepcopy(model)
+    eager.load_state_dict(mod.state_dict())
+    assert torch.equal(eager.conv.weight, w)
+    mod.load_state_dict(model.state_dict())
+    assert torch.equal(w, model.conv.weight) and w.stride() == model.conv.weight.stride()
 
 
 class Stem(nn.Module):

@@ -179,6 +179,10 @@ class TrainInfo:
     scale_kernels: tuple[str, ...] = ()  # mode "step": per gradient, the kernel that scales it in place
     stages: tuple[tuple[int, ...], ...] = ()  # a staged backward: per stage, its gradients (indices into grads)
     carries: tuple[int, ...] = ()  # ... and the values it carries on to the next stage
+    # per param, the strides of its layout when not row-major (a channels-last conv filter: the programs
+    # read it and write its gradient in that order; the runtime makes the Parameter so); empty: all
+    # row-major (not written)
+    param_strides: tuple[tuple[int, ...] | None, ...] = ()
 
     @property
     def programs(self) -> tuple[str, ...]:
@@ -199,19 +203,24 @@ class TrainInfo:
         out = put_optional(out, "mode", self.mode, "split")
         out = put_optional(out, "stages", [list(st) for st in self.stages], [])
         out = put_optional(out, "carries", list(self.carries), [])
+        out = put_optional(out, "param_strides", [None if st is None else list(st) for st in self.param_strides], [])
         return put_optional(out, "scale_kernels", list(self.scale_kernels), [])
 
     @classmethod
     def from_dict(cls, d: Any) -> "TrainInfo":
         d = fields(d, "manifest.train", ("params", "grads", "n_saved"),
                    ("buffers", "user_inputs", "saved_bytes", "mutated_buffers", "mode", "scale_kernels", "stages",
-                    "carries"))
+                    "carries", "param_strides"))
+        strides = tuple(None if st is None else ints(st) for st in d.get("param_strides", ()))
+        if strides and len(strides) != len(d["params"]):
+            raise ArchiveError(f"manifest.train: {len(strides)} param_strides for {len(d['params'])} params",
+                               remedy=DAMAGED)
         return cls(strs(d["params"]), strs(d.get("buffers", ())),
                    tuple(InputSpec.from_dict(s) for s in d.get("user_inputs", ())),
                    tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0),
                    strs(d.get("mutated_buffers", ())), d.get("mode", "split"), strs(d.get("scale_kernels", ())),
                    tuple(tuple(int(i) for i in st) for st in d.get("stages", ())),
-                   tuple(int(c) for c in d.get("carries", ())))
+                   tuple(int(c) for c in d.get("carries", ())), strides)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -600,6 +600,8 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
             blocks = dataclasses.replace(blocks, why=blocks.why + "; one pass: " + ", ".join(
                 f"{what[kind]} {m} + {sm}" for sm, (m, kind) in online.items()))
         levels = _levels(knodes, names, {sm: m for sm, (m, _) in online.items()})
+        # whole tiles (static x and r, multiples of the blocks): a Welford pair's loop trips, else 0
+        whole = int(r) // rb if looped and static(x) and static(r) and int(x) % xb == 0 and int(r) % rb == 0 else 0
         if not looped:
             em.line(f"rindex = tl.arange(0, {rb})[None, :]")
             em.line(f"rmask = rindex < {ktext(r)}")
@@ -628,7 +630,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                         continue
                     if n.name in paired:
                         online_init(em, paired[n.name][1], f"acc_{n.name}", f"acc_{paired[n.name][0]}",
-                                    f"[{xb}, {rb}]", TL_DTYPE[n.acc_dtype])
+                                    f"[{xb}, {rb}]", TL_DTYPE[n.acc_dtype], whole)
                         continue
                     if n.rtype in ARG_REDUCTIONS:
                         arg_init(em, f"acc_{n.name}", n.acc_dtype, TL_DTYPE[n.acc_dtype], f"[{xb}, {rb}]")
@@ -651,7 +653,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                     if n.name in paired:
                         second, how = paired[n.name]
                         online_update(em, how, f"acc_{n.name}", f"acc_{second}", v, TL_DTYPE[n.acc_dtype],
-                                      "xmask & rmask", f"(roffset // {rb} + 1)")
+                                      "xmask & rmask", f"(roffset // {rb} + 1)", whole)
                         continue
                     if n.rtype in ARG_REDUCTIONS:
                         if looped:
@@ -678,7 +680,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                     if n.name in paired:
                         second, how = paired[n.name]
                         em.red_vars[n.name], em.red_vars[second] = online_finish(
-                            em, how, f"acc_{n.name}", f"acc_{second}")
+                            em, how, f"acc_{n.name}", f"acc_{second}", whole, rb)
                         continue
                     if n.rtype in ARG_REDUCTIONS:
                         em.red_vars[n.name] = arg_finish(em, f"acc_{n.name}", n.acc_dtype)

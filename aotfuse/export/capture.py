@@ -73,6 +73,9 @@ class CapturedGraph:
     # because the program that reads it (the backward, or autograd's .grad) takes it as one. Lowering
     # copies an output whose view is not (lower/graph.py); an inference output may stay a strided view.
     contiguous_outputs: bool = False
+    # ... except these outputs (index -> strides): gradients of parameters with a channels-last layout, kept
+    # in it when the value already has it (partition/programs.grad_layouts)
+    output_layouts: dict = dataclasses.field(default_factory=dict)
     # Dynamic dims (ir/sizes.Dim, symbols s0, s1, ...) and torch's size symbols -> ours (export/dynamic.py)
     dims: tuple = ()
     symmap: dict = dataclasses.field(default_factory=dict)

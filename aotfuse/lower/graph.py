@@ -135,12 +135,15 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             finally:
                 ctx.layout = ctx.layout_shape = None
         elif node.op == "output":
-            for out in node.args[0]:
+            for k, out in enumerate(node.args[0]):
                 v = env[out]
                 if not isinstance(v, View):
                     raise UnsupportedOpError("output", str(out), "model outputs must be tensors")
                 t = ctx.tensor_arg(v, "output is not strided")
-                if cg.contiguous_outputs and not _dense(t):
+                keep = cg.output_layouts.get(k)
+                if keep is not None and t.offset == 0 and _strides_match(t, keep):
+                    pass  # a channels-last parameter's gradient, already in its layout (autograd takes it so)
+                elif cg.contiguous_outputs and not _dense(t):
                     # the next program reads this output as a row-major buffer (a saved tensor, a gradient)
                     t = ctx.realize(v, "a program-to-program output is read as a row-major buffer").as_strided()
                 outputs.append(OutputRef(t))
@@ -150,6 +153,11 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
                       tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
+
+
+def _strides_match(t, strides) -> bool:
+    """A TensorArg with these strides (size-1 dims' strides do not matter)."""
+    return all(size == 1 or st == want for size, st, want in zip(t.shape, t.stride, strides))
 
 
 def _dense(t) -> bool:

@@ -21,6 +21,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from ..contract.manifest import same_layout
 from ..dtypes import TORCH
 from ..errors import AotfuseError, ArchiveError, GuardError
 from ..knobs import knobs
@@ -256,6 +257,19 @@ def _size_args(kernel, env) -> list:
     return [evaluate(s, env) for s in kernel.size_args]
 
 
+def _dense_layout(shape: tuple, stride: tuple) -> bool:
+    """Whether `stride` lays out `shape` densely (a permutation of row-major: every element once)."""
+    if len(stride) != len(shape):
+        return False
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]))
+    want = 1
+    for d in order:
+        if shape[d] != 1 and stride[d] != want:
+            return False
+        want *= shape[d]
+    return True
+
+
 class PackagedModule(nn.Module):
     """An nn.Module over a train archive. Parameter names follow the original module's (dots kept)."""
 
@@ -268,9 +282,16 @@ class PackagedModule(nn.Module):
         self._names = list(info.params)
         self._params = nn.ParameterDict()
         self._param_list = []
-        for name in self._names:
+        # a parameter the programs read in a non-row-major layout (a channels-last conv filter) is made in it
+        self._strides = tuple(info.param_strides) or (None,) * len(self._names)
+        for name, stride in zip(self._names, self._strides):
             t = art.weights[name]
-            if t.device.type == "cpu":  # on the CPU path weights are views of the archive's bytes: never write there
+            if stride is not None and not _dense_layout(tuple(t.shape), stride):
+                raise ArchiveError(f"manifest.train.param_strides: {list(stride)} is not a dense layout of parameter "
+                                   f"{name!r} {list(t.shape)}", remedy="rebuild the archive; it is damaged")
+            if stride is not None:
+                t = torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device=t.device).copy_(t)
+            elif t.device.type == "cpu":  # on the CPU path weights are views of the archive's bytes: never write there
                 t = t.clone()
             p = nn.Parameter(t)
             self._params[name.replace(".", "__")] = p
@@ -423,12 +444,16 @@ class PackagedModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """`.to()`, `.half()`, `.to(memory_format=torch.channels_last)` keep the Parameter objects (their
-        .data changes): the programs read each parameter as a row-major buffer, so a layout change is
-        undone here (values kept; a dtype change is refused at the next call by the archive's guards)."""
+        .data changes): the programs read each parameter in the layout it was built with (row-major, or
+        channels-last: TrainInfo.param_strides), so a layout change is undone here (values kept; a dtype
+        change is refused at the next call by the archive's guards)."""
         out = super()._apply(fn, recurse)
-        for p in self._param_list:
-            if not p.is_contiguous():
-                p.data = p.data.contiguous()
+        for p, stride in zip(self._param_list, self._strides):
+            if stride is None:
+                if not p.is_contiguous():
+                    p.data = p.data.contiguous()
+            elif not same_layout(tuple(p.shape), p.stride(), stride):
+                p.data = torch.empty_strided(tuple(p.shape), stride, dtype=p.dtype, device=p.device).copy_(p.data)
         return out
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -102,6 +102,13 @@ def _train_info(t, progs: list) -> None:
         _str(p, f"manifest.train.params[{i}]")
     if len(set(params)) != len(params):
         _fail("manifest.train.params", "names a parameter twice")
+    strides = _list(t.get("param_strides", []), "manifest.train.param_strides", 0, 1 << 16)
+    if strides and len(strides) != len(params):
+        _fail("manifest.train.param_strides", f"{len(strides)} entries for {len(params)} parameters")
+    for i, st in enumerate(strides):
+        if st is not None:
+            for j, v in enumerate(_list(st, f"manifest.train.param_strides[{i}]", 1, 8)):
+                _int(v, f"manifest.train.param_strides[{i}][{j}]", 0, 1 << 40)
     mutated = _list(t.get("mutated_buffers", []), "manifest.train.mutated_buffers", 0, 1 << 16)
     for i, b in enumerate(mutated):
         _str(b, f"manifest.train.mutated_buffers[{i}]")

@@ -56,6 +56,7 @@ from ..ir.loop import (ARG_REDUCTIONS, ITEMSIZE, Buffer, Const, Gather, IndexVal
                        expr_leaves, prod, rewrite_expr, subs_expr)
 from ..knobs import knobs
 from .mix import Chunks, choose_chunks
+from .split_welford import paired_final, paired_parts, welford_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +93,12 @@ def identity(rtype: str, dtype: str):
 
 
 def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, ...]]:
-    """Split every reduction that `decide` says should be; the rest of the graph is unchanged."""
+    """Split every reduction that `decide` says should be; the rest of the graph is unchanged. A variance
+    whose mean is split the same way is split with it (schedule/split_welford.py)."""
     names = {b.name for b in graph.buffers}
     nodes, buffers, decisions = [], list(graph.buffers), []
+    pairs = welford_pairs(graph) if knobs.split_welford else {}  # {variance: mean}
+    done: dict[str, tuple[SplitDecision, Reduction]] = {}  # split reductions: their decision and partial
     for n in graph.nodes:
         if not isinstance(n, Reduction) or is_matmul(n):  # a matmul template tiles K itself
             nodes.append(n)
@@ -111,7 +115,17 @@ def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, 
             part = f"{n.name}_part{k}"
         names.add(part)
         d = dataclasses.replace(d, partial=part)
-        pnode, fnode = _split(n, d)
+        mean = pairs.get(n.name)
+        if mean in done and _same_exact_chunks(done[mean][0], d):
+            md, mpart = done[mean]
+            pnode = paired_parts(mpart, n, part, d.chunk)
+            fnode = paired_final(n, mean, md.partial, part, d.chunks, d.chunk, *_final_index(n, d))
+            d = dataclasses.replace(d, reason=d.reason + f"; Welford pair with {mean}: each chunk's M2 about its own "
+                                    f"mean ({md.partial} / {d.chunk}), one pass with {md.partial}; the final "
+                                    "combines them (Chan's formula)")
+        else:
+            pnode, fnode = _split(n, d)
+        done[n.name] = (d, pnode)
         buffers.append(Buffer(part, pnode.ranges, n.acc_dtype, "node"))
         nodes += [pnode, fnode]
         decisions.append(d)
@@ -305,12 +319,24 @@ def _split(n: Reduction, d: SplitDecision) -> tuple[Reduction, Reduction]:
         inb = Op("lt", (IndexValue(flat, "int32"), Const(d.r, "int32")), "bool")
         body = Op("where", (inb, body, Const(identity(n.rtype, n.acc_dtype), n.acc_dtype)), n.acc_dtype)
     part = Reduction(d.partial, prange, rrange, body, n.rtype, n.acc_dtype)
-    s = prod(sranges)
+    idx, _ = _final_index(n, d)
+    final = Reduction(n.name, n.ranges, (prod(sranges),), Load(d.partial, idx, n.acc_dtype), n.rtype, n.acc_dtype)
+    return part, final
+
+
+def _final_index(n: Reduction, d: SplitDecision):
+    """(the partial's index at the final's point (its output, chunk r0), the output's flat index)."""
+    outer = d.pattern == "outer" and d.x > 1
     fr = syms("r", 1)[0]
     fx = flat_index(n.pvars, n.ranges)
-    idx = fr * d.x + fx if outer else fx * s + fr
-    final = Reduction(n.name, n.ranges, (s,), Load(d.partial, sympy.expand(idx), n.acc_dtype), n.rtype, n.acc_dtype)
-    return part, final
+    return sympy.expand(fr * d.x + fx if outer else fx * d.chunks + fr), fx
+
+
+def _same_exact_chunks(a: SplitDecision, b: SplitDecision) -> bool:
+    """Both split into the same chunks of one length (no masked tail), the partials laid out alike."""
+    return (a.how == b.how and a.how in ("aligned", "flat") and a.pattern == b.pattern and a.x == b.x
+            and a.chunks == b.chunks and a.chunk == b.chunk and static(a.r) and a.chunks * a.chunk == a.r
+            and a.r == b.r)
 
 
 def _trailing(rranges, chunk: int) -> tuple[int, ...]:
