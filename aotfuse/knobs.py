@@ -16,7 +16,7 @@
 | split_min_programs | AOTFUSE_SPLIT_PROGRAMS | 264 | a reduction whose kernel would launch fewer programs (2 per SM of an H100) is split in two stages (schedule/split.py) |
 | split_min_elems | AOTFUSE_SPLIT_ELEMS | 32768 | ... only when one of its programs would reduce at least this many elements (r; 64*r for a column tile) |
 | split_min_chunk | AOTFUSE_SPLIT_CHUNK | 128 | ... into chunks of at least this many elements (the partial buffer is that much smaller than the input) |
-| split_welford | AOTFUSE_SPLIT_WELFORD | 1 | a variance split with its mean (same chunks, no masked tail) takes per-chunk (sum, M2) partials in one pass, combined by Chan's formula (schedule/split_welford.py); 0: the variance's partials read the mean's final (two passes) |
+| split_welford | AOTFUSE_SPLIT_WELFORD | 1 | a variance split with its mean (same chunks) takes per-chunk (sum, M2) partials in one pass, combined by Chan's formula (schedule/split_welford.py); 0: the variance's partials read the mean's final (two passes) |
 | split_outer_programs | AOTFUSE_SPLIT_OUTER_PROGRAMS | 0 | column reductions (a bias or norm-weight gradient) are split into enough chunks for this many partial programs; 0: split_min_programs |
 | outer_rblock | AOTFUSE_OUTER_RBLOCK | 128 | column reductions: most rows per loop step of a [64 x RBLOCK] tile, fewer while its accumulators would take more than 32 registers per thread (emit/space.block_choice) |
 | outer_tile | AOTFUSE_OUTER_TILE | 4096 | column reductions: outputs per tile up to this many elements / RBLOCK (at least 64; what matters for short columns, r < outer_rblock, whose RBLOCK is small) |

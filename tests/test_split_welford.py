@@ -57,15 +57,20 @@ def test_variance_splits_with_its_mean_one_partial_kernel():
         assert rel <= (1e-6 if abs(mu) <= 100 * sd else 1e-3), (mu, sd, rel, two_pass)
 
 
-def test_masked_chunks_keep_two_passes():
-    """A split whose last chunk is short (no chunk length divides r) is not paired: the chunk means
-    would need per-chunk counts. Values still match."""
-    x = torch.randn(4099, 16)
+@pytest.mark.parametrize("rows", [4099, 4096 + 31])
+def test_masked_chunks_pair_with_per_chunk_counts(rows):
+    """A split whose last chunk is short (no chunk length divides r) pairs too: each chunk's mean and the
+    combination take that chunk's own count, the tail's masked elements add nothing."""
+    x = torch.randn(rows, 16) * 2 + 5
     res = _build(MeanVar(), (x,))
-    assert "Welford pair with" not in explain_report(res.report)
-    m, v = aotfuse.load(res.data, device="cpu")(x)
-    torch.testing.assert_close(v, x.var(0, unbiased=False), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(m, x.mean(0), rtol=1e-4, atol=1e-6)
+    text = explain_report(res.report)
+    assert "Welford pair with" in text and "flat, masked" in text, text
+    art = aotfuse.load(res.data, device="cpu")
+    x2 = torch.randn(rows, 16) * 2 + 5
+    m, v = art(x2)
+    v64 = x2.double().var(0, unbiased=False)
+    assert float(((v.double() - v64).abs() / v64).max()) < 1e-6
+    torch.testing.assert_close(m, x2.mean(0), rtol=1e-6, atol=1e-5)
 
 
 class ConvBN(nn.Module):

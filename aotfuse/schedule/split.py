@@ -116,10 +116,12 @@ def split_reductions(graph: LoopGraph) -> tuple[LoopGraph, tuple[SplitDecision, 
         names.add(part)
         d = dataclasses.replace(d, partial=part)
         mean = pairs.get(n.name)
-        if mean in done and _same_exact_chunks(done[mean][0], d):
+        if mean in done and _same_chunks(done[mean][0], d):
             md, mpart = done[mean]
-            pnode = paired_parts(mpart, n, part, d.chunk)
-            fnode = paired_final(n, mean, md.partial, part, d.chunks, d.chunk, *_final_index(n, d))
+            last = d.r - (d.chunks - 1) * d.chunk
+            s, inb = _chunk_var(mpart, d)
+            pnode = paired_parts(mpart, n, part, d.chunks, d.chunk, last, s, inb)
+            fnode = paired_final(n, mean, md.partial, part, d.chunks, d.chunk, last, *_final_index(n, d))
             d = dataclasses.replace(d, reason=d.reason + f"; Welford pair with {mean}: each chunk's M2 about its own "
                                     f"mean ({md.partial} / {d.chunk}), one pass with {md.partial}; the final "
                                     "combines them (Chan's formula)")
@@ -332,11 +334,23 @@ def _final_index(n: Reduction, d: SplitDecision):
     return sympy.expand(fr * d.x + fx if outer else fx * d.chunks + fr), fx
 
 
-def _same_exact_chunks(a: SplitDecision, b: SplitDecision) -> bool:
-    """Both split into the same chunks of one length (no masked tail), the partials laid out alike."""
-    return (a.how == b.how and a.how in ("aligned", "flat") and a.pattern == b.pattern and a.x == b.x
-            and a.chunks == b.chunks and a.chunk == b.chunk and static(a.r) and a.chunks * a.chunk == a.r
-            and a.r == b.r)
+def _same_chunks(a: SplitDecision, b: SplitDecision) -> bool:
+    """Both split into the same chunks (static sizes; the last one may be short), the partials laid out alike."""
+    return (a.how == b.how and a.how in ("aligned", "flat", "flat, masked") and a.pattern == b.pattern
+            and a.x == b.x and a.chunks == b.chunks and a.chunk == b.chunk and static(a.r) and a.r == b.r
+            and (a.chunks - 1) * a.chunk < a.r <= a.chunks * a.chunk)
+
+
+def _chunk_var(part: Reduction, d: SplitDecision):
+    """(the partial's chunk variable, its in-bounds condition or None) as `_split` laid the partial out."""
+    if d.how == "aligned":
+        return None, None  # exact by construction: every chunk is C long
+    outer = d.pattern == "outer" and d.x > 1
+    s = part.pvars[0] if outer else part.pvars[-1]
+    if d.chunks * d.chunk == d.r:
+        return s, None
+    flat = s * d.chunk + part.rvars[0]
+    return s, Op("lt", (IndexValue(flat, "int32"), Const(d.r, "int32")), "bool")
 
 
 def _trailing(rranges, chunk: int) -> tuple[int, ...]:

@@ -16,17 +16,19 @@ about the chunk's own mean, and needs only A's partial of the same chunk:
     B[x] = sum_s B_part[s, x] + C * (A_part[s, x] / C - A[x] / n)**2      (Chan et al., 1979: exact)
 
 so one kernel computes both partials in one pass over the chunk (the emitter's Welford pair: emit/online.py)
-and the finals read only the small partial buffers. Only chunks of equal length C (an exact split: no
-masked tail) and static sizes; B's body may read the mean through a pointwise node (mean = A * (1/n)).
+and the finals read only the small partial buffers. Static sizes; B's body may read the mean through a
+pointwise node (mean = A * (1/n)). A masked split (the last chunk short: n_S-1 = r - (S-1)*C) takes each
+chunk's own count n_s for C, B's partial keeping the split's mask (the masked elements add nothing); its
+kernel then computes B_part in a second level (the count is not one constant), still without A's final.
 """
 from __future__ import annotations
 
 import sympy
 
 from ..emit.online import _squared_deviation, _strip_casts
-from ..ir.indexing import flat_index, simplify, unravel
-from ..ir.loop import (FLOATS, Cast, Const, Load, LoopGraph, Op, Pointwise, Reduction, expr_leaves, rewrite_expr,
-                       subs_expr)
+from ..ir.indexing import flat_index, simplify, syms, unravel
+from ..ir.loop import (FLOATS, Cast, Const, IndexValue, Load, LoopGraph, Op, Pointwise, Reduction, expr_leaves,
+                       rewrite_expr, subs_expr)
 from ..ir.sizes import static
 
 
@@ -73,23 +75,40 @@ def welford_pairs(graph: LoopGraph) -> dict[str, str]:
     return out
 
 
-def paired_parts(a_part: Reduction, b: Reduction, b_part_name: str, chunk: int) -> Reduction:
-    """B's partial: the chunk's M2 about the chunk's mean (A_part / C), over A_part's loops."""
+def _per_chunk(s, chunks: int, chunk: int, last: int, value, acc: str):
+    """value(C) for every chunk but the last, value(last) for chunk s == chunks - 1 (a constant when equal)."""
+    if last == chunk:
+        return Const(value(chunk), acc)
+    is_last = Op("eq", (IndexValue(s, "int32"), Const(chunks - 1, "int32")), "bool")
+    return Op("where", (is_last, Const(value(last), acc), Const(value(chunk), acc)), acc)
+
+
+def paired_parts(a_part: Reduction, b: Reduction, b_part_name: str, chunks: int, chunk: int, last: int,
+                 s, inb) -> Reduction:
+    """B's partial: the chunk's M2 about the chunk's mean (A_part / n_s), over A_part's loops. `s`: the
+    partial's chunk variable; `inb`: the split's in-bounds condition (None: every element is)."""
     acc = b.acc_dtype
     f = a_part.body if getattr(a_part.body, "dtype", acc) == acc else Cast(a_part.body, acc)
     here = flat_index(a_part.pvars, a_part.ranges)
-    mean = Op("mul", (Load(a_part.name, here, acc), Const(1.0 / chunk, acc)), acc)
+    inv = _per_chunk(s, chunks, chunk, last, lambda c: 1.0 / c, acc)
+    mean = Op("mul", (Load(a_part.name, here, acc), inv), acc)
     dev = Op("sub", (f, mean), acc)
-    return Reduction(b_part_name, a_part.ranges, a_part.rranges, Op("mul", (dev, dev), acc), "sum", acc)
+    body = Op("mul", (dev, dev), acc)
+    if inb is not None:
+        body = Op("where", (inb, body, Const(0.0, acc)), acc)
+    return Reduction(b_part_name, a_part.ranges, a_part.rranges, body, "sum", acc)
 
 
-def paired_final(b: Reduction, a_name: str, a_part: str, b_part: str, chunks: int, chunk: int, idx, fx) -> Reduction:
-    """B's final: sum_s B_part + C * (A_part / C - A / n)**2 at the partials' index `idx` (s and x) and the
-    output's flat index `fx`."""
+def paired_final(b: Reduction, a_name: str, a_part: str, b_part: str, chunks: int, chunk: int, last: int,
+                 idx, fx) -> Reduction:
+    """B's final: sum_s B_part + n_s * (A_part / n_s - A / n)**2 at the partials' index `idx` (s and x) and
+    the output's flat index `fx`."""
     acc = b.acc_dtype
     n = b.rnumel
-    part_mean = Op("mul", (Load(a_part, idx, acc), Const(1.0 / chunk, acc)), acc)
+    s = syms("r", 1)[0]
+    part_mean = Op("mul", (Load(a_part, idx, acc), _per_chunk(s, chunks, chunk, last, lambda c: 1.0 / c, acc)), acc)
     mean = Op("mul", (Load(a_name, fx, acc), Const(1.0 / n, acc)), acc)
     d = Op("sub", (part_mean, mean), acc)
-    body = Op("add", (Load(b_part, idx, acc), Op("mul", (Const(float(chunk), acc), Op("mul", (d, d), acc)), acc)), acc)
+    count = _per_chunk(s, chunks, chunk, last, float, acc)
+    body = Op("add", (Load(b_part, idx, acc), Op("mul", (count, Op("mul", (d, d), acc)), acc)), acc)
     return Reduction(b.name, b.ranges, (chunks,), body, "sum", acc)
