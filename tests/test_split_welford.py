@@ -134,3 +134,51 @@ def test_whole_tiles_take_the_welford_update_without_counts():
     ref = copy.deepcopy(ln).double()(xr.double())
     ours = float((aotfuse.load(res.data, device="cpu")(xr).double() - ref).abs().max())
     assert ours <= 3 * float((ln(xr).double() - ref).abs().max()) + 1e-6
+
+
+class NotVariances(nn.Module):
+    """Squared deviations that look like a variance but are not x's: a cast that changes values on f, on the
+    mean or on the square. None of them may be paired (the pair would compute x's M2)."""
+
+    def forward(self, x):
+        m = x.mean(0)
+        return (m, ((x.long().float() - m) ** 2).mean(0), ((x.bool().float() - m) ** 2).mean(0),
+                ((x - m.long().float()) ** 2).mean(0), ((x - m) ** 2).long().float().mean(0))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_value_changing_casts_are_not_paired(dim):
+    """dim 0: column statistics split in chunks (split_welford); dim 1: a looped row kernel (emit/online.py)."""
+    torch.manual_seed(0)
+    x = torch.randn(4096, 16) * 3 if dim == 0 else torch.randn(4, 8192) * 3
+    model = NotVariances() if dim == 0 else _Rows()
+    kn = SPLIT if dim == 0 else dict(persistent_rblock_max=1024)
+    with override(**kn):
+        res = aotfuse.build(model, (x,), targets=("sm_90",))
+    text = explain_report(res.report)
+    assert "Welford pair with" not in text and "one pass: Welford" not in text, text
+    for got, want in zip(aotfuse.load(res.data, device="cpu")(x), model(x)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+class _Rows(nn.Module):
+    def forward(self, x):
+        m = x.mean(1, keepdim=True)
+        return m, ((x.long().float() - m) ** 2).mean(1), ((x - m.long().float()) ** 2).mean(1)
+
+
+def test_widening_casts_still_pair():
+    """A bf16 input's statistics in fp32 (the upcast keeps every value): still one Welford pair."""
+    x = (torch.randn(4096, 16) * 2 + 3).bfloat16()
+
+    class HalfStats(nn.Module):
+        def forward(self, x):
+            xf = x.float()
+            m = xf.mean(0)
+            return m, ((xf - m) ** 2).mean(0)
+
+    res = _build(HalfStats(), (x,))
+    assert "Welford pair with" in explain_report(res.report)
+    m, v = aotfuse.load(res.data, device="cpu")(x)
+    v64 = x.double().var(0, unbiased=False)
+    assert float(((v.double() - v64).abs() / v64).max()) < 1e-6

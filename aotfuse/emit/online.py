@@ -44,8 +44,19 @@ def _resolve(e, members: dict, stores: dict):
     return rewrite_expr(e, load=load)
 
 
+# float casts that keep every value: to the same or a wider float type
+_EXACT = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"), ("float16", "float64"),
+          ("float32", "float64")}
+
+
 def _strip_casts(e):
+    """e without the casts around it that keep its value (a widening float cast). A cast that can change
+    values (to an integer or bool, or a narrowing float cast) stays: `(x.long().float() - m)**2` is not
+    x's squared deviation."""
     while isinstance(e, Cast):
+        src = getattr(e.arg, "dtype", None)
+        if not (src == e.dtype or (src, e.dtype) in _EXACT):
+            break
         e = e.arg
     return e
 
