@@ -66,6 +66,8 @@ def _composite_examples() -> dict:
         "aten._log_softmax.default": lambda f: f(x, -1, False),
         "aten._native_batch_norm_legit_no_training.default": lambda f: f(x4, c, c, c, v, 0.1, 1e-5),
         "aten.full_like.default": lambda f: f(x, 2.0),
+        "aten.var.correction": lambda f: (f(x, [1]), f(x, None, correction=0, keepdim=True)),
+        "aten.var_mean.correction": lambda f: f(x, [2], correction=1),
     }
 
 

@@ -72,6 +72,37 @@ def _gelu(x, approximate="none"):
     return out.to(x.dtype)
 
 
+def _var_parts(x, dim, correction, keepdim):
+    """(variance, mean) of torch.var / torch.var_mean with `correction` (default 1): in fp32 for half inputs,
+    the mean first, then the sum of squared deviations (a Welford pair for the kernels), over
+    max(N - correction, 0) as torch (0: inf, or nan for a zero sum)."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    dims = list(range(x.dim())) if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0) else (
+        [dim] if isinstance(dim, int) else list(dim))
+    dims = [d % max(x.dim(), 1) for d in dims]
+    n = 1
+    for d in dims:
+        n = n * x.shape[d]
+    corr = 1 if correction is None else correction
+    mean = torch.mean(xf, dims, keepdim=True)
+    centered = xf - mean
+    denom = n - corr
+    if isinstance(denom, (int, float)):
+        denom = max(denom, 0)
+    var = torch.sum(centered * centered, dims, keepdim=keepdim) / denom
+    if not keepdim:
+        mean = mean.squeeze(dims) if dims else mean
+    return var.to(x.dtype), mean.to(x.dtype)
+
+
+def _var_correction(x, dim=None, *, correction=None, keepdim=False):
+    return _var_parts(x, dim, correction, keepdim)[0]
+
+
+def _var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
+    return _var_parts(x, dim, correction, keepdim)
+
+
 def _silu(x):
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     return (xf * torch.sigmoid(xf)).to(x.dtype)
@@ -153,6 +184,8 @@ OURS = {
     aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
     aten.full_like.default: _full_like,
     aten.constant_pad_nd.default: _constant_pad_nd,
+    aten.var.correction: _var_correction,
+    aten.var_mean.correction: _var_mean_correction,
 }
 
 
