@@ -211,10 +211,7 @@ class TrainInfo:
         d = fields(d, "manifest.train", ("params", "grads", "n_saved"),
                    ("buffers", "user_inputs", "saved_bytes", "mutated_buffers", "mode", "scale_kernels", "stages",
                     "carries", "param_strides"))
-        strides = tuple(None if st is None else ints(st) for st in d.get("param_strides", ()))
-        if strides and len(strides) != len(d["params"]):
-            raise ArchiveError(f"manifest.train: {len(strides)} param_strides for {len(d['params'])} params",
-                               remedy=DAMAGED)
+        strides = tuple(None if st is None else ints(st) for st in d.get("param_strides", ()))  # checked: runtime/validate
         return cls(strs(d["params"]), strs(d.get("buffers", ())),
                    tuple(InputSpec.from_dict(s) for s in d.get("user_inputs", ())),
                    tuple((g[0], g[1]) for g in d["grads"]), d["n_saved"], d.get("saved_bytes", 0),

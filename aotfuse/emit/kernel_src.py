@@ -546,9 +546,11 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     pattern = "inner" if _one(r) else reduction_pattern(
         [_at_hint(k) for k in knodes], hint(x), hint(r), lambda b: b not in names,
         lambda b: ITEMSIZE[graph.buffer(b).dtype])
+    # {second: (first, kind)}: two reductions of a row a looped kernel computes in one pass (emit/online.py)
+    pairs = {} if _one(r) else online_pairs(knodes, stores)
     if blocks is None:
         accs = sum(isinstance(n, Reduction) for n in knodes)
-        welford = pattern == "inner" and any(k == "welford" for _, k in online_pairs(knodes, stores).values())
+        welford = pattern == "inner" and any(k == "welford" for _, k in pairs.values())
         blocks = block_choice(x, r, pattern, accs, welford) if static(x) and static(r) else \
             dynamic_blocks(x, r, pattern, accs, welford)
     kind, xb, rb, warps = blocks.kind, blocks.xblock, blocks.rblock, blocks.num_warps
@@ -592,8 +594,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
         em.xblock = xb if xb > 1 else 0
         looped = kind == "looped_reduction"
         em.looped = looped
-        # {second: (first, kind)}: two reductions of a row computed in one pass (emit/online.py)
-        online = online_pairs(knodes, stores) if looped else {}
+        online = pairs if looped else {}
         paired = {m: (sm, kind) for sm, (m, kind) in online.items()}
         if online:
             what = {"softmax": "online softmax (max and sum of exp)", "welford": "Welford (mean and variance)"}

@@ -6,6 +6,7 @@ import operator
 import torch
 import torch.fx
 
+from ..contract.manifest import same_layout
 from ..errors import UnsupportedOpError
 from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
@@ -141,7 +142,7 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                     raise UnsupportedOpError("output", str(out), "model outputs must be tensors")
                 t = ctx.tensor_arg(v, "output is not strided")
                 keep = cg.output_layouts.get(k)
-                if keep is not None and t.offset == 0 and _strides_match(t, keep):
+                if keep is not None and t.offset == 0 and same_layout(t.shape, t.stride, keep):
                     pass  # a channels-last parameter's gradient, already in its layout (autograd takes it so)
                 elif cg.contiguous_outputs and not _dense(t):
                     # the next program reads this output as a row-major buffer (a saved tensor, a gradient)
@@ -153,11 +154,6 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
                       tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
-
-
-def _strides_match(t, strides) -> bool:
-    """A TensorArg with these strides (size-1 dims' strides do not matter)."""
-    return all(size == 1 or st == want for size, st, want in zip(t.shape, t.stride, strides))
 
 
 def _dense(t) -> bool:

@@ -21,7 +21,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..contract.manifest import same_layout
+from ..contract.manifest import dense_strides, same_layout
 from ..dtypes import TORCH
 from ..errors import AotfuseError, ArchiveError, GuardError
 from ..knobs import knobs
@@ -257,19 +257,6 @@ def _size_args(kernel, env) -> list:
     return [evaluate(s, env) for s in kernel.size_args]
 
 
-def _dense_layout(shape: tuple, stride: tuple) -> bool:
-    """Whether `stride` lays out `shape` densely (a permutation of row-major: every element once)."""
-    if len(stride) != len(shape):
-        return False
-    order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]))
-    want = 1
-    for d in order:
-        if shape[d] != 1 and stride[d] != want:
-            return False
-        want *= shape[d]
-    return True
-
-
 class PackagedModule(nn.Module):
     """An nn.Module over a train archive. Parameter names follow the original module's (dots kept)."""
 
@@ -286,7 +273,7 @@ class PackagedModule(nn.Module):
         self._strides = tuple(info.param_strides) or (None,) * len(self._names)
         for name, stride in zip(self._names, self._strides):
             t = art.weights[name]
-            if stride is not None and not _dense_layout(tuple(t.shape), stride):
+            if stride is not None and not dense_strides(tuple(t.shape), stride):
                 raise ArchiveError(f"manifest.train.param_strides: {list(stride)} is not a dense layout of parameter "
                                    f"{name!r} {list(t.shape)}", remedy="rebuild the archive; it is damaged")
             if stride is not None:

@@ -318,7 +318,7 @@ def _split(n: Reduction, d: SplitDecision) -> tuple[Reduction, Reduction]:
     body = subs_expr(body, mapping)
     body = rewrite_expr(body, index=lambda ix: simplify(ix, rng))
     if d.how != "aligned" and masked:
-        inb = Op("lt", (IndexValue(flat, "int32"), Const(d.r, "int32")), "bool")
+        inb = _in_bounds(svars[0], rv[0], d)
         body = Op("where", (inb, body, Const(identity(n.rtype, n.acc_dtype), n.acc_dtype)), n.acc_dtype)
     part = Reduction(d.partial, prange, rrange, body, n.rtype, n.acc_dtype)
     idx, _ = _final_index(n, d)
@@ -347,10 +347,12 @@ def _chunk_var(part: Reduction, d: SplitDecision):
         return None, None  # exact by construction: every chunk is C long
     outer = d.pattern == "outer" and d.x > 1
     s = part.pvars[0] if outer else part.pvars[-1]
-    if d.chunks * d.chunk == d.r:
-        return s, None
-    flat = s * d.chunk + part.rvars[0]
-    return s, Op("lt", (IndexValue(flat, "int32"), Const(d.r, "int32")), "bool")
+    return s, None if d.chunks * d.chunk == d.r else _in_bounds(s, part.rvars[0], d)
+
+
+def _in_bounds(s, c, d: SplitDecision):
+    """A flat split's condition that element c of chunk s lies inside r (s * C + c < r)."""
+    return Op("lt", (IndexValue(s * d.chunk + c, "int32"), Const(d.r, "int32")), "bool")
 
 
 def _trailing(rranges, chunk: int) -> tuple[int, ...]:

@@ -47,17 +47,13 @@ def _mean_inlined(b: Reduction, producers: dict):
     return rewrite_expr(b.body, load=load)
 
 
-def _leaves(e) -> list:
-    return list(expr_leaves(e))
-
-
 def welford_pairs(graph: LoopGraph) -> dict[str, str]:
     """{B: A} for the variance/mean pairs above: B a float sum of (f - A * (1/n))**2 with A the sum of the same
     f over the same loops, A read at B's own output index."""
     sums = {n.name: n for n in graph.nodes if isinstance(n, Reduction) and n.rtype == "sum"
             and n.acc_dtype in FLOATS and all(static(d) for d in (*n.ranges, *n.rranges))}
     producers = {n.name: n for n in graph.nodes if isinstance(n, Pointwise)
-                 and sum(isinstance(leaf, Load) for leaf in _leaves(n.body)) == 1}
+                 and sum(isinstance(leaf, Load) for leaf in expr_leaves(n.body)) == 1}
     out: dict[str, str] = {}
     for b in sums.values():
         body = _mean_inlined(b, producers)
@@ -68,7 +64,7 @@ def welford_pairs(graph: LoopGraph) -> dict[str, str]:
             if f is None or _strip_casts(f) != _strip_casts(a.body):
                 continue
             here = flat_index(b.pvars, b.ranges)
-            if all(sympy.expand(ld.index - here) == 0 for ld in _leaves(body)
+            if all(sympy.expand(ld.index - here) == 0 for ld in expr_leaves(body)
                    if isinstance(ld, Load) and ld.buf == a.name):
                 out[b.name] = a.name
                 break
