@@ -20,8 +20,14 @@ from aotfuse.knobs import override
 def mode_knobs(mode: str) -> dict:
     """`MM[:knob=value+...]`, e.g. `extern:attention=extern`: AOTFUSE_MM and other (string) knobs for one
     contender."""
+    from aotfuse.knobs import knobs
+
     mm, _, rest = mode.partition(":")
-    kn = dict(kv.split("=", 1) for kv in rest.split("+") if kv)
+    kn = {}
+    for kv in filter(None, rest.split("+")):
+        k, v = kv.split("=", 1)
+        cur = getattr(knobs, k)  # a knob's type: "0" is False for a boolean one, not a true string
+        kn[k] = bool(int(v)) if isinstance(cur, bool) else type(cur)(v) if isinstance(cur, (int, float)) else v
     return {"mm": mm, **kn}
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -34,6 +34,8 @@ def emulate(spec: cublaslt.MatmulSpec, mems: dict[int, torch.Tensor]) -> None:
         bm = bm if spec.transb == CUBLAS_OP_N else bm.t()
         assert a.shape == (spec.m, spec.k) and bm.shape == (spec.k, spec.n)
         d = a @ bm
+        if spec.c is not None:  # mm_residual: beta 1, C at its own address and leading dimension
+            d = d + _stored(mems[spec.c_ref.slot], spec.c, spec.c_ref.byte_offset, size, b).double()
         if spec.bias_ref is not None:
             bias = mems[spec.bias_ref.slot][spec.bias_ref.byte_offset // size:][:spec.m].double()
             d = d + bias[:, None]
@@ -88,6 +90,52 @@ def _run_case(target, M, K, N, B, orders, pads, offsets, bias=False):
     out = mems[2].as_strided(shapes[2], views[2].stride, offsets[2])
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     return spec
+
+
+def _residual_case(M, K, N, orders, bias: bool, pad: int = 2, off: int = 5):
+    """aotfuse.mm_residual.out: (a, b, residual, bias) -> out, emulated from the derived spec; orders are
+    those of a, b, residual and out."""
+    g = torch.Generator().manual_seed(M * 100 + K * 10 + N)
+    shapes = [(M, K), (K, N), (M, N), (M, N)]
+    mems, views, tensors = {}, [], []
+    for slot, (shape, order) in enumerate(zip(shapes, orders)):
+        stride = _layout_of(shape, order, pad)
+        numel = off + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+        mems[slot] = torch.randn(numel, generator=g, dtype=torch.float64)
+        views.append(_view(slot, shape, stride, off))
+        tensors.append(mems[slot].as_strided(shape, stride, off))
+    args = views[:3] + [None]
+    ref = tensors[0] @ tensors[1] + tensors[2]
+    if bias:
+        mems[4] = torch.randn(N + 1, generator=g, dtype=torch.float64)
+        args[3] = _view(4, (N,), (1,), 1)
+        ref = ref + mems[4][1:]
+    spec = derive("aotfuse.mm_residual.out", args, {}, views[3], {s: torch.float32 for s in range(5)}, itemsize=8)
+    emulate(spec, mems)
+    torch.testing.assert_close(mems[3].as_strided(shapes[3], views[3].stride, off), ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(mems[2].as_strided(shapes[2], views[2].stride, off), tensors[2])  # C only read
+    return spec
+
+
+@pytest.mark.parametrize("orders", list(itertools.product("rc", repeat=2)))
+def test_mm_residual_adds_c_with_its_own_layout(orders):
+    # D = A @ B + C (+ bias): C stored as D is (row-major here), with its own padding and offset
+    for M, K, N in ((5, 7, 3), (1, 4, 6), (6, 3, 1)):
+        for bias in (False, True):
+            spec = _residual_case(M, K, N, orders + ("r", "r"), bias)
+            assert spec.c is not None and spec.c_ref == cublaslt.Operand(2, 5 * 8)
+            assert spec.describe().count("+residual") == 1 and (spec.bias_ref is not None) == bias
+
+
+def test_mm_residual_column_major_without_bias_and_mismatched_orientations():
+    spec = _residual_case(5, 7, 3, ("r", "c", "c", "c"), bias=False)
+    assert not spec.swapped  # D column-major: cuBLAS's own orientation, C with it
+    with pytest.raises(Unsupported, match="the residual must be stored as the output is"):
+        _residual_case(5, 7, 3, ("r", "r", "c", "r"), bias=False)
+    with pytest.raises(Unsupported, match="residual .* is not the product's"):
+        derive("aotfuse.mm_residual.out", [_view(0, (4, 5), (5, 1)), _view(1, (5, 6), (6, 1)),
+                                           _view(2, (4, 5), (5, 1)), None], {}, _view(3, (4, 6), (6, 1)),
+               {s: torch.float32 for s in range(4)})
 
 
 @pytest.mark.parametrize("orders", list(itertools.product("rc", repeat=3)))

@@ -26,6 +26,10 @@ def lt_call(target, tensors, out, policy=None, kwargs=None):
     its storage's address (static), the view's offset in elements."""
     views, addr, dtypes = [], [], {}
     for slot, t in enumerate(list(tensors) + [out]):
+        if t is None:  # an absent optional operand (mm_residual's bias)
+            views.append(None)
+            addr.append(0)
+            continue
         base = t.untyped_storage().data_ptr()
         views.append(_View(slot, TensorRef(f"b{slot}", tuple(t.shape), tuple(t.stride()), t.storage_offset())))
         addr.append(base)
@@ -95,6 +99,61 @@ def test_addmm_gelu_epilogue_matches_torch(dt, M, K, N):
     err, torch_err = rel(out, ref64), rel(ref, ref64)
     assert err <= max(TOL[dt], 2 * torch_err), (spec.describe(), err, torch_err)
     assert rel(out, ref) <= 2 * TOL[dt], spec.describe()
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K,N", [(8192, 3072, 768), (128, 768, 768), (1, 64, 33), (37, 5, 2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mm_residual_matches_float64(dt, M, K, N, bias):
+    """aotfuse.mm_residual.out as one cublasLtMatmul (C = the residual, beta 1, BIAS epilogue): within the
+    dtype's tolerance of float64, and of torch's addmm + add; a padded residual (its own leading dimension)."""
+    g = torch.Generator(device="cuda").manual_seed(M + K + N)
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=dt, generator=g) / 4  # noqa: E731
+    a, w = r(M, K), r(N, K)
+    b = r(N) if bias else None
+    res_big = r(M, N + 8) * 8  # a residual stream larger than the product
+    res = res_big[:, 3:3 + N]
+    out = torch.empty(M, N, device="cuda", dtype=dt)
+    spec, plan = lt_call("aotfuse.mm_residual.out", (a, w.t(), res, b), out)
+    assert "+residual" in plan.record()["matmul"] and (("+bias" in plan.record()["matmul"]) == bias)
+    ref = torch.addmm(res, a, w.t()) + (b if bias else 0)
+    ref64 = torch.addmm(res.double(), a.double(), w.t().double()) + (b.double() if bias else 0)
+    err, torch_err = rel(out, ref64), rel(ref, ref64)
+    assert err <= max(TOL[dt], 2 * torch_err), (spec.describe(), err, torch_err)
+    assert torch.equal(res_big[:, 3:3 + N], res)  # C is only read
+
+
+class _Residual(torch.nn.Module):
+    """Two residual adds fed by matmuls (a biased one and one without bias), as a transformer block's."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.out = torch.nn.Linear(d, d)
+        self.proj = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.out(self.ln(x))
+        return self.ln(self.proj(self.ln(x)) + x)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_residual_programs_match_eager_in_graphs(dt):
+    torch.manual_seed(0)
+    model = _Residual().to(dt).eval()
+    x = torch.randn(4, 32, 64, dtype=dt)
+    res = aotfuse.build(model, (x,), targets=("sm_90",))
+    model = model.cuda()
+    for graphs in (False, True):
+        art = aotfuse.load(res.data, device="cuda", cuda_graphs=graphs)
+        for seed in (1, 2):
+            xs = (torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(seed)) * 2 + 1).to(dt).cuda()
+            with torch.no_grad():
+                assert rel(art(xs), model(xs)) <= TOL[dt] * 4, (graphs, seed)
+        rep = art.executors["forward"].matmul_report()
+        assert sorted(r["target"] for r in rep) == ["aotfuse.mm_residual.out"] * 2, rep
+        assert all(r["path"] == "cublaslt" and "+residual" in r["matmul"] for r in rep), rep
+        art.close()
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])

@@ -53,7 +53,8 @@ def test_extern_bindings_match_their_overloads(target):
     # The binding is called exactly as the overload would be: positional args, beta/alpha, out=.
     g = torch.Generator().manual_seed(0)
     mats = {"aten.mm.out": ((5, 7), (7, 3)), "aten.bmm.out": ((2, 5, 7), (2, 7, 3)),
-            "aten.addmm.out": ((3,), (5, 7), (7, 3)), "aten._addmm_activation.out": ((3,), (5, 7), (7, 3))}[target]
+            "aten.addmm.out": ((3,), (5, 7), (7, 3)), "aten._addmm_activation.out": ((3,), (5, 7), (7, 3)),
+            "aotfuse.mm_residual.out": ((5, 7), (7, 3), (5, 3), (3,))}[target]
     args = [torch.randn(s, generator=g) for s in mats]
     kwargs = {"beta": 0.5, "alpha": 2.0} if target in ("aten.addmm.out", "aten._addmm_activation.out") else {}
     for extra in ([{"use_gelu": False}, {"use_gelu": True}] if target == "aten._addmm_activation.out" else [{}]):

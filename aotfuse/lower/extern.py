@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.ops.aotfuse.*)
+from ..runtime.mm_residual import mm_residual as _mm_residual_op
 
 from ..errors import UnsupportedOpError
 from ..ir.sizes import static
@@ -78,6 +79,48 @@ def _addmm_activation(ctx, node, args, kwargs):
     kw = {"use_gelu": bool(kwargs.get("use_gelu", False))}
     kw.update((k, kwargs[k]) for k in ("beta", "alpha") if kwargs.get(k, 1) != 1)
     return ctx.extern("aten._addmm_activation.out", (tb, ta, tm), kw, out_shape(node), out_dtype(node), True)
+
+
+def mm_residual(ctx, node, args, residual: View) -> View:
+    """An mm / addmm with the residual its sum adds (lower/residual.py chose it): one
+    `aotfuse.mm_residual.out` extern, D = a @ b (+ bias) + residual; the residual is read as D's M x N matrix
+    (a reshape of the sum's operand, which lower/residual.py found row-major)."""
+    if node.target is aten.addmm.default:
+        bias, a, b = args[:3]
+    else:
+        (a, b), bias = args[:2], None
+    if not isinstance(residual, View):
+        raise UnsupportedOpError(str(node.target), node.name, "the residual is not a tensor")
+    from ..ir.sizes import text
+    from ..schedule.templates import TEMPLATE_DTYPES, library_epilogue_estimate, mode
+
+    def dim(x):
+        return int(x) if static(x) else text(x)
+
+    m, n = out_shape(node)
+    k, dt = a.shape[-1], out_dtype(node)
+    rec = {"matmul": node.name, "op": "addmm" if bias is not None else "mm", "dtype": dt,
+           "shape": {"B": 1, "M": dim(m), "N": dim(n), "K": dim(k)}, "mode": mode(),
+           "epilogue": ["add"] + (["bias"] if bias is not None else []), "choice": "extern",
+           "why": "cuBLASLt adds the residual (C, beta 1)" + (" and the bias" if bias is not None else "")
+                  + " in its call (lower/residual.py)"}
+    if all(static(x) for x in (m, n, k)) and dt in TEMPLATE_DTYPES:
+        rec["cost_us"] = library_epilogue_estimate(int(m), int(n), int(k), dt)
+    ctx.decisions.append(rec)
+    return _mm_residual_call(ctx, node, a, b, residual.reshape(out_shape(node)), bias)
+
+
+def _mm_residual_call(ctx, node, a, b, residual: View, bias) -> View:
+    ta, tb, tr = (_targ(ctx, x, node, n) for x, n in zip((a, b, residual), ("lhs", "rhs", "residual")))
+    tbias = None if bias is None else _targ(ctx, bias, node, "bias")
+    return ctx.extern("aotfuse.mm_residual.out", (ta, tb, tr, tbias), {}, out_shape(node), out_dtype(node), True)
+
+
+@rule(_mm_residual_op, category="extern",
+      note="a matmul with its bias and a residual added by cuBLASLt (C with beta 1); lower/residual.py makes it")
+def _mm_residual(ctx, node, args, kwargs):
+    a, b, residual, bias = (list(args) + [kwargs.get("bias")])[:4]
+    return _mm_residual_call(ctx, node, a, b, residual, bias)
 
 
 def _stored(node) -> str | None:

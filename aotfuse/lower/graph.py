@@ -13,7 +13,9 @@ from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
 from ..layouts import channels_last_perm, node_layout
+from .extern import mm_residual
 from .registry import registry
+from .residual import sites as residual_sites
 from ..ir.sizes import current_dims, size, sizes
 
 
@@ -44,6 +46,11 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     outputs = []
     const_id = 0
     rules = registry()
+    # residual adds the matmul feeding them takes in its call (lower/residual.py): the matmul lowers with
+    # its residual, the add is bound to the (reshaped) result
+    fused, records = residual_sites(cg.gm)
+    ctx.decisions.extend(records)
+    fused_adds = {s.add: s.operand for s in fused.values()}
     for node in cg.gm.graph.nodes:
         if node.op == "placeholder":
             kind, ref = ph[node.name]
@@ -83,6 +90,12 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 env[node] = env[node.args[0]][node.args[1]]
                 if node.args[0] in consts:
                     consts[node] = consts[node.args[0]][node.args[1]]
+                continue
+            if node in fused:
+                env[node] = mm_residual(ctx, node, _map_args(node.args, env), env[fused[node].residual])
+                continue
+            if node in fused_adds:
+                env[node] = env[fused_adds[node]]
                 continue
             info = rules.get(node.target)
             if info is None:

@@ -1,6 +1,7 @@
 """Matmul externs through cuBLASLt, prepared once per executor state: one ctypes call per matmul.
 
-A program's `aten.mm.out` / `aten.addmm.out` / `aten._addmm_activation.out` / `aten.bmm.out` externs have
+A program's `aten.mm.out` / `aten.addmm.out` / `aten._addmm_activation.out` / `aten.bmm.out` /
+`aotfuse.mm_residual.out` externs have
 static shapes, strides and
 dtypes, so everything torch's dispatcher works out on every call (argument parsing, dispatch, layout
 checks, the cuBLAS handle, the workspace, the algorithm) can be worked out once. Linking derives a
@@ -17,6 +18,8 @@ vector along the rows of D^T: the CUBLASLT_EPILOGUE_BIAS epilogue adds it in the
 `_addmm_activation(..., use_gelu=True)` (a tanh GELU fused at export, export/mm_gelu.py) is the same
 matmul with CUBLASLT_EPILOGUE_GELU_BIAS: bias, then cuBLASLt's GELU (the tanh approximation) on each
 element as it is written; elementwise, so the transpose changes nothing about it.
+`aotfuse.mm_residual.out` (lower/residual.py) is the same matmul with C = the residual and beta = 1, its
+bias (if any) in the BIAS epilogue: D^T = B^T A^T + C^T, C in D's orientation with its own leading dimension.
 
 Numerics follow torch's defaults, read from torch when a state is bound and checked on every call
 (a change re-binds): fp32 computes in CUBLAS_COMPUTE_32F, or CUBLAS_COMPUTE_32F_FAST_TF32 when
@@ -61,7 +64,7 @@ MAX_ALIGNMENT = 256  # cuBLASLt's default (and largest) alignment preference
 DYNAMIC_BASE_ALIGNMENT = 256  # assumed for per-call buffers (torch's allocator gives 512), checked per call
 
 DATA_TYPES = {torch.float32: CUDA_R_32F, torch.float16: CUDA_R_16F, torch.bfloat16: CUDA_R_16BF}
-TARGETS = ("aten.mm.out", "aten.addmm.out", "aten._addmm_activation.out", "aten.bmm.out")
+TARGETS = ("aten.mm.out", "aten.addmm.out", "aten._addmm_activation.out", "aten.bmm.out", "aotfuse.mm_residual.out")
 _ADDMM = ("aten.addmm.out", "aten._addmm_activation.out")
 _INT32_MAX = 2**31 - 1
 
@@ -101,9 +104,11 @@ class Operand:
 
 @dataclasses.dataclass(frozen=True)
 class MatmulSpec:
-    """One extern as a cuBLASLt matmul: D' (m x n) = op(A') (m x k) @ op(B') (k x n) [+ bias along m] [then GELU].
+    """One extern as a cuBLASLt matmul: D' (m x n) = op(A') (m x k) @ op(B') (k x n) [+ C'] [+ bias along m]
+    [then GELU].
     `swapped`: D' is the program's D transposed (A' = B^T, B' = A^T), the usual row-major case.
-    `gelu`: the epilogue is GELU_BIAS (cuBLASLt's tanh GELU after the bias), not BIAS."""
+    `gelu`: the epilogue is GELU_BIAS (cuBLASLt's tanh GELU after the bias), not BIAS.
+    `c` / `c_ref`: aotfuse::mm_residual's residual, added with beta 1 (its own layout; None: C is D, beta 0)."""
     target: str
     dtype: torch.dtype
     m: int
@@ -121,13 +126,15 @@ class MatmulSpec:
     bias_ref: Operand | None
     swapped: bool
     gelu: bool = False
+    c: Layout | None = None
+    c_ref: Operand | None = None
 
     def describe(self) -> str:
         ops = "NT"
         return (f"{self.target} {str(self.dtype).removeprefix('torch.')} m={self.m} n={self.n} k={self.k}"
                 + (f" batch={self.batch}" if self.batch > 1 else "")
                 + f" op={ops[self.transa]}{ops[self.transb]}" + (" +bias" if self.bias_ref is not None else "")
-                + (" +gelu" if self.gelu else "")
+                + (" +residual" if self.c is not None else "") + (" +gelu" if self.gelu else "")
                 + (" (D^T = B^T A^T)" if self.swapped else ""))
 
 
@@ -174,9 +181,13 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
     offset; anything else is a scalar); dtypes: slot -> torch dtype."""
     if target not in TARGETS:
         raise Unsupported(f"{target} is not a matmul")
-    bias = None
+    bias = residual = None
     gelu = False
-    if target in _ADDMM:
+    if target == "aotfuse.mm_residual.out":
+        if len(args) != 4 or kwargs:
+            raise Unsupported("mm_residual with other than (self, mat2, residual, bias)")
+        a, b, residual, bias = args
+    elif target in _ADDMM:
         if len(args) != 3:
             raise Unsupported("addmm with other than (bias, mat1, mat2)")
         bias, a, b = args
@@ -191,7 +202,7 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
         if len(args) != 2 or kwargs:
             raise Unsupported(f"{target} with arguments other than (self, mat2)")
         a, b = args
-    tensors = [t for t in (a, b, out, bias) if t is not None]
+    tensors = [t for t in (a, b, out, bias, residual) if t is not None]
     if not all(hasattr(t, "slot") and hasattr(t, "stride") for t in tensors):
         raise Unsupported("an operand is not a tensor view")
     dts = {dtypes.get(t.slot) for t in tensors}
@@ -203,7 +214,7 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
     size = itemsize or dtype.itemsize
     batched = target == "aten.bmm.out"
     nd = 3 if batched else 2
-    if any(len(t.shape) != nd for t in (a, b, out)):
+    if any(len(t.shape) != nd for t in (a, b, out) + ((residual,) if residual is not None else ())):
         raise Unsupported("operand ranks do not match the op")
     if any(s < 0 for t in tensors for s in t.stride) or any(t.offset < 0 for t in tensors):
         raise Unsupported("negative stride or offset")
@@ -216,6 +227,8 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
         raise Unsupported("an empty dimension")
     if max(M, N, K, B) > _INT32_MAX:
         raise Unsupported("a dimension beyond int32")
+    if residual is not None and tuple(residual.shape) != (M, N):
+        raise Unsupported(f"residual {tuple(residual.shape)} is not the product's {(M, N)}")
     if bias is not None and not _bias_ok(bias.shape, bias.stride, N):
         raise Unsupported(f"addmm bias {tuple(bias.shape)} stride {tuple(bias.stride)} is not a packed row vector")
 
@@ -226,14 +239,19 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
         return (c, r, sc, sr)
 
     # The swapped form first: it is the one for a row-major D, and the only one with a bias epilogue.
-    forms = [(True, transposed(*mat(out)), transposed(*mat(b)), transposed(*mat(a)), b, a, N, M)]
+    cm = mat(residual) if residual is not None else None
+    forms = [(True, transposed(*mat(out)), transposed(*mat(b)), transposed(*mat(a)), b, a, N, M,
+              transposed(*cm) if cm else None)]
     if bias is None:
-        forms.append((False, mat(out), mat(a), mat(b), a, b, M, N))
-    for swapped, dm, am, bm, ta, tb, m, n in forms:
+        forms.append((False, mat(out), mat(a), mat(b), a, b, M, N, cm))
+    for swapped, dm, am, bm, ta, tb, m, n, cmat in forms:
         d_lay = column_major(*dm)
         a_lay = column_major(*am)
         b_lay = column_major(*bm)
+        c_lay = column_major(*cmat) if cmat else None
         if d_lay is None or d_lay[0] != CUBLAS_OP_N or a_lay is None or b_lay is None:
+            continue
+        if cmat and (c_lay is None or c_lay[0] != CUBLAS_OP_N):  # C takes no transpose: D's orientation
             continue
         batch_strides = (ta.stride[0], tb.stride[0], out.stride[0]) if batched and B > 1 else (0, 0, 0)
         if batched and B > 1:
@@ -248,9 +266,13 @@ def derive(target: str, args: Sequence, kwargs: dict, out, dtypes: dict, itemsiz
             d=Layout(dr, dc, dld, B, batch_strides[2]),
             a_ref=Operand(ta.slot, ta.offset * size), b_ref=Operand(tb.slot, tb.offset * size),
             d_ref=Operand(out.slot, out.offset * size),
-            bias_ref=None if bias is None else Operand(bias.slot, bias.offset * size), swapped=swapped, gelu=gelu)
+            bias_ref=None if bias is None else Operand(bias.slot, bias.offset * size), swapped=swapped, gelu=gelu,
+            c=None if c_lay is None else Layout(*c_lay[1]),
+            c_ref=None if residual is None else Operand(residual.slot, residual.offset * size))
     raise Unsupported("operands are not strided matrices cuBLASLt takes (a row or a column stride of 1, "
-                      "non-overlapping)" + ("; with a bias the output must be row-major" if bias is not None else ""))
+                      "non-overlapping)" + ("; with a bias the output must be row-major" if bias is not None else "")
+                      + ("; the residual must be stored as the output is (row- or column-major alike)"
+                         if residual is not None else ""))
 
 
 def alignment(address: int) -> int:
@@ -459,10 +481,12 @@ class LtMatmul:
         self._set_desc(DESC_TRANSB, ctypes.c_int32(spec.transb))
         dtype = DATA_TYPES[spec.dtype]
         self._a, self._b, self._d = (self._layout(lay, dtype) for lay in (spec.a, spec.b, spec.d))
+        # C: D itself (beta 0), or mm_residual's residual (beta 1, its own layout and address)
+        self._c = self._d if spec.c is None else self._layout(spec.c, dtype)
 
         # Operand addresses: constants for static slots; per-call ones are checked against the
         # alignment the algorithm is picked for (that of the offset within a 256-byte aligned base).
-        refs = (spec.a_ref, spec.b_ref, spec.d_ref)
+        refs = (spec.a_ref, spec.b_ref, spec.d_ref) + ((spec.c_ref,) if spec.c_ref is not None else ())
         self._ptrs = [_vp() for _ in refs]
         self._dynamic: list[tuple] = []
         aligns = []
@@ -498,12 +522,13 @@ class LtMatmul:
             mask = policy.reduction_mask(spec.dtype)
             if mask != REDUCTION_ALL:
                 set_pref(PREF_REDUCTION_SCHEME_MASK, ctypes.c_uint32(mask))
-            a_al, b_al, d_al = aligns
-            for attr, al in zip(PREF_MIN_ALIGNMENT, (a_al, b_al, d_al, d_al)):  # C is D
+            a_al, b_al, d_al = aligns[:3]
+            c_al = aligns[3] if len(aligns) > 3 else d_al  # C is D unless a residual
+            for attr, al in zip(PREF_MIN_ALIGNMENT, (a_al, b_al, c_al, d_al)):
                 set_pref(attr, ctypes.c_uint32(al))
             self._result = _HeuristicResult()
             count = ctypes.c_int(0)
-            status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, self._a, self._b, self._d, self._d, pref, 1,
+            status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, self._a, self._b, self._c, self._d, pref, 1,
                                                         ctypes.addressof(self._result), ctypes.byref(count))
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
@@ -515,12 +540,14 @@ class LtMatmul:
         self.workspace_needed = int(self._result.workspaceSize)
         self.alignments = tuple(aligns)
         self._handle = _vp(handle)
-        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._alpha = ctypes.c_float(1.0)
+        self._beta = ctypes.c_float(0.0 if spec.c is None else 1.0)
         self._stream = _vp()
         self._ws, self._ws_size = _vp(), ctypes.c_size_t(0)
-        pa, pb, pd = self._ptrs
+        pa, pb, pd = self._ptrs[:3]
+        pc = self._ptrs[3] if spec.c is not None else pd
         self._args = (self._handle, desc, _vp(ctypes.addressof(self._alpha)), pa, self._a, pb, self._b,
-                      _vp(ctypes.addressof(self._beta)), pd, self._d, pd, self._d,
+                      _vp(ctypes.addressof(self._beta)), pc, self._c, pd, self._d,
                       _vp(ctypes.addressof(self._result)), self._ws, self._ws_size, self._stream)
 
     def _set_desc(self, attr: int, value) -> None:

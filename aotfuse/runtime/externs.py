@@ -16,6 +16,7 @@ import torch
 from ..errors import ArchiveError
 from . import attention as _attention  # defines aotfuse::attention and aotfuse::attention_backward
 from . import embedding_grad as _embedding_grad  # defines aotfuse::embedding_backward
+from . import mm_residual as _mm_residual  # defines aotfuse::mm_residual
 
 aten = torch.ops.aten
 
@@ -55,6 +56,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     # GELU reads its input, which this call never writes): cuBLASLt's GELU_BIAS epilogue on CUDA
     ExternOp(aten._addmm_activation.default, (aten._addmm_activation.out,), train=False),
     ExternOp(aten.bmm.default, (aten.bmm.out,)),
+    # a matmul with its bias and a residual added as it writes (lower/residual.py makes it from mm/addmm + add;
+    # no exported or joint graph holds it): cuBLASLt's D = A @ B + C with the BIAS epilogue on CUDA
+    ExternOp(_mm_residual.mm_residual, (_mm_residual.mm_residual_out_op,), inference=False, train=False),
     # an embedding's weight gradient by atomic adds (runtime/embedding_grad.py); aten's sorted kernel for
     # scale_grad_by_freq
     ExternOp(aten.embedding_dense_backward.default,
@@ -98,6 +102,7 @@ BINDINGS = {
     "aten.addmm.out": torch.addmm,
     "aten._addmm_activation.out": _addmm_activation,
     "aten.bmm.out": torch.bmm,
+    "aotfuse.mm_residual.out": _mm_residual.mm_residual_out,
     # F.scaled_dot_product_attention's C binding: (q, k, v, attn_mask, dropout_p, is_causal, *, scale, enable_gqa)
     "aten.scaled_dot_product_attention.default": torch._C._nn.scaled_dot_product_attention,
 }

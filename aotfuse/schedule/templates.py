@@ -130,21 +130,33 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
     return rec
 
 
-def gelu_epilogue_choice(m: int, n: int, k: int, dtype: str) -> tuple[bool, str]:
-    """AOTFUSE_MM=auto, a tanh GELU over a biased matmul (export/mm_gelu.py asks before it rewrites):
-    (keep cuBLAS, with the bias and the GELU in cuBLASLt's GELU_BIAS epilogue?, why). The other side
-    is the template with the same epilogue; both write the result once, so only the matmuls differ."""
+def library_epilogue_estimate(m: int, n: int, k: int, dtype: str) -> dict:
+    """The two estimates of a matmul whose epilogue both sides fuse (cuBLASLt's own epilogue or C, the
+    template's store): no epilogue round trip on either side."""
+    cfg, _ = choose_config(1, m, n, k, dtype, knobs.targets)
+    return estimate(1, m, n, k, dtype, 0, 0.0, True, cfg, least_sms(knobs.targets))
+
+
+def library_epilogue_choice(m: int, n: int, k: int, dtype: str, what: str) -> tuple[bool, str]:
+    """AOTFUSE_MM=auto, a matmul whose epilogue cuBLASLt can apply itself (export/mm_gelu.py's tanh GELU,
+    lower/residual.py's residual add) asks before it is rewritten: (keep cuBLAS with the epilogue in the
+    call?, why). The other side is the template with the same epilogue; both write the result once, so only
+    the matmuls differ."""
     if dtype not in TEMPLATE_DTYPES:
         return True, f"{dtype} matmuls have no template"
     if not (m and n and k):
         return True, f"an empty matmul ({m}x{n}x{k}): nothing to time"
-    cfg, _ = choose_config(1, m, n, k, dtype, knobs.targets)
-    est = estimate(1, m, n, k, dtype, 0, 0.0, True, cfg, least_sms(knobs.targets))
+    est = library_epilogue_estimate(m, n, k, dtype)
     if est["extern"] <= est["template"]:
         return True, (f"cuBLASLt {est['extern']} us <= template {est['template']} us "
-                      f"({m}x{n}x{k}; both fuse the bias and the GELU)")
-    return False, (f"the template {est['template']} us < cuBLASLt {est['extern']} us ({m}x{n}x{k}; both fuse the "
-                   "bias and the GELU)")
+                      f"({m}x{n}x{k}; both fuse {what})")
+    return False, (f"the template {est['template']} us < cuBLASLt {est['extern']} us ({m}x{n}x{k}; both fuse "
+                   f"{what})")
+
+
+def gelu_epilogue_choice(m: int, n: int, k: int, dtype: str) -> tuple[bool, str]:
+    """library_epilogue_choice for a tanh GELU over a biased matmul (cuBLASLt's GELU_BIAS epilogue)."""
+    return library_epilogue_choice(m, n, k, dtype, "the bias and the GELU")
 
 
 # ---------------------------------------------------------------- fusion

@@ -392,6 +392,25 @@ module_case("linear_3d_gelu_tanh", lambda dt: nn.Sequential(_linear(dt), nn.GELU
             ["aten._addmm_activation.default", "aten.view.default"], HALF)
 
 
+class _Residual(nn.Module):
+    """x + linear(x): the residual add fuses into the matmul (lower/residual.py: one mm_residual extern)."""
+
+    def __init__(self, dt, bias=True):
+        super().__init__()
+        self.lin = nn.Linear(7, 7, bias=bias).to(dt)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+module_case("linear_residual", lambda dt: _Residual(dt), _x(2, 5, 7),
+            ["aten.addmm.default", "aten.add.Tensor", "aten.view.default"], HALF)
+module_case("mm_residual", lambda dt: _Residual(dt, bias=False), _x(5, 7), ["aten.mm.default", "aten.add.Tensor"], HALF)
+fn_case("aotfuse_mm_residual", lambda a, b, r, bias: torch.ops.aotfuse.mm_residual(a, b, r, bias),
+        lambda dt: (randn(5, 7, dtype=dt), randn(7, 6, dtype=dt), randn(5, 6, dtype=dt), randn(6, dtype=dt)),
+        ["aotfuse.mm_residual.default"], HALF)
+
+
 def _embedding(dt):
     return nn.Embedding(11, 6).to(dt)
 
