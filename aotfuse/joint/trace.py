@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import time
 from typing import Any
 
@@ -378,6 +379,45 @@ def _simplify_masks(gm, placeholders, weights, mutated=()) -> None:
     simplify_attention_masks(gm, seeds)
 
 
+def _lift_constants(gm, placeholders, buffer_names, weights):
+    """aot_autograd keeps a tensor the forward makes from Python values (`torch.tensor(2.0)`, the value of
+    `t[:, 0] = 1`: T5's and Whisper's shift of the labels) as a get_attr of the graph module, where export
+    lifts it to an input. Each becomes a buffer placeholder (a fixed weight of the train archive) after the
+    other parameters and buffers. Returns the placeholders in graph order; updates buffer_names and weights."""
+    from ..export.fold import PREFIX
+
+    graph = gm.graph
+    consts = [n for n in graph.nodes if n.op == "get_attr"]
+    if not consts:
+        return placeholders
+    kinds = {name: (kind, ref) for name, kind, ref in placeholders}
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    fixed = [n for n in phs if kinds[n.name][0] in ("param", "buffer")]
+    after = fixed[-1] if fixed else None
+    for n in consts:
+        val = operator.attrgetter(n.target)(gm)
+        if not isinstance(val, torch.Tensor):
+            raise BuildError(f"joint graph attribute {n.target} is a {type(val).__name__}, not a tensor",
+                             remedy="compute the value in forward from tensors, or register it as a buffer")
+        val = val.detach().contiguous().cpu()
+        if after is None:
+            with graph.inserting_before(phs[0]):
+                ph = graph.placeholder(f"lifted_{n.name}")
+        else:
+            with graph.inserting_after(after):
+                ph = graph.placeholder(f"lifted_{n.name}")
+        ph.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")} or {"val": val})
+        n.replace_all_uses_with(ph)
+        graph.erase_node(n)
+        after = ph
+        fqn = PREFIX + n.name
+        buffer_names.append(fqn)
+        weights[fqn] = val
+        kinds[ph.name] = ("buffer", fqn)
+    graph.lint()
+    return [(n.name, *kinds[n.name]) for n in graph.nodes if n.op == "placeholder"]
+
+
 def _fold(gm, placeholders, param_names, buffer_names, weights, mutated=()):
     """export/fold.py on the joint graph: constant subgraphs lowering has no rule for (the causal
     mask's cumsum) become buffers, placed after the other buffers (buffers the forward does not
@@ -590,6 +630,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     tangent, mode = _insert_tangent(gm, loss, user_outputs, grad_nodes)
     placeholders.append((tangent.name, "tangent", None))
     graph.eliminate_dead_code()
+    placeholders = _lift_constants(gm, placeholders, buffer_names, weights)
     _simplify_masks(gm, placeholders, weights, set(mutated))
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)

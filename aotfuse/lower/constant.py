@@ -17,17 +17,17 @@ rule = collector(RULES)
 
 @rule(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
           aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-          category="constant")
+          aten.new_empty_strided.default,
+          category="constant", note="an empty tensor (values unspecified, e.g. a backward's new_empty_strided "
+                                    "before its scatter) is zeros")
 def _full(ctx, node, args, kwargs):
     shape = out_shape(node)
     dt = out_dtype(node)
     t = node.target
-    if t is aten.full.default:
+    if t in (aten.full.default, aten.full_like.default):
         value = args[1]
     elif t is aten.scalar_tensor.default:
         value = args[0]
-    elif t is aten.full_like.default:
-        value = args[1]
     elif t in (aten.ones.default, aten.ones_like.default):
         value = 1
     else:

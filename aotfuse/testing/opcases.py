@@ -477,6 +477,20 @@ class _AttentionLoss(nn.Module):
         return (a * b).sum()
 
 
+class _SetItemLoss(nn.Module):
+    """`y[:, 0] = 1.0` on an activation: a lifted constant in the joint graph (joint/trace.py _lift_constants) and
+    aten.new_empty_strided in its backward (zeros before the scatter of the gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.lin(x) * torch.tensor(2.0)
+        y[:, 0] = 1.0
+        return y.square().mean()
+
+
 TRAIN_CASES: list[OpCase] = [
     OpCase("embedding_backward", lambda dt: (_EmbeddingLoss().to(dt).train(), (torch.randint(0, 11, (3, 4)),)),
            ("aten.embedding_dense_backward.default",)),
@@ -486,6 +500,8 @@ TRAIN_CASES: list[OpCase] = [
     OpCase("embedding_backward_freq", lambda dt: (_EmbeddingLoss(3, scale_grad_by_freq=True).to(dt).train(),
                                                   (torch.randint(0, 11, (5, 7)),)),
            ("aten.embedding_dense_backward.default",)),
+    OpCase("setitem_train", lambda dt: (_SetItemLoss().to(dt).train(), (randn(4, 6, dtype=dt),)),
+           ("aten.new_empty_strided.default",)),
     OpCase("convolution_train", lambda dt: (_ConvLoss().to(dt).train(), (randn(2, 3, 9, 8, dtype=dt),)),
            ("aten.convolution_backward.default",)),
     OpCase("attention_train", lambda dt: (_AttentionLoss().to(dt), (randn(2, 4, 6, 8, dtype=dt),
@@ -551,6 +567,7 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aten.zeros_like.default": (DECOMPOSED, "becomes full_like, then aten.full"),
     "aten.ones_like.default": (DECOMPOSED, "becomes full_like, then aten.full"),
     "aten.empty_like.default": (DECOMPOSED, "core-ATen table: becomes aten.empty_permuted (unsupported)"),
+    "aten.new_empty_strided.default": (TRAIN, "a backward's buffer before its scatter (y[:, 0] = c on an activation)"),
     "aten.arange.default": (DECOMPOSED, "core-ATen table: becomes aten.arange.start_step"),
     "aten.arange.start": (DECOMPOSED, "core-ATen table: becomes aten.arange.start_step"),
     "aten._unsafe_view.default": (DECOMPOSED, "core-ATen table: becomes aten.view"),
