@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..runtime.externs import keep_whole
+from .upsample import UPSAMPLE
 
 aten = torch.ops.aten
 
@@ -187,6 +188,9 @@ OURS = {
     aten.var.correction: _var_correction,
     aten.var_mean.correction: _var_mean_correction,
 }
+
+
+OURS.update(UPSAMPLE)  # export/upsample.py: nearest by an integer factor as views, the other modes torch's
 
 
 def decomposition_table() -> dict:

@@ -35,6 +35,7 @@ from .batchnorm import cumulative_average_batchnorm
 from .decomp_train import sdpa_math_mode, training_decompositions
 from .losses import cross_entropy_mode
 from .pooling import adaptive_pool_mode
+from .upsample import nearest_upsample_mode
 
 aten = torch.ops.aten
 
@@ -560,6 +561,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
         mode, fake_model, fake_inputs = _faked(model, example_inputs, symbolic)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
         with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), \
+                nearest_upsample_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,

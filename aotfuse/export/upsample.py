@@ -1,0 +1,87 @@
+"""Upsampling (F.interpolate, nn.Upsample: UNets, segmentation heads, FPNs) as ops lowering has rules for.
+
+Nearest, every output size an integer multiple k of the input's (the usual scale_factor=2): each input
+element repeated k times along each spatial dim, written as views: x.view(..., n, 1, ...).expand(..., n, k, ...)
+.reshape(..., n * k, ...). Lowering reads it as index math (no kernel of its own: it fuses into its consumer).
+In training the joint trace routes F.interpolate there before autograd (joint/upsample.py): its gradient is
+then the sum of each k x k window, a reduction, and a training build needs no scatter. torch computes the source index as floor(i * in / out) (or floor(i / scale) with a scale factor):
+for an integer ratio both are floor(i / k), which is what the repeat reads.
+
+Other ratios and bilinear / bicubic modes take torch's own decomposition (torch._decomp): gathers of
+computed indices (`aten._unsafe_index`, lowered as aten.index), so inference builds; their gradient is a
+scatter-add (aten.index_put with accumulate), which lowering does not support: a training build stops there
+with an UnsupportedOpError naming it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._decomp import decomposition_table as _torch_decomp
+
+aten = torch.ops.aten
+
+
+def _factors(in_sizes, out_sizes, scales) -> list[int] | None:
+    """The integer repeat of each spatial dim, or None when some ratio is not an integer (or a scale factor
+    given with the sizes disagrees with it: torch then indexes by the scale)."""
+    out = []
+    for i, (n, m) in enumerate(zip(in_sizes, out_sizes)):
+        if type(n) is not int or type(m) is not int or n < 1 or m % n:
+            return None
+        k = m // n
+        s = scales[i] if scales is not None and i < len(scales) else None
+        if s is not None and float(s) != float(k):
+            return None
+        out.append(k)
+    return out
+
+
+def _repeat(x, factors: list[int]):
+    lead = list(x.shape[:x.dim() - len(factors)])
+    view, expand, shape = list(lead), list(lead), list(lead)
+    for n, k in zip(x.shape[len(lead):], factors):
+        view += [n, 1]
+        expand += [n, k]
+        shape.append(n * k)
+    return x.reshape(view).expand(expand).reshape(shape)
+
+
+def _out_sizes(x, output_size, scale_factors, nd: int) -> list:
+    if output_size is not None:
+        return list(output_size)
+    return [math.floor(n * float(s)) for n, s in zip(x.shape[-nd:], scale_factors)]
+
+
+def _nearest_vec(op, nd: int):
+    def decomp(x, output_size, scale_factors):
+        out = _out_sizes(x, output_size, scale_factors, nd)
+        f = _factors(list(x.shape[-nd:]), out, scale_factors)
+        if f is None:
+            return _torch_decomp[op](x, output_size, scale_factors)
+        return _repeat(x, f)
+    return decomp
+
+
+def _nearest_default(op, nd: int):
+    def decomp(x, output_size, *scales):
+        scales = list(scales) if any(s is not None for s in scales) else None
+        f = _factors(list(x.shape[-nd:]), list(output_size), scales)
+        if f is None:
+            return _torch_decomp[op](x, output_size, *(scales or []))
+        return _repeat(x, f)
+    return decomp
+
+
+UPSAMPLE: dict = {
+    aten.upsample_nearest1d.vec: _nearest_vec(aten.upsample_nearest1d.vec, 1),
+    aten.upsample_nearest2d.vec: _nearest_vec(aten.upsample_nearest2d.vec, 2),
+    aten.upsample_nearest3d.vec: _nearest_vec(aten.upsample_nearest3d.vec, 3),
+    aten.upsample_nearest1d.default: _nearest_default(aten.upsample_nearest1d.default, 1),
+    aten.upsample_nearest2d.default: _nearest_default(aten.upsample_nearest2d.default, 2),
+    aten.upsample_nearest3d.default: _nearest_default(aten.upsample_nearest3d.default, 3),
+    # torch's: gathers of computed indices and their weights (inference; the gradient is a scatter-add)
+    **{op: _torch_decomp[op] for op in (aten.upsample_bilinear2d.vec, aten.upsample_linear1d.vec,
+                                        aten.upsample_bicubic2d.vec, aten.upsample_trilinear3d.vec)
+       if op in _torch_decomp},
+}
