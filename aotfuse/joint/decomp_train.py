@@ -376,7 +376,22 @@ class sdpa_math_mode(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention or \
                 func is torch._C._nn.scaled_dot_product_attention:
             return self._sdpa(*args, **kwargs)
+        if func is torch.nn.functional.multi_head_attention_forward:
+            return self._mha(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _mha(self, func, args, kwargs):
+        """nn.MultiheadAttention (nn.TransformerEncoder, torchvision's ViT): F.multi_head_attention_forward's
+        Python body calls sdpa through the module's global name while this mode is off (a mode does not see
+        the calls of the function it is handling, and turning it on again re-enters this call). That name is
+        routed here for the duration of the call."""
+        F = torch.nn.functional
+        real = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self._sdpa
+        try:
+            return func(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = real
 
     def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p:
