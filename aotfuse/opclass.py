@@ -37,6 +37,7 @@ VIEW_OPS = {
     aten.view_as.default, aten.expand_as.default, aten.squeeze_copy.dim, aten.view_copy.default,
     aten.permute_copy.default, aten.unsqueeze_copy.default, aten.expand_copy.default, aten.t_copy.default,
     aten.transpose_copy.int, aten.slice_copy.Tensor, aten.select_copy.int, aten.alias_copy.default,
+    aten.repeat.default,  # a copy to torch, index math to lowering (each tiled dim read mod its size): free to recompute
 }
 CONSTANT_OPS = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.full_like.default,
@@ -85,7 +86,7 @@ POINTWISE_EXTRA = {
     aten.clamp_max.default, aten.hardtanh.default, aten.relu.default,
 }
 COPY_OPS = {aten.cat.default, aten.stack.default, aten.constant_pad_nd.default, aten.flip.default,
-            aten.repeat.default, aten.index_select.default, aten.index.Tensor, aten.gather.default,
+            aten.index_select.default, aten.index.Tensor, aten.gather.default,
             aten.slice_scatter.default, aten.copy.default, aten.scatter.value, aten.scatter.src}
 TUPLE_VIEW_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
 

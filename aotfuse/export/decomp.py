@@ -49,6 +49,56 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     return out.to(x.dtype), mean, rstd
 
 
+def _channel_shape(x) -> list:
+    """[1, C, 1, ...]: a per-channel vector broadcast over x [N, C, *spatial]."""
+    return [1, -1] + [1] * (x.dim() - 2)
+
+
+def _native_group_norm(x, weight, bias, N, C, HxW, group, eps):
+    """GroupNorm: x [N, C, *spatial] seen as [N, group, C // group * HxW] (a view: index math), each row's
+    mean and biased variance (the norm's Welford pair: mean, then the mean of squared deviations), in fp32 for
+    half inputs. Returns (out in x's dtype, mean [N, group], rstd [N, group]); the statistics stay in the
+    computation dtype, as for native_layer_norm, so the backward reads them unrounded."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    rows = xf.reshape(x.shape[0], group, -1)
+    mean = torch.mean(rows, [2], keepdim=True)
+    centered = rows - mean
+    var = torch.mean(centered * centered, [2], keepdim=True)
+    rstd = torch.rsqrt(var + eps)
+    out = (centered * rstd).reshape(x.shape)
+    if weight is not None:
+        out = out * weight.reshape(_channel_shape(x))
+    if bias is not None:
+        out = out + bias.reshape(_channel_shape(x))
+    return out.to(x.dtype), mean.reshape(x.shape[0], group), rstd.reshape(x.shape[0], group)
+
+
+def batch_norm_batch_stats(x, weight, bias, eps):
+    """Normalize over the batch: (out in x's dtype, mean, rstd, biased var), the statistics [C] in the
+    computation dtype (fp32 for half inputs; the mean, then the mean of squared deviations: a Welford pair)."""
+    shape = _channel_shape(x)
+    axes = [0] + list(range(2, x.dim()))
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = torch.mean(xf, axes, keepdim=True)
+    xc = xf - mean
+    var = torch.mean(xc * xc, axes, keepdim=True)  # biased: what normalizes the batch
+    rstd = torch.rsqrt(var + eps)
+    out = xc * rstd
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out.to(x.dtype), mean.reshape(-1), rstd.reshape(-1), var.reshape(-1)
+
+
+def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    """BatchNorm without running statistics (track_running_stats=False, and InstanceNorm, which torch runs as
+    one over x viewed as [1, N * C, *spatial]): batch statistics in train and eval mode alike; nothing to
+    update."""
+    out, save_mean, save_rstd, _ = batch_norm_batch_stats(x, weight, bias, eps)
+    return out, save_mean, save_rstd
+
+
 def _rms_norm(x, normalized_shape, weight=None, eps=None):
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
@@ -183,6 +233,8 @@ OURS = {
     aten.log_softmax.int: _log_softmax_int,
     aten._log_softmax.default: _log_softmax,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
+    aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
+    aten.native_group_norm.default: _native_group_norm,
     aten.full_like.default: _full_like,
     aten.constant_pad_nd.default: _constant_pad_nd,
     aten.var.correction: _var_correction,

@@ -78,6 +78,24 @@ class View:
             old_idx.append(sympy.Integer(0) if old == 1 else nv[i])
         return self._remap(new_shape, old_idx)
 
+    def repeat(self, repeats: Sequence[int]) -> "View":
+        """torch's x.repeat(*repeats): len(repeats) - len(shape) new leading dims (any index reads the same
+        element), and each dim i of size n_i tiled repeats[i] times, read at v_i mod n_i (v_i itself where
+        the dim is not tiled, 0 where n_i is 1)."""
+        repeats = list(repeats)
+        lead = len(repeats) - len(self.shape)
+        if lead < 0:
+            raise ValueError(f"repeat{tuple(repeats)} of a {len(self.shape)}-d view: fewer repeats than dims")
+        nv = syms("v", len(repeats))
+        new_shape = [size(r) for r in repeats[:lead]]
+        old_idx = []
+        for i, (n, r) in enumerate(zip(self.shape, repeats[lead:])):
+            new_shape.append(norm(sympy.expand(n * size(r))))
+            v = nv[lead + i]
+            tiled = not (static(r) and int(r) == 1)
+            old_idx.append(sympy.Integer(0) if static(n) and int(n) == 1 else ModIdx(v, n) if tiled else v)
+        return self._remap(new_shape, old_idx)
+
     def unsqueeze(self, dim: int) -> "View":
         dim = dim % (len(self.shape) + 1)
         shape = list(self.shape)

@@ -33,8 +33,10 @@ Notes
   functionalization hands it over) -> two-pass batch mean and biased variance, the normalized
   output, and the new running statistics by ATen's rule (unbiased variance), in the buffers'
   dtype; the trace returns those as buffer updates (joint/trace.py). `_native_batch_norm_legit.no_stats`
-  (track_running_stats=False) is the same without the update. Their backward is
-  native_batch_norm_backward above.
+  (track_running_stats=False, and InstanceNorm) is the same without the update (export/decomp.py's
+  decomposition, in OURS: inference needs it too). Their backward is native_batch_norm_backward above.
+- native_group_norm is decomposed by OURS (export/decomp.py: rows of [N, groups, C/groups * HW], its
+  statistics in fp32); native_group_norm_backward below reads them, LayerNorm's backward per row.
 - convolution_backward stays whole (runtime/externs.py): cuDNN's dgrad/wgrad kernels. Written as
   convolutions (grad_weight as a convolution of the transposed input with the transposed gradient,
   the batch as channels) it ran 4x slower than eager on a ResNet-18 step.
@@ -48,7 +50,7 @@ import torch
 from ..fxgraph import size_hint
 from torch.overrides import TorchFunctionMode
 
-from ..export.decomp import OURS
+from ..export.decomp import OURS, batch_norm_batch_stats
 from ..runtime.externs import keep_whole
 
 aten = torch.ops.aten
@@ -112,22 +114,31 @@ def _native_batch_norm_backward(grad_out, x, weight, running_mean, running_var, 
     return gi, gw, gb
 
 
-def _batch_norm_batch_stats(x, weight, bias, eps):
-    """Normalize over the batch: (out in x's dtype, mean, rstd, biased var), the statistics [C] in the
-    computation dtype (fp32 for half inputs; two-pass mean and variance)."""
-    shape = [1, -1] + [1] * (x.dim() - 2)
-    axes = [0] + list(range(2, x.dim()))
-    xf = _up(x)
-    mean = torch.mean(xf, axes, keepdim=True)
-    xc = xf - mean
-    var = torch.mean(xc * xc, axes, keepdim=True)  # biased: what normalizes the batch
-    rstd = torch.rsqrt(var + eps)
-    out = xc * rstd
-    if weight is not None:
-        out = out * _up(weight).reshape(shape)
-    if bias is not None:
-        out = out + _up(bias).reshape(shape)
-    return out.to(x.dtype), mean.reshape(-1), rstd.reshape(-1), var.reshape(-1)
+def _native_group_norm_backward(grad_out, x, mean, rstd, weight, N, C, HxW, group, output_mask):
+    """GroupNorm's backward, as LayerNorm's over each (sample, group) row of x [N, C, *spatial] seen as
+    [N, group, C // group, HxW] (views), with mean/rstd [N, group] from the forward (export/decomp.py):
+
+        xhat = (x - mean) * rstd,   gx = grad * weight[c]
+        grad_x = rstd * (gx - mean_row(gx) - xhat * mean_row(gx * xhat))
+        grad_weight[c] = sum_{n, hw} grad * xhat,   grad_bias[c] = sum_{n, hw} grad
+
+    in fp32 for half inputs; xhat is recomputed from x (never a saved normalized copy)."""
+    n = x.shape[0]
+    rows = [n, group, C // group, -1]
+    g, xf = _up(grad_out).reshape(rows), _up(x).reshape(rows)
+    stat = [n, group, 1, 1]
+    xhat = (xf - _up(mean).reshape(stat)) * _up(rstd).reshape(stat)
+    gi = gw = gb = None
+    if output_mask[0]:
+        gx = g * _up(weight).reshape(1, group, C // group, 1) if weight is not None else g
+        a = torch.mean(gx, [2, 3], keepdim=True)
+        b = torch.mean(gx * xhat, [2, 3], keepdim=True)
+        gi = (_up(rstd).reshape(stat) * (gx - a - xhat * b)).reshape(x.shape).to(x.dtype)
+    if output_mask[1] and weight is not None:
+        gw = _sum(g * xhat, [0, 3]).reshape(C).to(weight.dtype)
+    if output_mask[2]:
+        gb = _sum(g, [0, 3]).reshape(C).to(weight.dtype if weight is not None else x.dtype)
+    return gi, gw, gb
 
 
 def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -140,18 +151,12 @@ def _batch_norm_train_functional(x, weight, bias, running_mean, running_var, tra
     if not training:
         return NotImplemented  # eval mode arrives as _native_batch_norm_legit_no_training
     n = x.numel() // x.shape[1]
-    out, save_mean, save_rstd, var = _batch_norm_batch_stats(x, weight, bias, eps)
+    out, save_mean, save_rstd, var = batch_norm_batch_stats(x, weight, bias, eps)
     unbiased = var * (n / max(n - 1, 1))
     new_mean = momentum * save_mean + (1.0 - momentum) * _up(running_mean)
     new_var = momentum * unbiased + (1.0 - momentum) * _up(running_var)
     return out, save_mean, save_rstd, new_mean.to(running_mean.dtype), new_var.to(running_var.dtype)
 
-
-def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
-    """BatchNorm without running statistics (track_running_stats=False): batch statistics in train
-    and eval mode alike; nothing to update."""
-    out, save_mean, save_rstd, _ = _batch_norm_batch_stats(x, weight, bias, eps)
-    return out, save_mean, save_rstd
 
 # ---------------------------------------------------------------- activations
 
@@ -463,8 +468,8 @@ def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
 TRAIN: dict = {
     aten.native_layer_norm_backward.default: _native_layer_norm_backward,
     aten.native_batch_norm_backward.default: _native_batch_norm_backward,
+    aten.native_group_norm_backward.default: _native_group_norm_backward,
     aten._native_batch_norm_legit_functional.default: _batch_norm_train_functional,
-    aten._native_batch_norm_legit.no_stats: _batch_norm_no_stats,
     aten.gelu_backward.default: _gelu_backward,
     aten.threshold_backward.default: _threshold_backward,
     aten.sigmoid_backward.default: _sigmoid_backward,

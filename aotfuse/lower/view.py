@@ -65,6 +65,18 @@ def _as_strided(ctx, node, args, kwargs):
     return out
 
 
+@rule(aten.repeat.default, category="view", note="index math: each tiled dim read at its index mod its size")
+def _repeat(ctx, node, args, kwargs):
+    v, repeats = args[0], list(args[1])
+    if not isinstance(v, View):
+        raise UnsupportedOpError(str(node.target), node.name, "repeat of a non-tensor")
+    if any(isinstance(r, int) and r == 0 for r in repeats):
+        raise UnsupportedOpError(str(node.target), node.name, f"repeat{tuple(repeats)}: a repeat count of 0 makes an "
+                                 "empty tensor, and empty tensors are not lowered",
+                                 remedy="drop the empty result from the model")
+    return v.repeat(repeats)
+
+
 @rule(aten.split_with_sizes.default, aten.split.Tensor, category="view")
 def _split(ctx, node, args, kwargs):
     v, sizes = args[0], args[1]

@@ -221,6 +221,10 @@ fn_case("unbind", lambda x: x.unbind(0)[0] * x.unbind(0)[1] + x.unbind(0)[2], _x
 fn_case("clone_alias", lambda x: (x.clone() * 2, x.detach() + 1, x.t().contiguous() - 1), _x(5, 7),
         ["aten.clone.default", "aten.alias.default"])
 
+fn_case("repeat", lambda x: (x.repeat(2, 1, 3) * 2, x.repeat(2, 1, 1, 1) + 1, x[:, :1].repeat(1, 4, 1) - 1,
+                             x.transpose(0, 2).repeat(1, 2, 1) * 3), _x(*S),
+        ["aten.repeat.default"], HALF)
+fn_case("repeat_into_mm", lambda x: x.repeat(2, 1) @ x.t(), _x(5, 7), ["aten.repeat.default", "aten.mm.default"])
 fn_case("cat", lambda x, y: (torch.cat([x, y], 1), torch.cat([y * 2, x[:, :2], y], -1), torch.cat([x, x + 1])),
         _xy(S, (3, 2, 7)), ["aten.cat.default"], HALF)
 
@@ -543,6 +547,20 @@ module_case("rms_norm", lambda dt: _randomize(nn.RMSNorm(7, eps=1e-6)).to(dt), _
 fn_case("rms_norm_default_eps", lambda x: F.rms_norm(x, (5, 7)), _x(*S), _NORM_OPS)
 module_case("batch_norm_eval", lambda dt: _randomize(nn.BatchNorm2d(3)).to(dt), _x(*_IMG),
             ["aten.rsqrt.default", "aten.sub.Tensor"], HALF)
+module_case("batch_norm_batch_stats", lambda dt: _randomize(nn.BatchNorm2d(3, track_running_stats=False)).to(dt),
+            _x(*_IMG), _NORM_OPS)  # _native_batch_norm_legit.no_stats: batch statistics in eval mode too
+# native_group_norm: rows of [N, groups, C // groups * H * W] (a view), a Welford pair each
+module_case("group_norm", lambda dt: _randomize(nn.GroupNorm(3, 6)).to(dt), _x(2, 6, 5, 7),
+            _NORM_OPS + ["aten.view.default"], HALF)
+module_case("group_norm_no_affine_1d", lambda dt: nn.GroupNorm(2, 6, affine=False).to(dt), _x(4, 6), _NORM_OPS)
+module_case("group_norm_channels_last", lambda dt: _randomize(nn.GroupNorm(2, 6)).to(dt),
+            lambda dt: (randn(2, 6, 5, 7, dtype=dt).contiguous(memory_format=torch.channels_last),), _NORM_OPS, HALF)
+# InstanceNorm: batch_norm over x viewed as [1, N * C, H, W], its weight and bias repeated N times
+module_case("instance_norm", lambda dt: _randomize(nn.InstanceNorm2d(6, affine=True)).to(dt), _x(2, 6, 5, 7),
+            _NORM_OPS + ["aten.repeat.default"], HALF)
+module_case("instance_norm_running_stats",
+            lambda dt: _randomize(nn.InstanceNorm1d(6, affine=True, track_running_stats=True)).to(dt), _x(3, 6, 11),
+            ["aten.repeat.default", "aten.rsqrt.default"])
 
 # ---------------------------------------------------------------- registry ops no model reaches
 
@@ -643,6 +661,8 @@ REFUSED = [  # registered ops that refuse one form of themselves
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
                                                                          dropout_p=0.5),
                 "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),
+    Unsupported("repeat_empty", lambda x: x.repeat(2, 0) + 1, "aten.repeat.default", "repeat",
+                "repeat counts of at least 1"),
     Unsupported("int_bitwise_not", lambda x: ~(x * 4).to(torch.int32), "aten.bitwise_not.default", "bitwise_not",
                 "bitwise_not of bool tensors lowers"),
 ]
