@@ -163,6 +163,46 @@ def _feeds_fusible(node) -> bool:
     return False
 
 
+@rule(aten.index_put.default, category="extern",
+      note="a scatter by index tensors (accumulate: a scatter-add, the gradient of x[idx]): torch's kernel, "
+           "its result bound as the buffer")
+def _index_put(ctx, node, args, kwargs):
+    x, indices, values = args[:3]
+    accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+    tx, tv = _targ(ctx, x, node, "self"), _targ(ctx, values, node, "values")
+    if any(t is not None and t.dtype == "bool" for t in indices):
+        return _masked_write(ctx, node, x, indices, values, accumulate)
+    tidx = [None if t is None else _targ(ctx, t, node, "indices") for t in indices]
+    return ctx.extern("aten.index_put.default", (tx, tidx, tv, accumulate), {}, out_shape(node), out_dtype(node),
+                      False)
+
+
+def _masked_write(ctx, node, x, indices, values, accumulate: bool) -> View:
+    """x[mask] = v (x[mask] += v) with one boolean mask over x's leading dims and one value for every selected
+    element: a pointwise where, no scatter. Any other boolean-mask write (values per selected element, whose
+    positions depend on the data) is refused by name."""
+    from ..ir.indexing import syms
+    from ..ir.loop import Const, Op, compute_dtype
+    from .ctx import as_dtype
+
+    mask = indices[0] if len(indices) == 1 else None
+    if mask is None or not isinstance(mask, View) or mask.dtype != "bool" or not isinstance(values, View) or \
+            values.numel != 1 or tuple(mask.shape) != tuple(x.shape[:len(mask.shape)]):
+        raise UnsupportedOpError(str(node.target), node.name,
+                                 "a boolean-mask index with other than one value for every selected element",
+                                 remedy="write it as torch.where(mask, v, x)")
+    shape, dt = out_shape(node), out_dtype(node)
+    cdt = compute_dtype(dt) if dt != "bool" else "bool"
+    pv = syms("p", len(shape))
+    ranges = dict(zip(pv, shape))
+    old = as_dtype(ctx.load(x, list(pv), ranges), cdt)
+    new = as_dtype(ctx.load(values, [0] * len(values.shape), ranges), cdt)
+    hit = ctx.load(mask, list(pv[:len(mask.shape)]), ranges)
+    body = Op("add", (old, Op("where", (hit, new, as_dtype(Const(0, "float32"), cdt)), cdt)), cdt) if accumulate \
+        else Op("where", (hit, new, old), cdt)
+    return ctx.pointwise(shape, dt, body, hint="masked")
+
+
 @rule(aten.convolution.default, category="extern",
       note="the functional op, its result bound as the buffer (convolution.out copies); channels-last kept")
 def _convolution(ctx, node, args, kwargs):

@@ -56,6 +56,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     # GELU reads its input, which this call never writes): cuBLASLt's GELU_BIAS epilogue on CUDA
     ExternOp(aten._addmm_activation.default, (aten._addmm_activation.out,), train=False),
     ExternOp(aten.bmm.default, (aten.bmm.out,)),
+    # a scatter by index tensors: x[idx] = v written functionally, and (accumulate) the gradient of x[idx] (CLIP's
+    # pooling at the end-of-text token, Whisper's decoder); torch's kernel, its result bound as the buffer
+    ExternOp(aten.index_put.default, (aten.index_put.default,)),
     # a matmul with its bias and a residual added as it writes (lower/residual.py makes it from mm/addmm + add;
     # no exported or joint graph holds it): cuBLASLt's D = A @ B + C with the BIAS epilogue on CUDA
     ExternOp(_mm_residual.mm_residual, (_mm_residual.mm_residual_out_op,), inference=False, train=False),

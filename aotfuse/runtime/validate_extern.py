@@ -252,6 +252,7 @@ _TYPES = {  # schema type -> what the program may pass (meta kernels coerce too 
     "List[int]": lambda x: type(x) is list and all(map(_is_int, x)),
     "Optional[List[int]]": lambda x: x is None or (type(x) is list and all(map(_is_int, x))),
     "List[bool]": lambda x: type(x) is list and all(type(b) is bool for b in x),
+    "List[Optional[Tensor]]": lambda x: type(x) is list and all(v is None or isinstance(v, _Ref) for v in x),
 }
 
 

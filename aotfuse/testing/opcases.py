@@ -396,6 +396,13 @@ module_case("linear_3d_gelu_tanh", lambda dt: nn.Sequential(_linear(dt), nn.GELU
             ["aten._addmm_activation.default", "aten.view.default"], HALF)
 
 
+# index_put (an extern: torch's kernel): x[idx] = v written functionally, and accumulate (repeated indices add up)
+fn_case("index_put", lambda x, v: (x.index_put((torch.tensor([4, 0, 2]),), v),
+                                   x.index_put((torch.tensor([1, 1, 3]), torch.tensor([0, 6, 0])), v[:, 0] * 2,
+                                               accumulate=True)),
+        lambda dt: (randn(5, 7, dtype=dt), randn(3, 7, dtype=dt)), ["aten.index_put.default"], HALF)
+
+
 class _Residual(nn.Module):
     """x + linear(x): the residual add fuses into the matmul (lower/residual.py: one mm_residual extern)."""
 
