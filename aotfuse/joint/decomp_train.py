@@ -37,6 +37,8 @@ Notes
   decomposition, in OURS: inference needs it too). Their backward is native_batch_norm_backward above.
 - native_group_norm is decomposed by OURS (export/decomp.py: rows of [N, groups, C/groups * HW], its
   statistics in fp32); native_group_norm_backward below reads them, LayerNorm's backward per row.
+- gelu_backward with approximate='tanh' is written with the forward's sigmoid (s = sigmoid(2u)):
+  s + 2 x s (1 - s) u', not aten's 0.5 (1 + tanh(u)) + ..., which cancels on the negative tail.
 - convolution_backward stays whole (runtime/externs.py): cuDNN's dgrad/wgrad kernels. Written as
   convolutions (grad_weight as a convolution of the transposed input with the transposed gradient,
   the batch as channels) it ran 4x slower than eager on a ResNet-18 step.
@@ -168,12 +170,15 @@ _K_TANH = math.sqrt(2.0 / math.pi)
 def _gelu_backward(grad, x, approximate="none"):
     g, xf = _up(grad), _up(x)
     if approximate == "tanh":
-        # the tanh's argument spelled as the forward's decomposition spells it (export/decomp._gelu), so
-        # a backward kernel that also recomputes the GELU (the partition's choice) computes one tanh
-        t = torch.tanh(_K_TANH * (xf + 0.044715 * xf * xf * xf))
-        x2 = xf * xf
-        d_inner = _K_TANH * (1.0 + 3.0 * 0.044715 * x2)
-        d = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * d_inner
+        # With u = k (x + 0.044715 x^3) and s = sigmoid(2u) = 0.5 (1 + tanh(u)): 1 - tanh(u)^2 = 4 s (1 - s), so
+        # aten's 0.5 (1 + t) + 0.5 x (1 - t^2) u' is s + 2 x s (1 - s) u'. No 1 + t to cancel on the negative
+        # tail: s keeps its relative accuracy there (aten's form is exactly 0 below x = -5.5 in fp32); s (1 - s)
+        # is taken before x and u' multiply it, so where s is 0 a huge |x| gives 0, not 0 * inf. The
+        # sigmoid's argument is spelled as the forward's decomposition spells it (export/decomp._gelu), so a
+        # backward kernel that also recomputes the GELU (the partition's choice) computes one sigmoid.
+        s = torch.sigmoid((2.0 * _K_TANH) * (xf + 0.044715 * xf * xf * xf))
+        d_inner = _K_TANH * (1.0 + 3.0 * 0.044715 * (xf * xf))
+        d = s + (2.0 * xf) * (s * (1.0 - s)) * d_inner
     else:
         cdf = 0.5 * (1.0 + torch.erf(xf * _SQRT1_2))
         pdf = torch.exp(-0.5 * xf * xf) * _INV_SQRT_2PI
