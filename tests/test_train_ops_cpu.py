@@ -118,3 +118,39 @@ def test_resnet_stem_backward_is_not_decomposed_and_keeps_indices():
 
     g, x = torch.randn(1, 1, 3, 3), torch.randn(1, 1, 6, 6)
     assert _max_pool2d_with_indices_backward(g, x, [3, 3], [2, 2], [1, 1], [1, 1], False, None) is NotImplemented
+
+
+class Pooler(nn.Module):
+    """Swin's pooler (adaptive_avg_pool1d over tokens), F.normalize of the embedding (CLIP), vector norms and a
+    segment sum by scatter_add, into one loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, seg):
+        y = self.lin(x)  # [B, T, 16]
+        pooled = F.adaptive_avg_pool1d(y.transpose(1, 2), 1).flatten(1)  # [B, 16]
+        emb = F.normalize(pooled, dim=-1)
+        p3 = F.adaptive_avg_pool1d(y.transpose(1, 2), 3)  # uneven windows over T = 7
+        sums = torch.zeros(4, 16).scatter_add(0, seg[:, None].expand(-1, 16), y[0])
+        return (emb @ emb.t()).sum() + torch.linalg.vector_norm(y, ord=3, dim=-1).mean() + \
+            torch.linalg.vector_norm(p3) + sums.square().mean()
+
+
+def test_pool1d_norms_and_scatter_add_train():
+    torch.manual_seed(0)
+    model = Pooler()
+    x, seg = torch.randn(2, 7, 16, requires_grad=True), torch.randint(0, 4, (7,))
+    mod = aotfuse.load(aotfuse.build(model, (x, seg), train=True, targets=("sm_90",)).data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    x2, seg2 = torch.randn(2, 7, 16) * 2, torch.tensor([3, 3, 0, 1, 3, 0, 2])
+    xa, xb = x2.clone().requires_grad_(), x2.clone().requires_grad_()
+    loss, want = mod(xa, seg2), ref(xb, seg2)
+    loss.backward()
+    want.backward()
+    assert rel(loss, want) < 1e-6
+    assert rel(xa.grad, xb.grad) < 1e-5
+    grads = dict(mod.named_parameters())
+    for name, p in ref.named_parameters():
+        assert rel(grads[name].grad, p.grad) < 1e-5, name

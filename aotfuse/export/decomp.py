@@ -222,6 +222,30 @@ def _constant_pad_nd(x, pad, value=0.0):
     return out.clone() if out is x else out
 
 
+def _linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """torch.linalg.vector_norm (F.normalize, clip_grad_norm_-style code): reduced in fp32 for half inputs (as
+    torch accumulates), returned in the input's (or the requested) dtype."""
+    out_dtype = dtype or x.dtype
+    acc = x.to(torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.to(out_dtype)
+    dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    if not dims:
+        dims = list(range(x.dim()))
+    a = acc.abs()
+    if ord == 2:
+        r = (acc * acc).sum(dims, keepdim=keepdim).sqrt()
+    elif ord == 1:
+        r = a.sum(dims, keepdim=keepdim)
+    elif ord == math.inf:
+        r = a.amax(dims, keepdim=keepdim)
+    elif ord == -math.inf:
+        r = a.amin(dims, keepdim=keepdim)
+    elif ord == 0:
+        r = (acc != 0).to(acc.dtype).sum(dims, keepdim=keepdim)
+    else:
+        r = a.pow(ord).sum(dims, keepdim=keepdim).pow(1.0 / ord)
+    return r.to(out_dtype)
+
+
 OURS = {
     aten.layer_norm.default: _layer_norm,
     aten.native_layer_norm.default: _native_layer_norm,
@@ -237,6 +261,7 @@ OURS = {
     aten.native_group_norm.default: _native_group_norm,
     aten.full_like.default: _full_like,
     aten.constant_pad_nd.default: _constant_pad_nd,
+    aten.linalg_vector_norm.default: _linalg_vector_norm,
     aten.var.correction: _var_correction,
     aten.var_mean.correction: _var_mean_correction,
 }

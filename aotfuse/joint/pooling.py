@@ -21,10 +21,18 @@ def _size(x: torch.Tensor, output_size) -> list[int]:
 
 
 class adaptive_pool_mode(TorchFunctionMode):
-    """F.adaptive_avg_pool2d (and its C binding) -> aten._adaptive_avg_pool2d, for 3-d and 4-d inputs."""
+    """F.adaptive_avg_pool2d (and its C binding) -> aten._adaptive_avg_pool2d, for 3-d and 4-d inputs; 1-d pools
+    as one row of it."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.nn.functional.adaptive_avg_pool1d or func is torch.adaptive_avg_pool1d:
+            # [N, C, L] (or [C, L]) as one row of a 2-d pool: Swin's pooler (adaptive_avg_pool1d(x, 1)) had a
+            # gradient through as_strided_scatter
+            x, output_size = args[0], (args[1] if len(args) > 1 else kwargs["output_size"])
+            if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
+                n = output_size[0] if isinstance(output_size, (list, tuple)) else output_size
+                return aten._adaptive_avg_pool2d.default(x.unsqueeze(-2), [1, int(n)]).squeeze(-2)
         if func is torch.nn.functional.adaptive_avg_pool2d or func is torch._C._nn.adaptive_avg_pool2d:
             x, output_size = args[0], (args[1] if len(args) > 1 else kwargs["output_size"])
             if isinstance(x, torch.Tensor) and x.dim() in (3, 4):

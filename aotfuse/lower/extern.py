@@ -177,6 +177,15 @@ def _index_put(ctx, node, args, kwargs):
                       False)
 
 
+@rule(aten.scatter_add.default, category="extern",
+      note="a scatter-add along a dim (segment sums, torch_scatter-style pooling): torch's kernel, its result bound "
+           "as the buffer")
+def _scatter_add(ctx, node, args, kwargs):
+    x, dim, index, src = args[:4]
+    tx, ti, ts = (_targ(ctx, t, node, n) for t, n in ((x, "self"), (index, "index"), (src, "src")))
+    return ctx.extern("aten.scatter_add.default", (tx, int(dim), ti, ts), {}, out_shape(node), out_dtype(node), False)
+
+
 def _masked_write(ctx, node, x, indices, values, accumulate: bool) -> View:
     """x[mask] = v (x[mask] += v) with one boolean mask over x's leading dims and one value for every selected
     element: a pointwise where, no scatter. Any other boolean-mask write (values per selected element, whose

@@ -59,6 +59,8 @@ EXTERNS: tuple[ExternOp, ...] = (
     # a scatter by index tensors: x[idx] = v written functionally, and (accumulate) the gradient of x[idx] (CLIP's
     # pooling at the end-of-text token, Whisper's decoder); torch's kernel, its result bound as the buffer
     ExternOp(aten.index_put.default, (aten.index_put.default,)),
+    # a scatter-add along a dim (segment sums); its gradient is a gather, which lowers
+    ExternOp(aten.scatter_add.default, (aten.scatter_add.default,)),
     # a matmul with its bias and a residual added as it writes (lower/residual.py makes it from mm/addmm + add;
     # no exported or joint graph holds it): cuBLASLt's D = A @ B + C with the BIAS epilogue on CUDA
     ExternOp(_mm_residual.mm_residual, (_mm_residual.mm_residual_out_op,), inference=False, train=False),

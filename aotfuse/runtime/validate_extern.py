@@ -269,7 +269,7 @@ def _schema_types(fn, args: list, kwargs: dict, where: str) -> None:
             _fail(where, f"argument {spec.name!r} of {fn} expects {spec.type}, got {_short(a)}")
 
 
-_INDEX_ARGS = {"indices": ("int64", "int32")}  # by schema name; every other tensor has the result's dtype
+_INDEX_ARGS = {"indices": ("int64", "int32"), "index": ("int64",)}  # by schema name; every other tensor has the result's dtype
 
 
 def _dtype_rule(fn, args: list, kwargs: dict, dtype: str, where: str) -> None:

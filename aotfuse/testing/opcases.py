@@ -403,6 +403,10 @@ fn_case("index_put", lambda x, v: (x.index_put((torch.tensor([4, 0, 2]),), v),
         lambda dt: (randn(5, 7, dtype=dt), randn(3, 7, dtype=dt)), ["aten.index_put.default"], HALF)
 
 
+fn_case("scatter_add", lambda x, src: x.scatter_add(0, torch.tensor([[1, 0], [4, 1], [1, 1]]), src) * 2,
+        lambda dt: (randn(5, 2, dtype=dt), randn(3, 2, dtype=dt)), ["aten.scatter_add.default"], HALF)
+
+
 class _Residual(nn.Module):
     """x + linear(x): the residual add fuses into the matmul (lower/residual.py: one mm_residual extern)."""
 
@@ -568,6 +572,12 @@ module_case("instance_norm", lambda dt: _randomize(nn.InstanceNorm2d(6, affine=T
 module_case("instance_norm_running_stats",
             lambda dt: _randomize(nn.InstanceNorm1d(6, affine=True, track_running_stats=True)).to(dt), _x(3, 6, 11),
             ["aten.repeat.default", "aten.rsqrt.default"])
+
+# torch.linalg.vector_norm / F.normalize: sums (or max) of |x|^p, in fp32 for half inputs
+fn_case("vector_norm", lambda x: (torch.linalg.vector_norm(x), torch.linalg.vector_norm(x, 1, dim=0),
+                                  torch.linalg.vector_norm(x, float("inf"), dim=(0, 1), keepdim=True),
+                                  torch.linalg.vector_norm(x, 3, dim=-1), F.normalize(x, dim=-1)),
+        _x(*S), ["aten.sqrt.default", "aten.abs.default"], HALF)
 
 # ---------------------------------------------------------------- registry ops no model reaches
 
