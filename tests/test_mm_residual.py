@@ -87,7 +87,8 @@ class Refused(nn.Module):
         y2 = self.b(x) + row  # the residual broadcasts over the rows
         y3 = self.c(x) + y1.t().contiguous().t()  # a residual that is not row-major
         y4 = torch.add(self.e(x), x, alpha=2.0)  # alpha 2
-        return y1 + y2 + y3 + y4 + h
+        y5 = self.b(row[None])[:, :, None] + x[:, :, None]  # the product [1, 16, 1] broadcasts to [8, 16, 1]
+        return y1 + y2 + y3 + y4 + h + y5.squeeze(-1)
 
 
 def test_refusals_say_why_and_match_eager():
@@ -96,7 +97,7 @@ def test_refusals_say_why_and_match_eager():
     x, row = torch.randn(8, 16), torch.randn(16)
     res = aotfuse.build(model, (x, row), targets=("sm_90",))
     text = "\n".join(_residual_lines(res.report))
-    for why in ("also read by", "broadcasts to the sum", "alpha other than 1"):
+    for why in ("also read by", "broadcasts to the sum", "alpha other than 1", "the product [1, 16, 1] broadcasts"):
         assert why in text, text
     got = aotfuse.load(res.data, device="cpu")(x, row)
     torch.testing.assert_close(got, model(x, row), rtol=1e-5, atol=1e-5)

@@ -113,6 +113,11 @@ def refusal(add: torch.fx.Node, mm: torch.fx.Node, operand: torch.fx.Node, resid
     out, res, prod = vals[0], vals[1], vals[2]
     if len(res.shape) != len(out.shape) or not all(_same(a, b) for a, b in zip(sizes(res.shape), sizes(out.shape))):
         return f"the residual {list(res.shape)} broadcasts to the sum {list(out.shape)}"
+    opv = _val(operand)
+    if opv is None or len(opv.shape) != len(out.shape) or \
+            not all(_same(a, b) for a, b in zip(sizes(opv.shape), sizes(out.shape))):
+        return (f"the product {list(opv.shape) if opv is not None else '?'} broadcasts to the sum {list(out.shape)} "
+                "(the matmul would write one element per output)")
     if mm.target is aten.addmm.default:
         bias = vals[3]
         if len(bias.shape) != 1 or not _same(sizes(bias.shape)[0], sizes(prod.shape)[1]):
