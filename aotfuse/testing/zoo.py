@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .tv_resnet import ResNet18, WithCrossEntropy
+from .unet import NoiseLoss, UNet
 
 __all__ = ["Example", "ZooEntry", "ZOO", "entry", "have_transformers"]
 
@@ -271,6 +272,124 @@ def tv_resnet18_realistic(train=False, dtype=torch.bfloat16, seed=0):
     return _tv_resnet18(False, train, dtype, seed)
 
 
+# ---------------------------------------------------------------- more architectures (a survey of 59, 2026-11-26)
+
+def _mistral(tiny: bool, train, dtype, seed):
+    cfg = dict(_llama_cfg(tiny), sliding_window=8 if tiny else 1024)
+    batch, seq = (2, 16) if tiny else (2, 2048)
+    return _causal_lm("MistralForCausalLM", "MistralConfig", cfg, batch, seq, train, dtype, seed)
+
+
+def mistral(train=False, dtype=torch.float32, seed=0):
+    """MistralForCausalLM: Llama-like with a sliding-window causal mask (8 of 16 tokens here)."""
+    return _mistral(True, train, dtype, seed)
+
+
+def mistral_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    return _mistral(False, train, dtype, seed)
+
+
+def _seq2seq_inputs(vocab: int, batch: int, src: int, tgt: int, train: bool, features=None):
+    def make_inputs(s: int):
+        g = _gen(s)
+        kw = {}
+        if features is None:
+            ids = torch.randint(2, vocab, (batch, src), generator=g)
+            mask = torch.ones(batch, src, dtype=torch.int64)
+            mask[1:, src - src // 4:] = 0  # padded sources
+            kw = {"input_ids": ids, "attention_mask": mask}
+        else:
+            kw = {"input_features": torch.randn(batch, *features, generator=g)}
+        out = torch.randint(3, vocab, (batch, tgt), generator=g)
+        if train:
+            out[1:, tgt - tgt // 4:] = -100  # ignored label positions
+            kw["labels"] = out  # the model shifts them right into its decoder inputs
+        else:
+            kw["decoder_input_ids"] = out
+        return (), kw
+    return make_inputs
+
+
+def _t5(tiny: bool, train, dtype, seed):
+    if tiny:
+        cfg = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, relative_attention_max_distance=16)
+        batch, src, tgt = 2, 16, 8
+    else:  # t5-small
+        cfg = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8)
+        batch, src, tgt = 16, 512, 128
+    model = _finish(_hf("T5ForConditionalGeneration", "T5Config", seed, dropout_rate=0.0, decoder_start_token_id=0,
+                        pad_token_id=0, eos_token_id=1, use_cache=False, **cfg), train, dtype)
+    make = _seq2seq_inputs(cfg["vocab_size"], batch, src, tgt, train)
+    return Example(model, *make(seed + 1), make)
+
+
+def t5(train=False, dtype=torch.float32, seed=0):
+    """T5ForConditionalGeneration: encoder-decoder, relative position buckets, RMS-style LayerNorm, padded
+    sources, labels shifted right by the model (a value written into a tensor in forward)."""
+    return _t5(True, train, dtype, seed)
+
+
+def t5_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    return _t5(False, train, dtype, seed)
+
+
+def _whisper(tiny: bool, train, dtype, seed):
+    if tiny:
+        cfg = dict(vocab_size=128, num_mel_bins=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                   decoder_attention_heads=4, d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                   max_source_positions=8, max_target_positions=16)
+        batch, frames, tgt = 2, 16, 8
+    else:  # whisper-base
+        cfg = dict(vocab_size=51865, num_mel_bins=80, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                   decoder_attention_heads=8, d_model=512, encoder_ffn_dim=2048, decoder_ffn_dim=2048,
+                   max_source_positions=1500, max_target_positions=448)
+        batch, frames, tgt = 8, 3000, 128
+    model = _finish(_hf("WhisperForConditionalGeneration", "WhisperConfig", seed, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                        decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None, use_cache=False,
+                        **cfg), train, dtype)
+    make = _seq2seq_inputs(cfg["vocab_size"], batch, 0, tgt, train, features=(cfg["num_mel_bins"], frames))
+    return Example(model, *make(seed + 1), make)
+
+
+def whisper(train=False, dtype=torch.float32, seed=0):
+    """WhisperForConditionalGeneration: conv1d + GELU audio stem, encoder-decoder, cross attention."""
+    return _whisper(True, train, dtype, seed)
+
+
+def whisper_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    return _whisper(False, train, dtype, seed)
+
+
+def _unet(tiny: bool, train, dtype, seed):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = UNet(16, (1, 2), 4) if tiny else UNet(128, (1, 2, 2), 32)
+    model = _finish(NoiseLoss(net), train, dtype)
+    batch, size = (2, 16) if tiny else (16, 64)
+
+    def make_inputs(s: int):
+        g = _gen(s)
+        x = torch.randn(batch, 3, size, size, generator=g).to(dtype)
+        t = torch.randint(0, 1000, (batch,), generator=g)
+        if train:
+            return (x, t, torch.randn(batch, 3, size, size, generator=g).to(dtype)), {}
+        return (x, t), {}
+
+    return Example(model, *make_inputs(seed + 1), make_inputs)
+
+
+def unet(train=False, dtype=torch.float32, seed=0):
+    """A diffusion-style UNet (aotfuse/testing/unet.py): GroupNorm + SiLU residual blocks, a timestep embedding,
+    strided-conv downsampling, nearest x2 upsampling with skip concatenation, MSE loss on the noise."""
+    return _unet(True, train, dtype, seed)
+
+
+def unet_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    return _unet(False, train, dtype, seed)
+
+
 # ---------------------------------------------------------------- the list
 
 _TF = ("transformers",)
@@ -282,6 +401,10 @@ ZOO: tuple[ZooEntry, ...] = (
     ZooEntry("vit", vit, vit_realistic, _TF, (torch.float32, torch.bfloat16)),
     ZooEntry("hf_resnet", hf_resnet, hf_resnet_realistic, _TF),
     ZooEntry("tv_resnet18", tv_resnet18, tv_resnet18_realistic, (), (torch.float32, torch.bfloat16)),
+    ZooEntry("mistral", mistral, mistral_realistic, _TF),
+    ZooEntry("t5", t5, t5_realistic, _TF),
+    ZooEntry("whisper", whisper, whisper_realistic, _TF),
+    ZooEntry("unet", unet, unet_realistic, (), (torch.float32, torch.bfloat16)),
 )
 
 
