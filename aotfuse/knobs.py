@@ -57,6 +57,7 @@
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
 | mm_gelu | AOTFUSE_MM_GELU | 1 | inference, matmuls kept as cuBLAS: a tanh GELU whose only input is an addmm's result (through views) becomes one `aten._addmm_activation.out` extern, the GELU applied by cuBLASLt's GELU_BIAS epilogue (export/mm_gelu.py); 0: the addmm extern and a GELU kernel, as before |
 | mm_residual | AOTFUSE_MM_RESIDUAL | 1 | matmuls kept as cuBLAS, inference and training: `x + mm(a, b)` or `x + addmm(bias, a, b)` (through reshapes) becomes one `aotfuse.mm_residual.out` extern, the residual added by cuBLASLt as C with beta 1, the bias in its BIAS epilogue (lower/residual.py); 0: the matmul and an add fused into its consumer, as before |
+| conv_bias_split | AOTFUSE_CONV_BIAS_SPLIT | 1 | a convolution with a bias calls cuDNN without it and adds the bias per channel in a pointwise node that fuses into the conv's consumer (torch adds it in a separate kernel: a read and a write of the whole output); 0: the bias passed to the call |
 | train_step | AOTFUSE_TRAIN_STEP | split | --train: `split` (forward and backward programs), `auto` (one fused step program when the loss is a scalar, else split; partition/step.py), `step` (fused, a scalar loss required). Default split: on an H100 (2026-11-23, scripts/step_ab.py) the fused step wins where a loss's forward and backward share a large input (LayerNorm fwd+bwd 16384x4096: 0.479 vs 0.804 ms; cross-entropy 8192x32000: 1.323 vs 1.685 ms) but not yet on the anchor GPT step (5.916 vs 5.737 ms) |
 | partition_materialize | AOTFUSE_PARTITION_MATERIALIZE | 0 | --train: the min cut charges a recomputed value that a backward extern reads (a GELU output or a LayerNorm output feeding a weight-gradient matmul) the write it costs there, so at memory budget 1 such values are saved (more memory, less backward traffic; partition/mincut.py) |
 | backward_stages | AOTFUSE_BACKWARD_STAGES | 1 | --train split: cut the backward into up to this many programs (at most 7) that hand their gradients to autograd in turn, so DDP's all-reduce overlaps the rest of the backward (partition/stages.py) |
@@ -139,6 +140,7 @@ class Knobs:
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
     mm_gelu: bool = bool(_env_int("AOTFUSE_MM_GELU", 1))
     mm_residual: bool = bool(_env_int("AOTFUSE_MM_RESIDUAL", 1))
+    conv_bias_split: bool = bool(_env_int("AOTFUSE_CONV_BIAS_SPLIT", 1))
     train_step: str = os.environ.get("AOTFUSE_TRAIN_STEP", "split") or "split"
     backward_stages: int = _env_int("AOTFUSE_BACKWARD_STAGES", 1)
     partition_materialize: bool = bool(_env_int("AOTFUSE_PARTITION_MATERIALIZE", 0))

@@ -1,6 +1,6 @@
-"""Upsampling (export/upsample.py): nearest by integer factors as views (inference and training, its gradient
-a window sum), other ratios and (bi/tri)linear / bicubic by torch's gathers (inference), against eager on the CPU
-path; a training build whose gradient would need a scatter-add stops with an error naming the op."""
+"""Upsampling (export/upsample.py, joint/upsample.py): nearest by integer factors as views (its gradient a window
+sum), (bi/tri)linear as interpolation matmuls in training, other ratios and bicubic by torch's gathers (their
+gradient a scatter-add extern); inference and training against eager on the CPU path."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotfuse
-from aotfuse.errors import UnsupportedOpError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -107,7 +106,7 @@ def test_linear_modes_train_as_matmuls_and_match_eager(nd, kw):
 
 @pytest.mark.parametrize("kw", [dict(size=(9, 8), mode="bicubic", align_corners=False),
                                 dict(scale_factor=1.5, mode="nearest")])
-def test_training_through_a_gather_names_the_scatter(kw):
-    model = Up(2, loss=True, **kw)
-    with pytest.raises(UnsupportedOpError, match="index_put"):
-        aotfuse.build(model, (_x(2).requires_grad_(),), train=True, targets=("sm_90",))
+def test_training_through_torchs_gathers_matches_eager(kw):
+    """Bicubic and fractional nearest keep torch's gathers; their gradient is a scatter-add (aten.index_put with
+    accumulate, an extern)."""
+    _train_check(2, kw)

@@ -8,9 +8,9 @@ then the sum of each k x k window, a reduction, and a training build needs no sc
 for an integer ratio both are floor(i / k), which is what the repeat reads.
 
 Other ratios and bilinear / bicubic modes take torch's own decomposition (torch._decomp): gathers of
-computed indices (`aten._unsafe_index`, lowered as aten.index), so inference builds; their gradient is a
-scatter-add (aten.index_put with accumulate), which lowering does not support: a training build stops there
-with an UnsupportedOpError naming it.
+computed indices (`aten._unsafe_index`, lowered as aten.index). In training the linear modes become matmuls
+(joint/upsample.py); the others' gradient is a scatter-add (aten.index_put with accumulate, an extern running
+torch's kernel).
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ key): the joint trace would see gathers (`aten._unsafe_index`) and their gradien
   applied dim by dim as matmuls: x @ A_w^T, then the same along H (and D). The gradient is the transposed
   matmuls. Each output element is the same two-tap (four-, eight-tap) sum as torch's, accumulated in fp32 by the
   matmul; in half precision the weights are rounded to the dtype (relative 2^-8), where torch keeps them fp32.
-Other modes (nearest by a fractional ratio, bicubic, antialias) pass through unchanged, and a training build
-stops at the scatter, naming it."""
+Other modes (nearest by a fractional ratio, bicubic, antialias) pass through unchanged: their gradient is a
+scatter-add (aten.index_put with accumulate, an extern running torch's kernel)."""
 from __future__ import annotations
 
 import math

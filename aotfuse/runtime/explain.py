@@ -22,6 +22,8 @@ def _lowering(d: dict) -> str | None:
     if "mm_residual" in d:  # lower/residual.py
         what = "fused into the matmul, one mm_residual extern" if d["fused"] else "not fused"
         return f"  {d['producer']} -> {d['mm_residual']}: residual add {what} ({d['why']})"
+    if "conv_bias" in d:  # lower/extern.py
+        return f"  {d['conv_bias']}: convolution + bias add ({d['why']})"
     if "addmm" in d:
         return f"  {d['addmm']}: {'kept as addmm' if d['kept'] else 'mm + bias add'} ({d['why']})"
     if "realize" in d:
