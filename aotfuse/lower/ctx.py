@@ -72,6 +72,8 @@ class LoweringCtx:
     # The memory order the node being lowered asks for (aotfuse/layouts.py) and its shape; set by lower()
     layout: tuple[int, ...] | None = None
     layout_shape: tuple[int, ...] | None = None
+    # values the conv layout pass (lower/conv_layout.py) stores channels-last: FX node -> storage permutation
+    cl_nodes: dict = dataclasses.field(default_factory=dict)
 
     def rng_seed(self) -> View:
         """The per-call seed buffer; each rand op draws from its own stream (seed + stream id)."""

@@ -220,7 +220,7 @@ def _convolution(ctx, node, args, kwargs):
     rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
     tx, tw = _targ(ctx, x, node, "input"), _targ(ctx, w, node, "weight")
     # cuDNN writes the layout of its input: the buffer is planned so (aotfuse/layouts.py), then bound, not copied
-    perm = channels_last_perm(node.meta.get("val"))
+    perm = channels_last_perm(node.meta.get("val")) or ctx.cl_nodes.get(node)
     if b is None or not knobs.conv_bias_split or not isinstance(b, View) or len(b.shape) != 1:
         tb = None if b is None else _targ(ctx, b, node, "bias")
         return ctx.extern("aten.convolution.default", (tx, tw, tb) + rest, {}, out_shape(node), out_dtype(node),
@@ -233,7 +233,7 @@ def _convolution(ctx, node, args, kwargs):
     bias = b.reshape((b.shape[0],) + (1,) * (len(shape) - 2))  # one value per channel: [C, 1, ..., 1]
     ctx.decisions.append({"conv_bias": node.name, "why": "a per-channel add that fuses into the conv's consumer, not "
                                                          "torch's separate bias kernel (AOTFUSE_CONV_BIAS_SPLIT)"})
-    lay = node_layout(node.meta.get("val"))
+    lay = node_layout(node.meta.get("val")) or ((perm, tuple(node.meta["val"].shape)) if perm else None)
     old = ctx.layout, ctx.layout_shape
     if lay is not None:  # the add keeps the conv's channels-last order where it is stored
         ctx.layout, ctx.layout_shape = lay[0], sizes(lay[1])

@@ -12,10 +12,11 @@ from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
-from ..layouts import channels_last_perm, node_layout
+from ..layouts import CHANNELS_LAST, channels_last_perm, node_layout
 from .extern import mm_residual
 from .registry import registry
 from .residual import sites as residual_sites
+from .conv_layout import choose as conv_layout
 from ..ir.sizes import current_dims, size, sizes
 
 
@@ -48,6 +49,11 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     rules = registry()
     # residual adds the matmul feeding them takes in its call (lower/residual.py): the matmul lowers with
     # its residual, the add is bound to the (reshaped) result
+    cl_weights: set = set()
+    if not cg.contiguous_outputs:  # inference: a half-precision CNN served NCHW runs its convs NHWC
+        ctx.cl_nodes, cl_weights, cl_rec = conv_layout(cg.gm, cg.weights, cg.placeholders)
+        if cl_rec is not None:
+            ctx.decisions.append(cl_rec)
     fused, records = residual_sites(cg.gm)
     ctx.decisions.extend(records)
     fused_adds = {s.add: s.operand for s in fused.values()}
@@ -59,6 +65,8 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             if kind == "weight":
                 name = f"w{len(weights)}"
                 perm = None if cg.contiguous_outputs else channels_last_perm(cg.weights.get(ref))
+                if perm is None and ref in cl_weights:
+                    perm = CHANNELS_LAST[len(val.shape)]
                 if perm is not None:
                     # An inference archive stores a channels-last weight (a CNN's conv filters after
                     # model.to(memory_format=torch.channels_last)) in that order: the convolution reads it
@@ -123,6 +131,8 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             kwargs = _map_args(dict(node.kwargs), env)
             if info.category == "pointwise":  # channels-last values stay channels-last (aotfuse/layouts.py)
                 lay = node_layout(node.meta.get("val"))
+                if lay is None and node in ctx.cl_nodes:
+                    lay = (ctx.cl_nodes[node], tuple(node.meta["val"].shape))
                 if lay is not None:
                     ctx.layout, ctx.layout_shape = lay[0], sizes(lay[1])
             guards = len(cg.shape_env.guards) if cg.shape_env is not None else 0

@@ -22,6 +22,8 @@ def _lowering(d: dict) -> str | None:
     if "mm_residual" in d:  # lower/residual.py
         what = "fused into the matmul, one mm_residual extern" if d["fused"] else "not fused"
         return f"  {d['producer']} -> {d['mm_residual']}: residual add {what} ({d['why']})"
+    if "conv_layout" in d:  # lower/conv_layout.py
+        return f"  {d['conv_layout']}: {d['why']}"
     if "conv_bias" in d:  # lower/extern.py
         return f"  {d['conv_bias']}: convolution + bias add ({d['why']})"
     if "addmm" in d:
