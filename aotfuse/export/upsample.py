@@ -16,15 +16,28 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch._decomp import decomposition_table as _torch_decomp
 
 aten = torch.ops.aten
 
 
+def _torch_index_is_repeat(n: int, m: int, k: int, scale) -> bool:
+    """Does torch's nearest source index, floor(dst * scale) in float32 (scale = 1 / scale_factor when one is given,
+    else in / out, as UpSample.h computes it), equal dst // k for every output index? It does not always: with
+    scale_factor=41, 1/41 rounds below the true value and dst = 41 maps to 0; eager's result is then not a repeat."""
+    if m == n or m == 2 * n:  # torch's own shortcuts: the identity and dst >> 1
+        return True
+    f = np.float32(1.0 / float(scale)) if scale is not None and float(scale) > 0 else np.float32(n) / np.float32(m)
+    dst = np.arange(m, dtype=np.float32)
+    src = np.minimum(np.floor(dst * f).astype(np.int64), n - 1)
+    return bool((src == np.arange(m) // k).all())
+
+
 def _factors(in_sizes, out_sizes, scales) -> list[int] | None:
-    """The integer repeat of each spatial dim, or None when some ratio is not an integer (or a scale factor
-    given with the sizes disagrees with it: torch then indexes by the scale)."""
+    """The integer repeat of each spatial dim, or None when some ratio is not an integer, a scale factor given
+    with the sizes disagrees with it, or torch's float32 index arithmetic does not give a repeat there."""
     out = []
     for i, (n, m) in enumerate(zip(in_sizes, out_sizes)):
         if type(n) is not int or type(m) is not int or n < 1 or m % n:
@@ -32,6 +45,8 @@ def _factors(in_sizes, out_sizes, scales) -> list[int] | None:
         k = m // n
         s = scales[i] if scales is not None and i < len(scales) else None
         if s is not None and float(s) != float(k):
+            return None
+        if not _torch_index_is_repeat(n, m, k, s):
             return None
         out.append(k)
     return out
