@@ -510,6 +510,25 @@ def _faked(model: torch.nn.Module, example_inputs: tuple, symbolic=None):
     return mode, fake_model, tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs)
 
 
+def _freeze_unused(wrapped, fake_inputs, input_names) -> list[str]:
+    """Set requires_grad False on the (fake) parameters the loss does not depend on; an input that requires grad
+    but gets none is refused (the archive would have no gradient for it). Returns the frozen names."""
+    named = [(n, p) for n, p in wrapped.named_parameters() if p.requires_grad]
+    ins = [(i, t) for i, t in enumerate(fake_inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    loss = wrapped(*fake_inputs)[0]
+    grads = torch.autograd.grad(loss, [p for _, p in named] + [t for _, t in ins], allow_unused=True)
+    dead_in = [input_names[i] if i < len(input_names) else f"#{i}" for (i, _), g in zip(ins, grads[len(named):])
+               if g is None]
+    if dead_in:
+        raise BuildError(f"input(s) {', '.join(repr(n) for n in dead_in)} require grad but the loss does not depend "
+                         "on them", remedy="build with those example inputs not requiring grad (x.detach())")
+    frozen = [n for (n, p), g in zip(named, grads[:len(named)]) if g is None]
+    for (n, p), g in zip(named, grads[:len(named)]):
+        if g is None:
+            p.requires_grad_(False)
+    return frozen
+
+
 @contextlib.contextmanager
 def _compiling():
     """`torch.compiler.is_compiling()` / `is_exporting()` are True while the joint graph is traced, as
@@ -564,8 +583,18 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
                 nearest_upsample_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
-            gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,
-                                        decompositions=training_decompositions())
+            try:
+                gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,
+                                            decompositions=training_decompositions())
+            except AssertionError as exc:
+                if "did not receive a gradient" not in str(exc):
+                    raise
+                # aot_autograd wants a gradient for every parameter and input that requires one; eager leaves
+                # .grad None where the loss does not depend on it (an unused head, a pooler): those are traced
+                # frozen (on the fake copy only), so their .grad stays None as in eager
+                _freeze_unused(wrapped, fake_inputs, input_names=_input_names(model, len(args)) + list(kw_tensors))
+                gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,
+                                            decompositions=training_decompositions())
     except AotfuseError:
         raise
     except Exception as exc:
