@@ -117,3 +117,18 @@ def test_index_put_on_cuda_in_training_and_graphs():
     for _ in range(2):
         got, want = art(x.cuda(), idx.cuda(), v.cuda()), Writes()(x, idx, v)
         torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_uint8_masks_are_masks():
+    """torch's deprecated uint8 index is a mask: a where for one value, refused by name otherwise (it built and then
+    failed the archive's own validation)."""
+    class U(nn.Module):
+        def forward(self, x, m, v):
+            return x.index_put((m,), v)
+
+    x, m = torch.randn(4, 5), torch.tensor([1, 0, 1, 1], dtype=torch.uint8)
+    art = aotfuse.load(aotfuse.build(U(), (x, m, torch.tensor(2.5)), targets=("sm_90",)).data, device="cpu")
+    # (eager's index_put takes a uint8 mask with one value per selected row only; the bool mask is the reference)
+    torch.testing.assert_close(art(x, m, torch.tensor(-1.0)), U()(x, m.bool(), torch.tensor(-1.0)))
+    with pytest.raises(UnsupportedOpError, match="boolean-mask index"):
+        aotfuse.build(U(), (x, m, torch.randn(3, 5)), targets=("sm_90",))

@@ -433,3 +433,10 @@ def test_eval_call_of_a_train_mode_package_is_refused():
         mod(*_inputs("bn2d", 3))
     mod.train()
     assert torch.isfinite(mod(*_inputs("bn2d", 3)))
+
+
+def test_in_place_update_of_an_input_is_refused_in_inference_too():
+    """The inference archive has no output for the caller's tensor either (it built, then failed at its first
+    call: one output more than the archive's structure)."""
+    with pytest.raises(BuildError, match=r"the forward writes into its input\(s\) 'offsets' in place"):
+        aotfuse.build(_InputScaler().eval(), (torch.randn(5), torch.randn(5)), targets=("sm_90",))

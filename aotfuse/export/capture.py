@@ -196,6 +196,11 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     env0 = _shape_env_of(ep) if dynamic else None
     n_guards = len(env0.guards) if env0 is not None else 0
     sig = ep.graph_signature
+    written = list((getattr(sig, "user_inputs_to_mutate", None) or {}).values())
+    if written:  # the archive has no output for the caller's tensor: refused, as in training (joint/trace.py)
+        raise BuildError(f"the forward writes into its input(s) {', '.join(map(repr, written))} in place",
+                         remedy="compute on a copy (x = x.clone(), or an out-of-place op) instead of updating the "
+                                "caller's tensor")
     state = dict(ep.state_dict)
     state.update(ep.constants)
     # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's

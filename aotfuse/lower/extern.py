@@ -171,7 +171,7 @@ def _index_put(ctx, node, args, kwargs):
     x, indices, values = args[:3]
     accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
     tx, tv = _targ(ctx, x, node, "self"), _targ(ctx, values, node, "values")
-    if any(t is not None and t.dtype == "bool" for t in indices):
+    if any(t is not None and t.dtype in ("bool", "uint8") for t in indices):  # uint8: torch's deprecated mask
         return _masked_write(ctx, node, x, indices, values, accumulate)
     tidx = [None if t is None else _targ(ctx, t, node, "indices") for t in indices]
     return ctx.extern("aten.index_put.default", (tx, tidx, tv, accumulate), {}, out_shape(node), out_dtype(node),
@@ -196,7 +196,8 @@ def _masked_write(ctx, node, x, indices, values, accumulate: bool) -> View:
     from .ctx import as_dtype
 
     mask = indices[0] if len(indices) == 1 else None
-    if mask is None or not isinstance(mask, View) or mask.dtype != "bool" or not isinstance(values, View) or \
+    if mask is None or not isinstance(mask, View) or mask.dtype not in ("bool", "uint8") or \
+            not isinstance(values, View) or \
             values.numel != 1 or tuple(mask.shape) != tuple(x.shape[:len(mask.shape)]):
         raise UnsupportedOpError(str(node.target), node.name,
                                  "a boolean-mask index with other than one value for every selected element",
@@ -207,7 +208,7 @@ def _masked_write(ctx, node, x, indices, values, accumulate: bool) -> View:
     ranges = dict(zip(pv, shape))
     old = as_dtype(ctx.load(x, list(pv), ranges), cdt)
     new = as_dtype(ctx.load(values, [0] * len(values.shape), ranges), cdt)
-    hit = ctx.load(mask, list(pv[:len(mask.shape)]), ranges)
+    hit = as_dtype(ctx.load(mask, list(pv[:len(mask.shape)]), ranges), "bool")
     body = Op("add", (old, Op("where", (hit, new, as_dtype(Const(0, "float32"), cdt)), cdt)), cdt) if accumulate \
         else Op("where", (hit, new, old), cdt)
     return ctx.pointwise(shape, dt, body, hint="masked")

@@ -99,6 +99,11 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 if node.args[0] in consts:
                     consts[node] = consts[node.args[0]][node.args[1]]
                 continue
+            empty = _empty_shape(node.meta.get("val"))
+            if empty is not None:  # kernels index by division by sizes: an empty tensor has none to run
+                raise UnsupportedOpError(str(node.target), node.name, f"its result is empty (shape {empty})",
+                                         remedy="leave the empty computation out of the model (zero-size tensors "
+                                                "are not lowered)")
             if node in fused:
                 env[node] = mm_residual(ctx, node, _map_args(node.args, env), env[fused[node].residual])
                 continue
@@ -177,6 +182,14 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
                       tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
+
+
+def _empty_shape(val) -> list | None:
+    """The shape of a tensor value (or of one of several) with a static size of 0, else None."""
+    for v in (val if isinstance(val, (tuple, list)) else (val,)):
+        if isinstance(v, torch.Tensor) and any(type(d) is int and d == 0 for d in v.shape):
+            return list(v.shape)
+    return None
 
 
 def _dense(t) -> bool:
