@@ -678,6 +678,7 @@ REFUSED = [  # registered ops that refuse one form of themselves
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
                                                                          dropout_p=0.5),
                 "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),
+    Unsupported("empty_slice", lambda x: x[:, 5:5] * 2, "aten.slice.Tensor", "slice_1", "no zero-size tensors"),
     Unsupported("repeat_empty", lambda x: x.repeat(2, 0) + 1, "aten.repeat.default", "repeat",
                 "repeat counts of at least 1"),
     Unsupported("int_bitwise_not", lambda x: ~(x * 4).to(torch.int32), "aten.bitwise_not.default", "bitwise_not",
