@@ -289,7 +289,7 @@ def mistral_realistic(train=False, dtype=torch.bfloat16, seed=0):
     return _mistral(False, train, dtype, seed)
 
 
-def _seq2seq_inputs(vocab: int, batch: int, src: int, tgt: int, train: bool, features=None):
+def _seq2seq_inputs(vocab: int, batch: int, src: int, tgt: int, train: bool, features=None, dtype=torch.float32):
     def make_inputs(s: int):
         g = _gen(s)
         kw = {}
@@ -299,7 +299,7 @@ def _seq2seq_inputs(vocab: int, batch: int, src: int, tgt: int, train: bool, fea
             mask[1:, src - src // 4:] = 0  # padded sources
             kw = {"input_ids": ids, "attention_mask": mask}
         else:
-            kw = {"input_features": torch.randn(batch, *features, generator=g)}
+            kw = {"input_features": torch.randn(batch, *features, generator=g).to(dtype)}
         out = torch.randint(3, vocab, (batch, tgt), generator=g)
         if train:
             out[1:, tgt - tgt // 4:] = -100  # ignored label positions
@@ -349,7 +349,7 @@ def _whisper(tiny: bool, train, dtype, seed):
                         activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                         decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None, use_cache=False,
                         **cfg), train, dtype)
-    make = _seq2seq_inputs(cfg["vocab_size"], batch, 0, tgt, train, features=(cfg["num_mel_bins"], frames))
+    make = _seq2seq_inputs(cfg["vocab_size"], batch, 0, tgt, train, features=(cfg["num_mel_bins"], frames), dtype=dtype)
     return Example(model, *make(seed + 1), make)
 
 
