@@ -187,6 +187,14 @@ def _scatter_add(ctx, node, args, kwargs):
     return ctx.extern("aten.scatter_add.default", (tx, int(dim), ti, ts), {}, out_shape(node), out_dtype(node), False)
 
 
+@rule(aten.topk.default, aten.sort.default, category="extern",
+      note="torch's kernel, two results: the values and their int64 indices (MoE routing, top-k sampling, argsort)")
+def _topk_sort(ctx, node, args, kwargs):
+    tx = _targ(ctx, args[0], node, "self")
+    results = tuple((tuple(v.shape), dtype_name(v.dtype, node.name), None) for v in node.meta["val"])
+    return ctx.extern_results(str(node.target), (tx,) + tuple(args[1:]), dict(kwargs), results)
+
+
 def _masked_write(ctx, node, x, indices, values, accumulate: bool) -> View:
     """x[mask] = v (x[mask] += v) with one boolean mask over x's leading dims and one value for every selected
     element: a pointwise where, no scatter. Any other boolean-mask write (values per selected element, whose

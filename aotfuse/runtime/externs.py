@@ -61,6 +61,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(aten.index_put.default, (aten.index_put.default,)),
     # a scatter-add along a dim (segment sums); its gradient is a gather, which lowers
     ExternOp(aten.scatter_add.default, (aten.scatter_add.default,)),
+    # (values, int64 indices): torch's kernels (top-k routing and sampling, argsort); their gradient is a scatter
+    ExternOp(aten.topk.default, (aten.topk.default,)),
+    ExternOp(aten.sort.default, (aten.sort.default,)),
     # a matmul with its bias and a residual added as it writes (lower/residual.py makes it from mm/addmm + add;
     # no exported or joint graph holds it): cuBLASLt's D = A @ B + C with the BIAS epilogue on CUDA
     ExternOp(_mm_residual.mm_residual, (_mm_residual.mm_residual_out_op,), inference=False, train=False),

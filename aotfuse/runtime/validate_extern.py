@@ -203,8 +203,33 @@ def _convolution_backward_results(args: list, kwargs: dict, where: str) -> list:
     return out
 
 
+def _topk_results(args: list, kwargs: dict, where: str) -> list:
+    # topk(self, k, dim=-1, largest=True, sorted=True) -> (values, int64 indices), dim of size k
+    if not 2 <= len(args) <= 5 or set(kwargs) - {"dim", "largest", "sorted"}:
+        _fail(where, f"topk takes (self, k[, dim, largest, sorted]); got {len(args)} and {sorted(kwargs)}")
+    x = _tensor(args[0], "self", where)
+    k, dim = args[1], (args[2] if len(args) > 2 else kwargs.get("dim", -1))
+    if not _is_int(k) or not _is_int(dim) or not -len(x.shape) <= dim < max(len(x.shape), 1):
+        _fail(where, f"topk: k {_short(k)} and dim {_short(dim)} must be ints, dim within {len(x.shape)} dims")
+    shape = list(x.shape)
+    if shape:
+        if not 0 <= k <= shape[dim]:
+            _fail(where, f"topk: k={k} outside [0, {shape[dim]}]")
+        shape[dim] = k
+    return [(x.dtype, shape), ("int64", shape)]
+
+
+def _sort_results(args: list, kwargs: dict, where: str) -> list:
+    # sort(self, dim=-1, descending=False) -> (values, int64 indices)
+    if not 1 <= len(args) <= 3 or set(kwargs) - {"dim", "descending"}:
+        _fail(where, f"sort takes (self[, dim, descending]); got {len(args)} and {sorted(kwargs)}")
+    x = _tensor(args[0], "self", where)
+    return [(x.dtype, list(x.shape)), ("int64", list(x.shape))]
+
+
 _RESULT_RULES = {"aotfuse::attention": _attention_results, "aotfuse::attention_backward": _attention_backward_results,
-                 "aten::convolution_backward": _convolution_backward_results}
+                 "aten::convolution_backward": _convolution_backward_results, "aten::topk": _topk_results,
+                 "aten::sort": _sort_results}
 
 
 def returns_tuple(fn) -> bool:

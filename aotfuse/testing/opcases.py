@@ -403,6 +403,10 @@ fn_case("index_put", lambda x, v: (x.index_put((torch.tensor([4, 0, 2]),), v),
         lambda dt: (randn(5, 7, dtype=dt), randn(3, 7, dtype=dt)), ["aten.index_put.default"], HALF)
 
 
+fn_case("topk_sort", lambda x: (torch.topk(x, 3)[0] * 2, torch.topk(x, 2, dim=0, largest=False)[1],
+                                 torch.sort(x, dim=0, descending=True)[0] + 1, torch.argsort(x, dim=-1)),
+        lambda dt: ((torch.randperm(35).reshape(5, 7) - 17).to(dt),),  # distinct values: no ties to order
+        ["aten.topk.default", "aten.sort.default"], HALF)
 fn_case("scatter_add", lambda x, src: x.scatter_add(0, torch.tensor([[1, 0], [4, 1], [1, 1]]), src) * 2,
         lambda dt: (randn(5, 2, dtype=dt), randn(3, 2, dtype=dt)), ["aten.scatter_add.default"], HALF)
 
@@ -666,8 +670,6 @@ fn_case("bitwise_int", lambda a, b: (a & b, a | b, a ^ b, a & 6, a | 3, a ^ 5), 
 UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the registry fails the same way)
     Unsupported("cummax", lambda x: torch.cummax(x, 1).values, "aten.cummax.default", "cummax",
                 "cumsum / cumprod are the scans lowered"),
-    Unsupported("sort", lambda x: torch.sort(x, 1).values, "aten.sort.default", "sort", "no sorting or top-k yet"),
-    Unsupported("topk", lambda x: torch.topk(x, 2, 1).values, "aten.topk.default", "topk", "no sorting or top-k yet"),
 ]
 
 REFUSED = [  # registered ops that refuse one form of themselves

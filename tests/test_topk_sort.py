@@ -1,0 +1,52 @@
+"""topk and sort as externs (torch's kernels, two results each), against eager on the CPU path; training through
+topk stops at its gradient's scatter, named."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse.errors import UnsupportedOpError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class Route(nn.Module):
+    """Top-2 routing as a mixture-of-experts layer does it, and an argsort."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 8)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        w, idx = torch.topk(logits.softmax(-1), 2, dim=-1)
+        order = torch.argsort(logits[:, 0], descending=True)
+        vals, _ = torch.sort(logits, dim=0)
+        return w / w.sum(-1, keepdim=True), idx, order, vals
+
+
+def test_topk_and_sort_match_eager():
+    torch.manual_seed(0)
+    model = Route().eval()
+    art = aotfuse.load(aotfuse.build(model, (torch.randn(6, 16),), targets=("sm_90",)).data, device="cpu")
+    x = torch.randn(6, 16) * 3
+    for got, want in zip(art(x), model(x)):
+        if want.dtype == torch.int64:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_training_through_topk_names_the_scatter():
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.topk(self.lin(x), 3, dim=-1)[0].square().sum()
+
+    with pytest.raises(UnsupportedOpError, match="scatter"):
+        aotfuse.build(Loss(), (torch.randn(4, 8),), train=True, targets=("sm_90",))
