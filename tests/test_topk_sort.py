@@ -50,3 +50,23 @@ def test_training_through_topk_names_the_scatter():
 
     with pytest.raises(UnsupportedOpError, match="scatter"):
         aotfuse.build(Loss(), (torch.randn(4, 8),), train=True, targets=("sm_90",))
+
+
+@pytest.mark.gpu
+def test_topk_sort_and_scatter_add_on_cuda_with_graphs():
+    class M(nn.Module):
+        def forward(self, x, seg):
+            w, idx = torch.topk(x.softmax(-1), 2, dim=-1)
+            sums = torch.zeros(4, x.shape[1], device=x.device, dtype=x.dtype).scatter_add(
+                0, seg[:, None].expand(-1, x.shape[1]), x)
+            return w, idx, torch.sort(x, dim=0)[0], sums
+
+    x, seg = torch.randn(6, 16), torch.tensor([0, 3, 3, 1, 0, 2])
+    art = aotfuse.load(aotfuse.build(M(), (x, seg), targets=("sm_90",)).data, device="cuda", cuda_graphs=True)
+    for s in (1, 2):  # the second call replays
+        x2 = torch.randn(6, 16, generator=torch.Generator().manual_seed(s))
+        for got, want in zip(art(x2.cuda(), seg.cuda()), M()(x2, seg)):
+            if want.dtype == torch.int64:
+                assert torch.equal(got.cpu(), want)
+            else:
+                torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
