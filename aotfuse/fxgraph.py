@@ -6,6 +6,17 @@ from typing import Callable, Iterable
 import torch
 
 
+def value(n):
+    """A node's traced value (meta['val']: a fake tensor, a size), or None for a non-node or a node without one."""
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The qualified name of the innermost module that made `node` (nn_module_stack), or "" when unknown."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
 def closure(nodes: Iterable, step: Callable[[torch.fx.Node], Iterable]) -> set:
     """The FX nodes among `nodes` and all reachable from them by `step` (non-nodes are skipped)."""
     seen, todo = set(), [n for n in nodes if isinstance(n, torch.fx.Node)]

@@ -3,13 +3,11 @@ is routed like a direct call (joint/decomp_train.sdpa_math_mode), so the backwar
 against eager on the CPU path."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
-import aotfuse
+from test_lifted_constants import _check as _train_check  # build, one step, loss and gradients vs eager
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -37,18 +35,7 @@ class EncoderLoss(nn.Module):
 
 
 def _check(model, shape):
-    x = torch.randn(*shape)
-    res = aotfuse.build(model, (x,), train=True, targets=("sm_90",))
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref = copy.deepcopy(model)
-    x2 = torch.randn(*shape) * 2
-    loss, want = mod(x2), ref(x2)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    grads = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _train_check(model, (torch.randn(*shape),), (torch.randn(*shape) * 2,))
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..fxgraph import module_path, value
 from ..knobs import knobs
 
 aten = torch.ops.aten
@@ -72,19 +73,12 @@ def _sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node,
     return out
 
 
-def _module(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return str(list(stack.values())[-1][0]) if stack else ""
-
 
 def _record(gelu, mm, fused: bool, why: str) -> dict:
     # "producer", not "matmul": that key marks schedule/templates.py's records, which tests and tools count
-    return {"mm_gelu": gelu.name, "producer": _module(mm) or mm.name, "approximate": _approximate(gelu),
+    return {"mm_gelu": gelu.name, "producer": module_path(mm) or mm.name, "approximate": _approximate(gelu),
             "fused": fused, "why": why}
 
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
 
 
 def refusal(gelu: torch.fx.Node, mm: torch.fx.Node, chain: list[torch.fx.Node]) -> str | None:
@@ -99,7 +93,7 @@ def refusal(gelu: torch.fx.Node, mm: torch.fx.Node, chain: list[torch.fx.Node]) 
     if any(mm.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
         return "addmm with alpha or beta other than 1"
     bias, a, b = mm.args[:3]
-    vals = [_val(x) for x in (bias, a, b, mm, gelu)]
+    vals = [value(x) for x in (bias, a, b, mm, gelu)]
     if any(v is None or not hasattr(v, "dtype") for v in vals):
         return "an operand is not a tensor"
     dts = {v.dtype for v in vals}
@@ -122,7 +116,7 @@ def _auto_choice(mm: torch.fx.Node) -> tuple[bool, str]:
     """AOTFUSE_MM=auto: keep this matmul on cuBLAS with the GELU epilogue? (the cost model's answer, why)."""
     from ..schedule.templates import gelu_epilogue_choice
 
-    a, out = _val(mm.args[1]), _val(mm)
+    a, out = value(mm.args[1]), value(mm)
     dims = (a.shape[0], out.shape[1], a.shape[1]) if a is not None and out is not None else ()
     if not dims or not all(type(d) is int for d in dims):
         return True, "dynamic sizes: cuBLAS chooses its kernel per shape at run time"

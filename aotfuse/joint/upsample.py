@@ -16,12 +16,10 @@ Other modes (nearest by a fractional ratio, bicubic, antialias) pass through unc
 scatter-add (aten.index_put with accumulate, an extern running torch's kernel)."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..export.upsample import _factors, _repeat
+from ..export.upsample import _factors, _out_sizes, _repeat
 
 _NEAREST = {torch._C._nn.upsample_nearest1d: 1, torch._C._nn.upsample_nearest2d: 2,
             torch._C._nn.upsample_nearest3d: 3}
@@ -39,13 +37,10 @@ def _route(x, size, scale) -> torch.Tensor | None:
         return None
     nd = x.dim() - 2
     size, scale = _tuple(size, nd), _tuple(scale, nd)
-    ins = [int(n) for n in x.shape[2:]]
-    if size is not None:
-        out = [int(s) for s in size]
-    elif scale is not None:
-        out = [math.floor(n * float(s)) for n, s in zip(ins, scale)]
-    else:
+    if size is None and scale is None:
         return None
+    ins = [int(n) for n in x.shape[2:]]
+    out = [int(n) for n in _out_sizes(x, size, scale, nd)]
     f = _factors(ins, out, None if size is not None else scale)
     return None if f is None else _repeat(x, f)
 
@@ -77,13 +72,11 @@ def _linear(x, size, scale, align) -> torch.Tensor | None:
         return None
     nd = x.dim() - 2
     size, scale = _tuple(size, nd), _tuple(scale, nd)
-    ins = [int(n) for n in x.shape[2:]]
-    if size is not None:
-        outs, scales = [int(s) for s in size], [None] * nd
-    elif scale is not None:
-        outs, scales = [math.floor(n * float(s)) for n, s in zip(ins, scale)], scale
-    else:
+    if size is None and scale is None:
         return None
+    ins = [int(n) for n in x.shape[2:]]
+    outs = [int(n) for n in _out_sizes(x, size, scale, nd)]
+    scales = [None] * nd if size is not None else scale
     y = x
     for d in reversed(range(nd)):  # last spatial dim first: each matmul reads it as K
         a = _taps(ins[d], outs[d], scales[d], bool(align), y)

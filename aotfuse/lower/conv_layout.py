@@ -25,15 +25,13 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..fxgraph import value
 from ..knobs import knobs
 from ..layouts import CHANNELS_LAST, channels_last_perm
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
 
-
-def _val(n):
-    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
 
 
 def _static(v) -> bool:
@@ -45,12 +43,12 @@ def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict,
     if knobs.conv_layout != "auto":
         return {}, set(), None
     convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.convolution.default]
-    convs = [n for n in convs if _static(_val(n)) and _val(n).dim() in CHANNELS_LAST and _val(n).dtype in _HALF]
+    convs = [n for n in convs if _static(value(n)) and value(n).dim() in CHANNELS_LAST and value(n).dtype in _HALF]
     if not convs:
         return {}, set(), None
     ph_ref = {name: (kind, ref) for name, kind, ref in placeholders}
     for n in gm.graph.nodes:  # the user chose a layout: keep theirs
-        v = _val(n)
+        v = value(n)
         if isinstance(v, torch.Tensor) and channels_last_perm(v) is not None:
             return {}, set(), None
     if any(channels_last_perm(w) is not None for w in weights.values() if isinstance(w, torch.Tensor)):
@@ -58,7 +56,7 @@ def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict,
     shapes = set()
     for c in convs:
         for x in (c.args[0], c):
-            v = _val(x)
+            v = value(x)
             if _static(v) and v.dim() in CHANNELS_LAST:
                 shapes.add(tuple(v.shape))
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -66,7 +64,7 @@ def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict,
     torch.fx.node.map_arg(out_node.args, outputs.add)
     chosen = {}
     for n in gm.graph.nodes:
-        v = _val(n)
+        v = value(n)
         if n.op != "call_function" or n in outputs or not _static(v) or v.dim() not in CHANNELS_LAST:
             continue
         if not v.is_floating_point() or tuple(v.shape) not in shapes or not v.is_contiguous():
@@ -77,7 +75,7 @@ def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict,
         w = c.args[1]
         if isinstance(w, torch.fx.Node) and w.op == "placeholder":
             kind, ref = ph_ref.get(w.name, (None, None))
-            if kind == "weight" and _val(w) is not None and _val(w).dim() in CHANNELS_LAST:
+            if kind == "weight" and value(w) is not None and value(w).dim() in CHANNELS_LAST:
                 wrefs.add(ref)
     rec = {"conv_layout": f"{len(convs)} half-precision convolutions",
            "why": f"{len(chosen)} values and {len(wrefs)} filters stored channels-last (cuDNN's NHWC: no layout "

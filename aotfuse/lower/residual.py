@@ -36,6 +36,7 @@ import torch
 import torch.fx
 
 from ..ir.sizes import sizes
+from ..fxgraph import module_path, value
 from ..knobs import knobs
 
 aten = torch.ops.aten
@@ -69,9 +70,6 @@ def _feeding(x) -> torch.fx.Node | None:
     return None
 
 
-def _val(n):
-    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-
 
 def _same(a, b) -> bool:
     return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
@@ -87,10 +85,6 @@ def _row_major(val) -> bool:
     return True
 
 
-def _module(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return str(list(stack.values())[-1][0]) if stack else ""
-
 
 def refusal(add: torch.fx.Node, mm: torch.fx.Node, operand: torch.fx.Node, residual, order: dict) -> str | None:
     """Why this add cannot be fused into the matmul feeding `operand`, or None (the cost model aside)."""
@@ -103,7 +97,7 @@ def refusal(add: torch.fx.Node, mm: torch.fx.Node, operand: torch.fx.Node, resid
         return "addmm with alpha or beta other than 1"
     if not isinstance(residual, torch.fx.Node):
         return "the other operand is a scalar"
-    vals = [_val(x) for x in (add, residual, mm, *mm.args[:3])]
+    vals = [value(x) for x in (add, residual, mm, *mm.args[:3])]
     if any(v is None or not isinstance(v, torch.Tensor) for v in vals):
         return "an operand is not a tensor"
     dts = {v.dtype for v in vals}
@@ -113,7 +107,7 @@ def refusal(add: torch.fx.Node, mm: torch.fx.Node, operand: torch.fx.Node, resid
     out, res, prod = vals[0], vals[1], vals[2]
     if len(res.shape) != len(out.shape) or not all(_same(a, b) for a, b in zip(sizes(res.shape), sizes(out.shape))):
         return f"the residual {list(res.shape)} broadcasts to the sum {list(out.shape)}"
-    opv = _val(operand)
+    opv = value(operand)
     if opv is None or len(opv.shape) != len(out.shape) or \
             not all(_same(a, b) for a, b in zip(sizes(opv.shape), sizes(out.shape))):
         return (f"the product {list(opv.shape) if opv is not None else '?'} broadcasts to the sum {list(out.shape)} "
@@ -132,7 +126,7 @@ def refusal(add: torch.fx.Node, mm: torch.fx.Node, operand: torch.fx.Node, resid
 def _auto_keeps_library(mm: torch.fx.Node) -> tuple[bool, str]:
     from ..schedule.templates import library_epilogue_choice
 
-    prod, a = _val(mm), _val(mm.args[-2])
+    prod, a = value(mm), value(mm.args[-2])
     dims = (a.shape[0], prod.shape[1], a.shape[1])
     if not all(type(d) is int for d in dims):
         return True, "dynamic sizes: cuBLAS chooses its kernel per shape at run time"
@@ -164,7 +158,7 @@ def sites(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, Site], list[dic
                 site = Site(mm, add, r, x)
                 break
         mm = site.mm if site is not None else cands[0][2]
-        rec = {"mm_residual": add.name, "producer": _module(mm) or mm.name, "fused": False}
+        rec = {"mm_residual": add.name, "producer": module_path(mm) or mm.name, "fused": False}
         if site is not None:
             if not knobs.mm_residual:
                 why = "AOTFUSE_MM_RESIDUAL=0"
