@@ -33,6 +33,7 @@ from ..export.capture import InputSpec, output_structure
 from ..fxgraph import ancestors
 from .batchnorm import cumulative_average_batchnorm
 from .decomp_train import sdpa_math_mode, training_decompositions
+from .layerdrop import uniform_compare_mode
 from .losses import cross_entropy_mode
 from .pooling import adaptive_pool_mode
 from .upsample import nearest_upsample_mode
@@ -348,10 +349,15 @@ _DATA_DEPENDENT = ("DataDependentOutputException", "GuardOnDataDependentSymNode"
 
 def model_line(exc: BaseException) -> str | None:
     """'file:line: code' of the innermost traceback frame outside torch and aotfuse: the model's line."""
+    import os
+    import sysconfig
     import traceback
 
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/" not in f.filename and "/aotfuse/" not in f.filename and "/contextlib" not in f.filename]
+    # by directory (torch's, aotfuse's, the standard library's), not by a "/torch/" substring: a venv may
+    # itself live under a folder named torch (/opt/torch/.venv/.../transformers/... is the model's code)
+    skip = tuple(os.path.realpath(d) + os.sep for d in (
+        os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)), sysconfig.get_paths()["stdlib"]))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not os.path.realpath(f.filename).startswith(skip)]
     if not frames:
         return None
     f = frames[-1]
@@ -580,7 +586,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
         mode, fake_model, fake_inputs = _faked(model, example_inputs, symbolic)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
         with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), \
-                nearest_upsample_mode(), \
+                nearest_upsample_mode(), uniform_compare_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             try:
