@@ -101,6 +101,17 @@ def _timer(fn, iters: int, device: str, resident=lambda: 0):
     return statistics.median(times), peak
 
 
+def _maybe_profile(args, model: str, mode: str, contender: str, fn) -> None:
+    """--profile: torch.profiler's kernel table of `fn` (scripts/profile_train.py's), for aotfuse and torch.compile."""
+    if not args.profile or args.device != "cuda" or contender == "eager":
+        return
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from profile_train import _profile
+
+    text, _ = _profile(fn, 3, args.profile)
+    print(f"== {model} {mode}: {contender} ==\n{text}\n", flush=True)
+
+
 def _step(model, inputs, call, params):
     def run():
         for p in params:
@@ -140,6 +151,7 @@ def run_one(e, mode: str, args) -> dict:
                 _step(m, inputs, call, params)
             try:
                 row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device)
+                _maybe_profile(args, e.name, mode, name, fn)
             except Exception as exc:  # a contender that fails is reported
                 traceback.print_exc()
                 row[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
@@ -162,6 +174,7 @@ def run_one(e, mode: str, args) -> dict:
                 try:
                     row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device,
                                                                lambda: fresh.get("weights", 0))
+                    _maybe_profile(args, e.name, mode, name, fn)
                 except Exception as exc:
                     traceback.print_exc()
                     row[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
@@ -194,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="print torch.profiler's TOP kernels per step for aotfuse and torch.compile")
     ap.add_argument("--detail", action="store_true", help="print each output/gradient whose error ratio is > 0.5")
     args = ap.parse_args(argv)
     global DETAIL

@@ -74,6 +74,10 @@ class LoweringCtx:
     layout_shape: tuple[int, ...] | None = None
     # values the conv layout pass (lower/conv_layout.py) stores channels-last: FX node -> storage permutation
     cl_nodes: dict = dataclasses.field(default_factory=dict)
+    # views already copied for an extern (realize): the view -> its copy, so a second consumer of the same view
+    # (a matmul's dgrad and wgrad read one gradient, one of them transposed) reads the first copy
+    realized: dict = dataclasses.field(default_factory=dict)
+    pointwise_memo: dict = dataclasses.field(default_factory=dict)  # (shape, dtype, body, order) -> its View
 
     def rng_seed(self) -> View:
         """The per-call seed buffer; each rand op draws from its own stream (seed + stream id)."""
@@ -101,11 +105,23 @@ class LoweringCtx:
     def pointwise(self, shape: Sequence[int], dtype: str, body: Expr, hint: str = "pw") -> View:
         """A pointwise node over `shape` (body in p0..). Stored row-major, or in the memory order
         `self.layout` (aotfuse/layouts.py) when the node being lowered asks for one and `shape` is its shape:
-        the node then iterates the stored order and the returned View is the inverse permute."""
-        name = self.fresh(hint)
+        the node then iterates the stored order and the returned View is the inverse permute.
+        A node equal to one made before (same shape, dtype, body and order) is that node: each of T5's six
+        attentions converted the shared position bias into a 64 MiB tensor of its own, and the six were
+        computed together and lived at once (inference peak 559 MiB against torch.compile's 302)."""
         shape = sizes(shape)
         body = as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")
         perm = self.layout if self.layout is not None and shape == self.layout_shape else None
+        key = (shape, dtype, body, perm)
+        hit = self.pointwise_memo.get(key)
+        if hit is not None:
+            return hit
+        name = self.fresh(hint)
+        view = self._pointwise(name, shape, dtype, body, perm)
+        self.pointwise_memo[key] = view
+        return view
+
+    def _pointwise(self, name: str, shape, dtype: str, body: Expr, perm) -> View:
         if perm is None:
             self.add_buffer(name, shape, dtype, "node")
             self.nodes.append(Pointwise(name, shape, body))
@@ -171,21 +187,65 @@ class LoweringCtx:
             views.append(view)
         return tuple(views)
 
-    def realize(self, view: View, why: str) -> View:
-        """A contiguous copy of a view that is not strided (e.g. reshape of a permute)."""
-        pv = syms("p", len(view.shape))
-        ranges = dict(zip(pv, view.shape))
-        body = self.load(view, pv, ranges)
-        out = self.pointwise(view.shape, view.dtype, body, hint="copy")
-        self.decisions.append({"realize": out.buf, "of": view.buf, "why": why})
-        return out
+    def realize(self, view: View, why: str, transposable: bool = False, storage=None) -> View:
+        """A copy of a view that is not strided (e.g. reshape of a permute), contiguous in the view's order, or
+        (transposable: a matmul operand, which cuBLAS reads transposed as well) in the order of its last two
+        dims swapped when only that order reads the base along its contiguous dim: the copy of a transposed
+        gradient is then a coalesced copy read back transposed, not a transpose written element by element.
+        storage: a permutation to store the copy in (an attention operand's [B, T, H, E], aotfuse/layouts.py).
+        A view copied before is not copied again."""
+        order = "as is"
+        if storage is not None and len(storage) == len(view.shape):
+            out = self.realized.get((view, tuple(storage)))
+            if out is None:
+                pv = syms("p", len(view.shape))
+                old = self.layout, self.layout_shape
+                self.layout, self.layout_shape = tuple(storage), view.shape
+                try:
+                    out = self.pointwise(view.shape, view.dtype, self.load(view, pv, dict(zip(pv, view.shape))),
+                                         hint="copy")
+                finally:
+                    self.layout, self.layout_shape = old
+                self.realized[(view, tuple(storage))] = out
+            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why, "order": f"stored {list(storage)}"})
+            return out
+        if transposable and len(view.shape) >= 2 and _inner_step(view, -1) != 1 and _inner_step(view, -2) == 1:
+            swap = list(range(len(view.shape)))
+            swap[-2], swap[-1] = swap[-1], swap[-2]
+            src, order = view.permute(swap), "last two dims swapped (read back transposed)"
+        else:
+            swap, src = None, view
+        out = self.realized.get(src)
+        if out is None:
+            pv = syms("p", len(src.shape))
+            ranges = dict(zip(pv, src.shape))
+            body = self.load(src, pv, ranges)
+            out = self.pointwise(src.shape, src.dtype, body, hint="copy")
+            self.realized[src] = out
+            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why, "order": order})
+        else:
+            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why, "order": order,
+                                   "reused": "the same view was copied for an earlier consumer"})
+        return out if swap is None else out.permute(swap)
 
-    def tensor_arg(self, view: View, why: str) -> TensorArg:
+    def tensor_arg(self, view: View, why: str, transposable: bool = False, storage=None) -> TensorArg:
         t = view.as_strided()
         if t is None:
-            t = self.realize(view, why).as_strided()
+            t = self.realize(view, why, transposable, storage).as_strided()
         if t is None:  # a copy whose strides are not sizes the program can spell (a dynamic dim's quotient)
             raise BuildError(f"a view of {view.buf} with shape {view.shape} has no strided form "
                              "(dynamic dims: a size that is a quotient of dims)",
                              remedy="build with static shapes, or keep the dims this view sees static")
         return t
+
+
+def _inner_step(view: View, dim: int) -> int | None:
+    """How far apart in the base buffer two neighbours along `dim` of a view lie, at the view's origin (None
+    when the offset is not a number there: a dynamic size)."""
+    v = view.vars
+    at = {x: 0 for x in v}
+    base = sympy.sympify(view.index).xreplace(at)
+    nxt = sympy.sympify(view.index).xreplace({**at, v[dim]: 1})
+    if view.shape[dim] == 1 or not (base.is_Integer and nxt.is_Integer):
+        return None
+    return int(nxt - base)

@@ -26,17 +26,30 @@ rule = collector(RULES)
 
 # ---------------------------------------------------------------- externs
 
-def _targ(ctx, v, node, what):
+def _targ(ctx, v, node, what, transposable: bool = False, storage=None):
+    """The strided tensor argument of an extern; a view that is not strided is copied (transposable: a matmul
+    operand, which may be copied in its transposed order; storage: the copy's memory order; LowerCtx.realize)."""
     if not isinstance(v, View):
         raise UnsupportedOpError(str(node.target), node.name, f"{what} is not a tensor")
-    return ctx.tensor_arg(v, f"{what} of {node.name} is not strided")
+    return ctx.tensor_arg(v, f"{what} of {node.name} is not strided", transposable, storage)
+
+
+def _bthe(ctx, node, views, names):
+    """Attention operands ([B, H, T, E]): a copy, when one is needed, is stored [B, T, H, E], the layout the
+    attention kernels write their results in when the query has it (aotfuse/layouts.py)."""
+    return [_targ(ctx, t, node, n, storage=_BTHD if len(getattr(t, "shape", ())) == 4 else None)
+            for t, n in zip(views, names)]
+
+
+def _operands(ctx, node, a, b, names=("lhs", "rhs")):
+    return _targ(ctx, a, node, names[0], True), _targ(ctx, b, node, names[1], True)
 
 
 @rule(aten.mm.default, category="extern", note="a Triton template when the cost model prefers it (lower/matmul.py)")
 def _mm(ctx, node, args, kwargs):
     if (t := try_template(ctx, node, args[0], args[1], "mm")) is not None:  # matmul template
         return t
-    a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
+    a, b = _operands(ctx, node, args[0], args[1])
     return ctx.extern("aten.mm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
 
 
@@ -44,7 +57,7 @@ def _mm(ctx, node, args, kwargs):
 def _bmm(ctx, node, args, kwargs):
     if (t := try_template(ctx, node, args[0], args[1], "bmm")) is not None:  # matmul template
         return t
-    a, b = (_targ(ctx, x, node, n) for x, n in zip(args[:2], ("lhs", "rhs")))
+    a, b = _operands(ctx, node, args[0], args[1])
     return ctx.extern("aten.bmm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
 
 
@@ -58,7 +71,7 @@ def _addmm(ctx, node, args, kwargs):
         return t
     consumers_fusible = _feeds_fusible(node)
     stored = _stored(node)
-    ta, tb = _targ(ctx, a, node, "lhs"), _targ(ctx, b, node, "rhs")
+    ta, tb = _operands(ctx, node, a, b)
     shape = out_shape(node)
     dt = out_dtype(node)
     if (not consumers_fusible or stored) and beta == 1 and alpha == 1:
@@ -76,7 +89,8 @@ def _addmm(ctx, node, args, kwargs):
       note="addmm + tanh GELU in one call (export/mm_gelu.py fuses them): cuBLASLt's GELU_BIAS epilogue")
 def _addmm_activation(ctx, node, args, kwargs):
     bias, a, b = args[:3]
-    tb, ta, tm = (_targ(ctx, x, node, n) for x, n in zip((bias, a, b), ("bias", "mat1", "mat2")))
+    tb = _targ(ctx, bias, node, "bias")
+    ta, tm = _operands(ctx, node, a, b, ("mat1", "mat2"))
     kw = {"use_gelu": bool(kwargs.get("use_gelu", False))}
     kw.update((k, kwargs[k]) for k in ("beta", "alpha") if kwargs.get(k, 1) != 1)
     return ctx.extern("aten._addmm_activation.out", (tb, ta, tm), kw, out_shape(node), out_dtype(node), True)
@@ -112,7 +126,8 @@ def mm_residual(ctx, node, args, residual: View) -> View:
 
 
 def _mm_residual_call(ctx, node, a, b, residual: View, bias) -> View:
-    ta, tb, tr = (_targ(ctx, x, node, n) for x, n in zip((a, b, residual), ("lhs", "rhs", "residual")))
+    ta, tb = _operands(ctx, node, a, b)
+    tr = _targ(ctx, residual, node, "residual")
     tbias = None if bias is None else _targ(ctx, bias, node, "bias")
     return ctx.extern("aotfuse.mm_residual.out", (ta, tb, tr, tbias), {}, out_shape(node), out_dtype(node), True)
 
@@ -285,7 +300,7 @@ def _sdpa(ctx, node, args, kwargs):
     if dropout:
         raise UnsupportedOpError(str(node.target), node.name, "attention dropout",
                                  remedy="set dropout_p=0 (or put dropout after the attention)")
-    tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
+    tq, tk, tv = _bthe(ctx, node, (q, k, v), ("query", "key", "value"))
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
     _mask_decision(ctx, node)
     shape = out_shape(node)
@@ -314,7 +329,7 @@ _BTHD = [0, 2, 1, 3]  # [B, H, T, E] results stored [B, T, H, E], as the flash k
       note="training's fused attention (runtime/attention.py): (out [B,H,T,E] stored [B,T,H,E], lse fp32 [B,H,T])")
 def _attention(ctx, node, args, kwargs):
     q, k, v, mask, causal, scale, gqa = args[:7]
-    tq, tk, tv = (_targ(ctx, t, node, n) for t, n in zip((q, k, v), ("query", "key", "value")))
+    tq, tk, tv = _bthe(ctx, node, (q, k, v), ("query", "key", "value"))
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
     _mask_decision(ctx, node)
     out, lse = (node.meta["val"][i] for i in range(2))
@@ -329,9 +344,10 @@ def _attention(ctx, node, args, kwargs):
       note="training's fused attention backward (runtime/attention.py): (dq, dk, dv), stored [B,T,H,E]")
 def _attention_backward(ctx, node, args, kwargs):
     g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
-    tensors = [_targ(ctx, t, node, n) for t, n in zip((g, q, k, v), ("grad_out", "query", "key", "value"))]
+    tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
-    to, tl = _targ(ctx, out, node, "out"), _targ(ctx, lse, node, "lse")
+    (to,) = _bthe(ctx, node, (out,), ("out",))
+    tl = _targ(ctx, lse, node, "lse")
     vals = node.meta["val"]
     return ctx.extern_results("aotfuse.attention_backward.default",
                               (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},

@@ -12,7 +12,7 @@ from ..export import CapturedGraph
 from ..ir.loop import LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
-from ..layouts import CHANNELS_LAST, channels_last_perm, node_layout
+from ..layouts import CHANNELS_LAST, attention_perm, channels_last_perm, node_layout
 from .extern import mm_residual
 from .registry import registry
 from .residual import sites as residual_sites
@@ -136,6 +136,8 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             kwargs = _map_args(dict(node.kwargs), env)
             if info.category == "pointwise":  # channels-last values stay channels-last (aotfuse/layouts.py)
                 lay = node_layout(node.meta.get("val"))
+                if lay is None and (perm := attention_perm(node)) is not None:
+                    lay = (perm, tuple(node.meta["val"].shape))
                 if lay is None and node in ctx.cl_nodes:
                     lay = (ctx.cl_nodes[node], tuple(node.meta["val"].shape))
                 if lay is not None:

@@ -58,11 +58,12 @@ def _physical(val):
 
 def _layout_kept(node) -> bool:
     """Whether the lowering keeps this node's FX layout: an extern's result (through getitem), whose
-    kernel writes the strides its meta says, or a channels-last pointwise result (aotfuse/layouts.py).
+    kernel writes the strides its meta says, or a channels-last pointwise result or an attention operand stored
+    [B, T, H, E] (aotfuse/layouts.py).
     Any other pointwise or reduction result is laid out row-major whatever strides the FX trace gave it."""
     import operator
 
-    from ..layouts import channels_last_perm, node_layout
+    from ..layouts import attention_perm, channels_last_perm, node_layout
     from ..lower.registry import registry
     from ..runtime.externs import keep_whole
 
@@ -70,7 +71,8 @@ def _layout_kept(node) -> bool:
         return False
     if node.target is not operator.getitem:
         info = registry().get(node.target)
-        if info is not None and info.category == "pointwise" and channels_last_perm(node.meta.get("val")):
+        if info is not None and info.category == "pointwise" and (channels_last_perm(node.meta.get("val"))
+                                                                  or attention_perm(node)):
             return True
     else:
         node = node.args[0]

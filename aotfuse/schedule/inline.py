@@ -214,6 +214,17 @@ class _Inliner:
         users = self._users_of(name)
         if any(ld.buf == name and ld.index is INDIRECT for u in users for ld in self.loads[u]):
             return  # read through a data-dependent index (a Gather): it stays a buffer
+        if not self.loads[name]:
+            # Reads nothing (a constant or a function of the index: torch.full, arange): recomputed at every
+            # consumer for free, never stored. (Merged by CSE, one `ones_like` of each layer's SiLU backward
+            # became a 46 MB tensor of ones that eight kernels read: Mistral's training step, H100.)
+            for u in users:
+                if inline_ok(self.nodes[u], p):
+                    self._replace(u, _substitute(self.nodes[u], p, self.simplified))
+                    self.decisions.append(InlineDecision(name, u, "reads nothing (recomputed for free)"))
+            if not self.users.get(name):
+                self._remove(name)
+            return
         cheap = self._is_cheap(name)
         if len(users) == 1:
             u = users[0]
