@@ -283,6 +283,13 @@ def _rounds_reference(graph):
             if not isinstance(p, Pointwise) or name in pinned:
                 continue
             users = [u for u in order if u in nodes and u != name and reads(nodes[u], name)]
+            if not expr_loads(p.body):  # reads nothing: recomputed in every consumer, never stored
+                for uname in users:
+                    nodes[uname] = inline._substitute(nodes[uname], p)
+                    decisions.append(inline.InlineDecision(name, uname, "reads nothing (recomputed for free)"))
+                if not any(reads(nodes[u], name) for u in users if u in nodes):
+                    del nodes[name]
+                continue
             cheap = expr_op_count(p.body) <= knobs.inline_max_ops and len(expr_loads(p.body)) <= 8
             if len(users) == 1:
                 u = nodes[users[0]]

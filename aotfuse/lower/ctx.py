@@ -11,10 +11,10 @@ from ..dtypes import NAME_OF, TORCH
 from ..errors import BuildError
 from ..runtime.externs import ALLOWED
 from ..ir.indexing import simplify, syms
-from ..ir.loop import (Buffer, Cast, Const, Expr, Extern, Load, Pointwise, Reduction, Scan, TensorArg,
-                       compute_dtype, subs_expr)
+from ..ir.loop import (ITEMSIZE, Buffer, Cast, Const, Expr, Extern, IndexValue, Load, Op, Pointwise, Reduction, Scan,
+                       TensorArg, compute_dtype, subs_expr)
 from ..ir.views import View
-from ..ir.sizes import sizes
+from ..ir.sizes import sizes, static
 
 TORCH_TO_NAME = NAME_OF
 NAME_TO_TORCH = TORCH
@@ -147,15 +147,23 @@ class LoweringCtx:
         return View.of_buffer(name, shape, dtype)
 
     def extern(self, target: str, args: tuple, kwargs: dict, out_shape, dtype: str, out_variant: bool,
-               storage_perm: Sequence[int] | None = None) -> View:
+               storage_perm: Sequence[int] | None = None, padded: tuple[int, int] | None = None) -> View:
         """An extern writing a fresh buffer. storage_perm: the buffer holds the result permuted
-        (result.permute(storage_perm) is contiguous), so the logical view is the inverse permute."""
+        (result.permute(storage_perm) is contiguous), so the logical view is the inverse permute. padded (a 2-D
+        .out result computed over padded sizes): the buffer is [rows, cols] and the result its leading slice."""
         if target not in ALLOWED:  # a program the runtime would refuse must not get built
             raise BuildError(f"lowering emitted extern {target!r}, which is not on the runtime's allow-list "
                              f"(aotfuse/runtime/externs.py)")
         name = self.fresh("ext")
         out_shape = sizes(out_shape)
-        if storage_perm is None:
+        if padded is not None and storage_perm is None and out_variant and len(out_shape) == 2:
+            r, c = out_shape
+            self.add_buffer(name, padded, dtype, "extern")
+            view = View.of_buffer(name, padded, dtype)
+            out = View.of_buffer(name, padded, dtype).as_strided()  # the call writes all of it
+            self.nodes.append(Extern(name, target, tuple(args), tuple(sorted(kwargs.items())), out_variant, out))
+            return view.slice(0, 0, r).slice(1, 0, c)
+        elif storage_perm is None:
             self.add_buffer(name, out_shape, dtype, "extern")
             view = View.of_buffer(name, out_shape, dtype)
         else:
@@ -186,6 +194,38 @@ class LoweringCtx:
             self.nodes.append(Extern(name, target, (call.out,), (), False, view.as_strided(), result=(call.name, i)))
             views.append(view)
         return tuple(views)
+
+    def pad_matrix(self, view: View, rows: int, cols: int, why: str) -> View:
+        """A 2-D view as a [rows, cols] matrix (each at least the view's) whose extra rows and columns are zeros,
+        for a matmul computed over padded sizes (lower/extern._padded_mm). The view itself when no size grows and
+        its leading dimension is a 16-byte multiple; else a copy stored along the view's contiguous dim (a
+        transposed weight is padded as its transpose: the copy reads and writes whole rows), loads clamped in
+        bounds. Copied once per (view, sizes)."""
+        r, c = (int(x) for x in view.shape)
+        t = view.as_strided()
+        if (rows, cols) == (r, c) and t is not None and not misaligned_ld(t, view.dtype):
+            return view
+        colmajor = t is not None and len(t.stride) == 2 and int(t.stride[0]) == 1 and int(t.stride[1]) != 1
+        if colmajor:  # copy the transpose, row-major, and read it back transposed
+            return self.pad_matrix(view.permute([1, 0]), cols, rows, why).permute([1, 0])
+        key = (view, "pad", rows, cols)
+        out = self.realized.get(key)
+        if out is None:
+            pv = syms("p", 2)
+            idx = (sympy.Min(pv[0], r - 1), sympy.Min(pv[1], c - 1))
+            val = self.load_compute(view, idx, {pv[0]: rows, pv[1]: cols})
+            conds = [Op("lt", (IndexValue(v, "int64"), Const(n, "int64")), "bool")
+                     for v, n, m in ((pv[0], r, rows), (pv[1], c, cols)) if m != n]
+            cdt = compute_dtype(view.dtype)
+            body = val
+            if conds:
+                keep = conds[0] if len(conds) == 1 else Op("and", tuple(conds), "bool")
+                body = Op("where", (keep, val, Const(0, cdt)), cdt)
+            out = self.pointwise((rows, cols), view.dtype, body, hint="pad")
+            self.realized[key] = out
+            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why,
+                                   "order": f"[{r}, {c}] padded to [{rows}, {cols}] with zeros"})
+        return out
 
     def realize(self, view: View, why: str, transposable: bool = False, storage=None) -> View:
         """A copy of a view that is not strided (e.g. reshape of a permute), contiguous in the view's order, or
@@ -249,3 +289,21 @@ def _inner_step(view: View, dim: int) -> int | None:
     if view.shape[dim] == 1 or not (base.is_Integer and nxt.is_Integer):
         return None
     return int(nxt - base)
+
+
+ROW_ALIGN_BYTES = 16  # cuBLAS's sm_90 kernels read and write through TMA: leading dims of 16-byte multiples
+
+
+def pad_row(n: int, dtype: str) -> int:
+    """n elements rounded up to a 16-byte multiple."""
+    per = max(1, ROW_ALIGN_BYTES // ITEMSIZE[dtype])
+    return -(-int(n) // per) * per
+
+
+def misaligned_ld(t: TensorArg, dtype: str) -> bool:
+    """Is a 2-D strided matrix's leading dimension (its larger stride; the other is 1) not a 16-byte multiple?"""
+    if len(t.shape) != 2 or not all(static(x) for x in (*t.shape, *t.stride)) or 1 in t.shape:
+        return False
+    s0, s1 = (int(x) for x in t.stride)
+    ld = s0 if s1 == 1 else (s1 if s0 == 1 else None)
+    return ld is not None and (ld * ITEMSIZE[dtype]) % ROW_ALIGN_BYTES != 0

@@ -29,7 +29,12 @@ def _lowering(d: dict) -> str | None:
     if "addmm" in d:
         return f"  {d['addmm']}: {'kept as addmm' if d['kept'] else 'mm + bias add'} ({d['why']})"
     if "realize" in d:
-        return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']})"
+        order = d.get("order")
+        order = f"; {order}" if order and order != "as is" else ""
+        reused = "; reused: the same view was copied for an earlier consumer" if d.get("reused") else ""
+        return f"  {d['realize']}: copy of a view of {d['of']} ({d['why']}{order}{reused})"
+    if "matmul" in d and "pad" in d:  # lower/extern.py (AOTFUSE_MM_PAD)
+        return f"  {d['matmul']}: {d['pad']}"
     if "attention_mask" in d:  # export/masks.py
         return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
     if "attention" in d and "mode" in d:  # schedule/attention.py: the template or sdpa
