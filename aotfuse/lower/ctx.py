@@ -77,7 +77,6 @@ class LoweringCtx:
     # views already copied for an extern (realize): the view -> its copy, so a second consumer of the same view
     # (a matmul's dgrad and wgrad read one gradient, one of them transposed) reads the first copy
     realized: dict = dataclasses.field(default_factory=dict)
-    pointwise_memo: dict = dataclasses.field(default_factory=dict)  # (shape, dtype, body, order) -> its View
 
     def rng_seed(self) -> View:
         """The per-call seed buffer; each rand op draws from its own stream (seed + stream id)."""
@@ -105,21 +104,12 @@ class LoweringCtx:
     def pointwise(self, shape: Sequence[int], dtype: str, body: Expr, hint: str = "pw") -> View:
         """A pointwise node over `shape` (body in p0..). Stored row-major, or in the memory order
         `self.layout` (aotfuse/layouts.py) when the node being lowered asks for one and `shape` is its shape:
-        the node then iterates the stored order and the returned View is the inverse permute.
-        A node equal to one made before (same shape, dtype, body and order) is that node: each of T5's six
-        attentions converted the shared position bias into a 64 MiB tensor of its own, and the six were
-        computed together and lived at once (inference peak 559 MiB against torch.compile's 302)."""
+        the node then iterates the stored order and the returned View is the inverse permute. (Equal nodes
+        that stay stored after inlining are merged there: schedule/inline._merge_equal.)"""
         shape = sizes(shape)
         body = as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")
         perm = self.layout if self.layout is not None and shape == self.layout_shape else None
-        key = (shape, dtype, body, perm)
-        hit = self.pointwise_memo.get(key)
-        if hit is not None:
-            return hit
-        name = self.fresh(hint)
-        view = self._pointwise(name, shape, dtype, body, perm)
-        self.pointwise_memo[key] = view
-        return view
+        return self._pointwise(self.fresh(hint), shape, dtype, body, perm)
 
     def _pointwise(self, name: str, shape, dtype: str, body: Expr, perm) -> View:
         if perm is None:

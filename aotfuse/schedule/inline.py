@@ -15,8 +15,8 @@ from ..knobs import knobs
 from .deps import classify_read, update_reverse
 from ..ir.indexing import simplify, unravel
 from ..ir.sizes import hint
-from ..ir.loop import (INDIRECT, ITEMSIZE, Cast, Extern, Load, LoopGraph, Pointwise, TensorArg, expr_loads,
-                       expr_op_count, map_loads, subs_expr)
+from ..ir.loop import (INDIRECT, ITEMSIZE, Cast, Extern, Gather, Load, LoopGraph, Op, Pointwise, TensorArg,
+                       expr_loads, expr_op_count, map_loads, subs_expr)
 from .deps import iteration
 from .templates import inline_ok
 
@@ -67,6 +67,7 @@ def inline_pointwise(graph: LoopGraph) -> tuple[LoopGraph, tuple[InlineDecision,
     st = _Inliner(graph)
     st.run()
     kept = tuple(st.nodes[n] for n in st.order if n in st.nodes)
+    kept = _merge_equal(kept, graph, st.decisions)
     read = {o.view.buf for o in graph.outputs}
     for n in kept:
         read.update(st.reads[n.name])
@@ -75,6 +76,57 @@ def inline_pointwise(graph: LoopGraph) -> tuple[LoopGraph, tuple[InlineDecision,
     buffers = tuple(b for b in graph.buffers if b.name in live)
     weights = tuple((b, fqn) for b, fqn in graph.weights if b in read)
     return dataclasses.replace(graph, nodes=kept, buffers=buffers, weights=weights), tuple(st.decisions)
+
+
+def _merge_equal(nodes: tuple, graph: LoopGraph, decisions: list) -> tuple:
+    """Stored pointwise nodes equal to an earlier one (shape, body, dtype: the same values from the same
+    buffers) are dropped and their readers read the earlier one. After inlining, so a node that is recomputed
+    in its consumer stays private to it (merged before, two one-hot compares of a fused cross-entropy became one
+    stored tensor): only what is stored anyway is shared (T5's six attentions each converted the one position
+    bias into a 64 MiB tensor, all six alive at once). A graph output is never dropped."""
+    outputs = {o.view.buf for o in graph.outputs}
+    dtype = {b.name: b.dtype for b in graph.buffers}
+    alias: dict[str, str] = {}
+    seen: dict = {}
+    out = []
+
+    def rename(e):
+        if isinstance(e, Load):
+            return Load(alias[e.buf], e.index, e.dtype) if e.buf in alias else e
+        if isinstance(e, Gather):
+            g = Gather(alias.get(e.buf, e.buf), e.base, rename(e.offset), e.dtype)
+            return g
+        if isinstance(e, Op):
+            return Op(e.op, tuple(rename(a) for a in e.args), e.dtype)
+        if isinstance(e, Cast):
+            return Cast(rename(e.arg), e.dtype)
+        return e
+
+    def rename_args(a):
+        if isinstance(a, TensorArg):
+            return dataclasses.replace(a, buf=alias[a.buf]) if a.buf in alias else a
+        if isinstance(a, tuple):
+            return tuple(rename_args(x) for x in a)
+        if isinstance(a, list):
+            return [rename_args(x) for x in a]
+        return a
+
+    for n in nodes:
+        if alias:
+            if isinstance(n, Extern):
+                n = dataclasses.replace(n, args=rename_args(n.args))
+            elif hasattr(n, "body"):
+                n = dataclasses.replace(n, body=rename(n.body))
+        if type(n) is Pointwise and n.name not in outputs:
+            key = (n.ranges, n.body, dtype.get(n.name))
+            first = seen.get(key)
+            if first is not None:
+                alias[n.name] = first
+                decisions.append(InlineDecision(n.name, first, "equal to an earlier stored node (read instead)"))
+                continue
+            seen[key] = n.name
+        out.append(n)
+    return tuple(out)
 
 
 class _Inliner:
