@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -35,16 +37,19 @@ def ce_grad(x_ptr, lse_ptr, t_ptr, out_ptr, scale, V: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def fused_dx(x_ptr, lse_ptr, t_ptr, w_ptr, out_ptr, scale, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PRO: tl.constexpr):
-    """dX[m, n] = sum_k dl[m, k] W[k, n], dl from x[m, k] (m: tokens, k: vocab)."""
-    pid = tl.program_id(0)
-    tm, tn = M // BM, N // BN
+def _tile(pid, tm, tn, GM: tl.constexpr):
+    """(row tile, column tile) of program `pid`, GM rows of tiles at a time (L2 reuse)."""
     gid = pid // (GM * tn)
     first = gid * GM
     gsz = tl.minimum(tm - first, GM)
-    pid_m = first + (pid % (GM * tn)) % gsz
-    pid_n = (pid % (GM * tn)) // gsz
+    return first + (pid % (GM * tn)) % gsz, (pid % (GM * tn)) // gsz
+
+
+@triton.jit
+def fused_dx(x_ptr, lse_ptr, t_ptr, w_ptr, out_ptr, scale, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PRO: tl.constexpr):
+    """dX[m, n] = sum_k dl[m, k] W[k, n], dl from x[m, k] (m: tokens, k: vocab)."""
+    pid_m, pid_n = _tile(tl.program_id(0), M // BM, N // BN, GM)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     lse2 = tl.load(lse_ptr + rm) * 1.4426950408889634
@@ -67,13 +72,7 @@ def fused_dx(x_ptr, lse_ptr, t_ptr, w_ptr, out_ptr, scale, M: tl.constexpr, N: t
 def fused_dw(x_ptr, lse_ptr, t_ptr, h_ptr, out_ptr, scale, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PRO: tl.constexpr):
     """dW[m, n] = sum_k dl[k, m] H[k, n], dl from x[k, m] (m: vocab, k: tokens)."""
-    pid = tl.program_id(0)
-    tm, tn = M // BM, N // BN
-    gid = pid // (GM * tn)
-    first = gid * GM
-    gsz = tl.minimum(tm - first, GM)
-    pid_m = first + (pid % (GM * tn)) % gsz
-    pid_n = (pid % (GM * tn)) // gsz
+    pid_m, pid_n = _tile(tl.program_id(0), M // BM, N // BN, GM)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -93,17 +92,15 @@ def fused_dw(x_ptr, lse_ptr, t_ptr, h_ptr, out_ptr, scale, M: tl.constexpr, N: t
 
 
 def graph_us(fn, reps: int = 20, rounds: int = 15) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    """Median us per call of `fn`, `reps` calls captured in one CUDA graph (bench_kernels.capture_graph)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_kernels import capture_graph
+
+    def many():
         for _ in range(reps):
             fn()
-    g.replay()
+
+    g = capture_graph(many)
     torch.cuda.synchronize()
     times = []
     for _ in range(rounds):

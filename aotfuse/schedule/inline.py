@@ -259,6 +259,16 @@ class _Inliner:
             self.users[b].discard(name)
             self._dirty(b)
 
+    def _substitute_everywhere(self, name: str, p, users, reason: str) -> None:
+        """p substituted into every consumer that may take it (a matmul operand only views and casts); removed
+        when nothing reads it any more."""
+        for u in users:
+            if inline_ok(self.nodes[u], p):
+                self._replace(u, _substitute(self.nodes[u], p, self.simplified))
+                self.decisions.append(InlineDecision(name, u, reason))
+        if not self.users.get(name):
+            self._remove(name)
+
     def _visit(self, name: str) -> None:
         p = self.nodes.get(name)
         if not isinstance(p, Pointwise) or name in self.pinned:
@@ -270,12 +280,7 @@ class _Inliner:
             # Reads nothing (a constant or a function of the index: torch.full, arange): recomputed at every
             # consumer for free, never stored. (Merged by CSE, one `ones_like` of each layer's SiLU backward
             # became a 46 MB tensor of ones that eight kernels read: Mistral's training step, H100.)
-            for u in users:
-                if inline_ok(self.nodes[u], p):
-                    self._replace(u, _substitute(self.nodes[u], p, self.simplified))
-                    self.decisions.append(InlineDecision(name, u, "reads nothing (recomputed for free)"))
-            if not self.users.get(name):
-                self._remove(name)
+            self._substitute_everywhere(name, p, users, "reads nothing (recomputed for free)")
             return
         cheap = self._is_cheap(name)
         if len(users) == 1:
@@ -305,12 +310,7 @@ class _Inliner:
             # BatchNorm backward's x_hat in fp32 from bf16 x and per-channel statistics; a cast up):
             # substituted everywhere, point readers included, and not stored (ResNet-18's channels-last
             # BatchNorm backward stored three fp32 tensors of 51M elements per stem pass, H100).
-            for u in users:
-                if inline_ok(self.nodes[u], p):
-                    self._replace(u, _substitute(self.nodes[u], p, self.simplified))
-                    self.decisions.append(InlineDecision(name, u, "recomputed from narrower inputs (widens)"))
-            if not self.users.get(name):
-                self._remove(name)
+            self._substitute_everywhere(name, p, users, "recomputed from narrower inputs (widens)")
             return
         for u in users:
             kinds = {self._kind(u, ld.index, p.numel) for ld in self.loads[u] if ld.buf == name}
