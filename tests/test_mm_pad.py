@@ -18,13 +18,20 @@ from test_lifted_constants import _check as _train_check  # build, one step, los
 
 
 class Head(nn.Module):
-    def __init__(self, d=128, vocab=1001):
+    def __init__(self, d=128, vocab=1001, bias=False):
         super().__init__()
         self.proj = nn.Linear(d, d)
-        self.head = nn.Linear(d, vocab, bias=False)
+        self.head = nn.Linear(d, vocab, bias=bias)
 
     def forward(self, x):
         return self.head(torch.tanh(self.proj(x)))
+
+
+class BiasedHead(Head):
+    """BERT's MLM decoder: a biased head, kept as one addmm (its result is the output)."""
+
+    def __init__(self):
+        super().__init__(bias=True)
 
 
 class HeadLoss(Head):
@@ -65,6 +72,28 @@ def test_inference_result_rows_padded(pad):
     assert out.stride() == ((1004, 1) if pad else (1001, 1))  # a view of the padded rows, as torch.compile's
 
 
+def test_a_biased_head_is_padded_with_its_bias():
+    torch.manual_seed(0)
+    model = BiasedHead().eval()
+    res = aotfuse.build(model, (torch.randn(256, 128),))
+    (head,) = [st for st in _mm_externs(res.data) if st["out_view"]["shape"] == [256, 1004]]
+    assert head["target"] == "aten.addmm.out" and head["args"][0]["shape"] == [1004]
+    art = aotfuse.load(res.data, device="cpu")
+    xs = torch.randn(256, 128)
+    torch.testing.assert_close(art(xs), model(xs), rtol=1e-5, atol=1e-5)
+
+
+class BiasedHeadLoss(HeadLoss):
+    def __init__(self):
+        Head.__init__(self, bias=True)
+
+
+def test_training_a_biased_head():
+    torch.manual_seed(0)
+    x, t = torch.randn(256, 128), torch.randint(0, 1001, (256,))
+    _train_check(BiasedHeadLoss().train(), (x, t), (torch.randn(256, 128) * 2, torch.randint(0, 1001, (256,))))
+
+
 def test_training_pads_the_logits_gradient_once():
     torch.manual_seed(0)
     model = HeadLoss().train()
@@ -85,14 +114,14 @@ def test_padded_matmuls_on_cuda_in_training_and_graphs():
     major, minor = torch.cuda.get_device_capability()
     target = (f"sm_{major}{minor}",)
     torch.manual_seed(0)
-    model = Head().to(torch.bfloat16).eval()
-    res = aotfuse.build(model, (torch.randn(256, 128, dtype=torch.bfloat16),), targets=target)
-    art = aotfuse.load(res.data, device="cuda")
-    ref = copy.deepcopy(model).cuda()
-    for seed in (1, 2):
-        x = torch.randn(256, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
-        with torch.no_grad():
-            torch.testing.assert_close(art(x).float(), ref(x).float(), rtol=2e-2, atol=2e-2)
+    for model in (Head().to(torch.bfloat16).eval(), BiasedHead().to(torch.bfloat16).eval()):
+        res = aotfuse.build(model, (torch.randn(256, 128, dtype=torch.bfloat16),), targets=target)
+        art = aotfuse.load(res.data, device="cuda")
+        ref = copy.deepcopy(model).cuda()
+        for seed in (1, 2):
+            x = torch.randn(256, 128, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
+            with torch.no_grad():
+                torch.testing.assert_close(art(x).float(), ref(x).float(), rtol=2e-2, atol=2e-2)
     train = HeadLoss().train()
     res = aotfuse.build(train, (torch.randn(256, 128), torch.randint(0, 1001, (256,))), train=True, targets=target)
     mod = aotfuse.load(res.data, device="cuda").as_module()

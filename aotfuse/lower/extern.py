@@ -48,19 +48,22 @@ def _operands(ctx, node, a, b, names=("lhs", "rhs")):
 _PAD_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _padded_mm(ctx, node, a, b) -> View | None:
+def _padded_mm(ctx, node, a, b, bias=None) -> View | None:
     """A 2-D matmul with a size that is not a multiple of 16 bytes' worth of elements (a vocabulary of 50257),
     computed over sizes padded to one (AOTFUSE_MM_PAD): operands copied into zero-padded matrices where they
     grow (LoweringCtx.pad_matrix; a producer fuses into the copy), the result written into a padded buffer and
     used as its leading slice. cuBLAS otherwise runs an sm_75 `align1` kernel (GPT-2's LM head on an H100: 6.6 ms
-    against 0.9 padded). None when it does not apply (recorded when it does)."""
+    against 0.9 padded). bias: addmm's (1-D over N or 2-D), padded alike. None when it does not apply (recorded
+    when it does)."""
     if not knobs.mm_pad or not (isinstance(a, View) and isinstance(b, View)):
+        return None
+    if bias is not None and (not isinstance(bias, View) or bias.dtype != out_dtype(node) or len(bias.shape) > 2):
         return None
     shape = out_shape(node)
     dt = out_dtype(node)
     if dt not in _PAD_DTYPES or a.dtype != dt or b.dtype != dt or len(shape) != 2 or len(a.shape) != 2:
         return None
-    if not all(static(x) for x in (*shape, *a.shape)):
+    if not all(static(x) for x in (*shape, *a.shape, *(() if bias is None else bias.shape))):
         return None
     (m, k), n = (int(x) for x in a.shape), int(shape[1])
     mp, np_, kp = pad_row(m, dt), pad_row(n, dt), pad_row(k, dt)
@@ -73,7 +76,16 @@ def _padded_mm(ctx, node, a, b) -> View | None:
     ctx.decisions.append({"matmul": node.name, "pad": f"{m}x{n}x{k} computed as {mp}x{np_}x{kp}, the result its "
                           f"[{m}, {n}] slice (sizes of 16-byte multiples: cuBLAS's TMA kernels; unpadded it runs an "
                           "sm_75 align1 kernel)"})
-    return ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True, padded=(mp, np_))
+    if bias is None:
+        return ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True, padded=(mp, np_))
+    if len(bias.shape) == 2:  # [M, N], or broadcast [1, N] / [M, 1]
+        rows, cols = (mp if int(bias.shape[0]) == m else 1), (np_ if int(bias.shape[1]) == n else 1)
+        pbias = ctx.pad_matrix(bias, rows, cols, f"bias of {why}")
+    else:  # [N] (or a broadcast [1])
+        cols = np_ if int(bias.shape[0]) == n else 1
+        pbias = ctx.pad_matrix(bias.reshape([1, int(bias.shape[0])]), 1, cols, f"bias of {why}").reshape([cols])
+    tbias = _targ(ctx, pbias, node, "bias")
+    return ctx.extern("aten.addmm.out", (tbias, ta, tb), {}, shape, dt, True, padded=(mp, np_))
 
 
 @rule(aten.mm.default, category="extern", note="a Triton template when the cost model prefers it (lower/matmul.py)")
@@ -107,6 +119,9 @@ def _addmm(ctx, node, args, kwargs):
     shape = out_shape(node)
     dt = out_dtype(node)
     if (not consumers_fusible or stored) and beta == 1 and alpha == 1:
+        if (p := _padded_mm(ctx, node, a, b, bias)) is not None:
+            ctx.decisions.append({"addmm": node.name, "kept": True, "why": "padded sizes, the bias added by cuBLAS"})
+            return p
         ta, tb = _operands(ctx, node, a, b)
         tbias = _targ(ctx, bias, node, "bias")
         why = f"the biased result is stored anyway ({stored}): cuBLAS adds the bias as it writes it, a consumer " \
