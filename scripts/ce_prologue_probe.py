@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import triton
@@ -93,8 +91,7 @@ def fused_dw(x_ptr, lse_ptr, t_ptr, h_ptr, out_ptr, scale, M: tl.constexpr, N: t
 
 def graph_us(fn, reps: int = 20, rounds: int = 15) -> float:
     """Median us per call of `fn`, `reps` calls captured in one CUDA graph (bench_kernels.capture_graph)."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_kernels import capture_graph
+    from bench_kernels import capture_graph  # scripts/ is sys.path[0] when this script runs
 
     def many():
         for _ in range(reps):

@@ -105,8 +105,7 @@ def _maybe_profile(args, model: str, mode: str, contender: str, fn) -> None:
     """--profile: torch.profiler's kernel table of `fn` (scripts/profile_train.py's), for aotfuse and torch.compile."""
     if not args.profile or args.device != "cuda" or contender == "eager":
         return
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from profile_train import _profile
+    from profile_train import _profile  # scripts/ is sys.path[0] when this script runs
 
     text, _ = _profile(fn, 3, args.profile)
     print(f"== {model} {mode}: {contender} ==\n{text}\n", flush=True)

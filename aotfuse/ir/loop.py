@@ -291,9 +291,10 @@ def expr_op_count(e: Expr) -> int:
     return count(e)
 
 
-def rewrite_expr(e: Expr, load=None, index=None) -> Expr:
+def rewrite_expr(e: Expr, load=None, index=None, buf=None) -> Expr:
     """Rebuild e bottom-up: `load(Load) -> Expr` replaces loads, `index(sympy) -> sympy` maps every
-    index expression (of loads and IndexValues). Shared sub-DAGs are rewritten once."""
+    index expression (of loads and IndexValues), `buf(name) -> name` renames the buffers of loads and
+    gathers. Shared sub-DAGs are rewritten once."""
     memo: dict[int, Expr] = {}
 
     def walk(x):
@@ -301,12 +302,13 @@ def rewrite_expr(e: Expr, load=None, index=None) -> Expr:
         if key in memo:
             return memo[key]
         if isinstance(x, Load):
-            out = Load(x.buf, index(x.index), x.dtype) if index else x
+            out = Load(buf(x.buf) if buf else x.buf, index(x.index) if index else x.index, x.dtype) \
+                if (index or buf) else x
             out = load(out) if load else out
         elif isinstance(x, IndexValue):
             out = IndexValue(index(x.expr), x.dtype) if index else x
         elif isinstance(x, Gather):
-            out = Gather(x.buf, index(x.base) if index else x.base, walk(x.offset), x.dtype)
+            out = Gather(buf(x.buf) if buf else x.buf, index(x.base) if index else x.base, walk(x.offset), x.dtype)
         elif isinstance(x, Op):
             out = Op(x.op, tuple(walk(a) for a in x.args), x.dtype)
         elif isinstance(x, Cast):

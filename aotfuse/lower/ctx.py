@@ -109,9 +109,7 @@ class LoweringCtx:
         shape = sizes(shape)
         body = as_dtype(body, compute_dtype(dtype)) if dtype != "bool" else as_dtype(body, "bool")
         perm = self.layout if self.layout is not None and shape == self.layout_shape else None
-        return self._pointwise(self.fresh(hint), shape, dtype, body, perm)
-
-    def _pointwise(self, name: str, shape, dtype: str, body: Expr, perm) -> View:
+        name = self.fresh(hint)
         if perm is None:
             self.add_buffer(name, shape, dtype, "node")
             self.nodes.append(Pointwise(name, shape, body))
@@ -150,10 +148,11 @@ class LoweringCtx:
             r, c = out_shape
             self.add_buffer(name, padded, dtype, "extern")
             view = View.of_buffer(name, padded, dtype)
-            out = View.of_buffer(name, padded, dtype).as_strided()  # the call writes all of it
-            self.nodes.append(Extern(name, target, tuple(args), tuple(sorted(kwargs.items())), out_variant, out))
+            # the call writes all of it
+            self.nodes.append(Extern(name, target, tuple(args), tuple(sorted(kwargs.items())), out_variant,
+                                     view.as_strided()))
             return view.slice(0, 0, r).slice(1, 0, c)
-        elif storage_perm is None:
+        if storage_perm is None:
             self.add_buffer(name, out_shape, dtype, "extern")
             view = View.of_buffer(name, out_shape, dtype)
         else:
@@ -224,39 +223,33 @@ class LoweringCtx:
         gradient is then a coalesced copy read back transposed, not a transpose written element by element.
         storage: a permutation to store the copy in (an attention operand's [B, T, H, E], aotfuse/layouts.py).
         A view copied before is not copied again."""
-        order = "as is"
+        back = None  # the permutation that reads the copy back as `view`
         if storage is not None and len(storage) == len(view.shape):
-            out = self.realized.get((view, tuple(storage)))
-            if out is None:
-                pv = syms("p", len(view.shape))
-                old = self.layout, self.layout_shape
-                self.layout, self.layout_shape = tuple(storage), view.shape
-                try:
-                    out = self.pointwise(view.shape, view.dtype, self.load(view, pv, dict(zip(pv, view.shape))),
-                                         hint="copy")
-                finally:
-                    self.layout, self.layout_shape = old
-                self.realized[(view, tuple(storage))] = out
-            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why, "order": f"stored {list(storage)}"})
-            return out
-        if transposable and len(view.shape) >= 2 and _inner_step(view, -1) != 1 and _inner_step(view, -2) == 1:
-            swap = list(range(len(view.shape)))
-            swap[-2], swap[-1] = swap[-1], swap[-2]
-            src, order = view.permute(swap), "last two dims swapped (read back transposed)"
+            src, key, order = view, (view, tuple(storage)), f"stored {list(storage)}"
+        elif transposable and len(view.shape) >= 2 and _inner_step(view, -1) != 1 and _inner_step(view, -2) == 1:
+            back = list(range(len(view.shape)))
+            back[-2], back[-1] = back[-1], back[-2]
+            src = view.permute(back)
+            key, order, storage = src, "last two dims swapped (read back transposed)", None
         else:
-            swap, src = None, view
-        out = self.realized.get(src)
-        if out is None:
+            src, key, order, storage = view, view, "as is", None
+        out = self.realized.get(key)
+        rec = {"realize": None if out is None else out.buf, "of": view.buf, "why": why, "order": order}
+        if out is not None:
+            rec["reused"] = "the same view was copied for an earlier consumer"
+        else:
             pv = syms("p", len(src.shape))
-            ranges = dict(zip(pv, src.shape))
-            body = self.load(src, pv, ranges)
-            out = self.pointwise(src.shape, src.dtype, body, hint="copy")
-            self.realized[src] = out
-            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why, "order": order})
-        else:
-            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why, "order": order,
-                                   "reused": "the same view was copied for an earlier consumer"})
-        return out if swap is None else out.permute(swap)
+            old = self.layout, self.layout_shape
+            if storage is not None:
+                self.layout, self.layout_shape = tuple(storage), src.shape
+            try:
+                out = self.pointwise(src.shape, src.dtype, self.load(src, pv, dict(zip(pv, src.shape))), hint="copy")
+            finally:
+                self.layout, self.layout_shape = old
+            self.realized[key] = out
+            rec["realize"] = out.buf
+        self.decisions.append(rec)
+        return out if back is None else out.permute(back)
 
     def tensor_arg(self, view: View, why: str, transposable: bool = False, storage=None) -> TensorArg:
         t = view.as_strided()

@@ -15,8 +15,8 @@ from ..knobs import knobs
 from .deps import classify_read, update_reverse
 from ..ir.indexing import simplify, unravel
 from ..ir.sizes import hint
-from ..ir.loop import (INDIRECT, ITEMSIZE, Cast, Extern, Gather, Load, LoopGraph, Op, Pointwise, TensorArg,
-                       expr_loads, expr_op_count, map_loads, subs_expr)
+from ..ir.loop import (INDIRECT, ITEMSIZE, Cast, Extern, Load, LoopGraph, Pointwise, TensorArg, expr_loads,
+                       expr_op_count, map_loads, rewrite_expr, subs_expr)
 from .deps import iteration
 from .templates import inline_ok
 
@@ -90,18 +90,6 @@ def _merge_equal(nodes: tuple, graph: LoopGraph, decisions: list) -> tuple:
     seen: dict = {}
     out = []
 
-    def rename(e):
-        if isinstance(e, Load):
-            return Load(alias[e.buf], e.index, e.dtype) if e.buf in alias else e
-        if isinstance(e, Gather):
-            g = Gather(alias.get(e.buf, e.buf), e.base, rename(e.offset), e.dtype)
-            return g
-        if isinstance(e, Op):
-            return Op(e.op, tuple(rename(a) for a in e.args), e.dtype)
-        if isinstance(e, Cast):
-            return Cast(rename(e.arg), e.dtype)
-        return e
-
     def rename_args(a):
         if isinstance(a, TensorArg):
             return dataclasses.replace(a, buf=alias[a.buf]) if a.buf in alias else a
@@ -116,7 +104,7 @@ def _merge_equal(nodes: tuple, graph: LoopGraph, decisions: list) -> tuple:
             if isinstance(n, Extern):
                 n = dataclasses.replace(n, args=rename_args(n.args))
             elif hasattr(n, "body"):
-                n = dataclasses.replace(n, body=rename(n.body))
+                n = dataclasses.replace(n, body=rewrite_expr(n.body, buf=lambda b: alias.get(b, b)))
         if type(n) is Pointwise and n.name not in outputs:
             key = (n.ranges, n.body, dtype.get(n.name))
             first = seen.get(key)
