@@ -41,19 +41,22 @@
 | shape_cache | AOTFUSE_SHAPE_CACHE | 16 | runtime, archives with dynamic dims: shapes (tuples of dim values) kept linked per program, each with its executor (arena) and, on CUDA, its graphs; the least recently used shape beyond is released (runtime/shapes.py) |
 | graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (not a training backward's gradients) (a loss kept by the caller pins no output set); larger ones are read and returned in place (runtime/graphs.py says which) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
-| mm | AOTFUSE_MM | extern | matmuls: `extern` (every matmul cuBLAS, a tanh GELU in cuBLASLt's epilogue), `template` (every floating-point matmul a Triton template with its epilogue fused), `auto` (per matmul the cheaper of the two by schedule/templates.py's cost model). Default extern: on an H200 (2026-11-26, twelfth session; `scripts/graph_diag.py` and `aotfuse bench`, one process, CUDA graphs) the anchor GPT at 8x1024 runs 1.287-1.288 ms extern vs 1.298-1.321 auto (9 externs: out and proj templates), `anchor(seq=128)` 0.153 vs 0.160 ms: the warp-specialized Hopper templates' main loops stay 5-17% behind cuBLAS's (scripts/mm_profile.py --sequence) and a residual add costs cuBLAS only a round trip inside the next LayerNorm |
+| mm | AOTFUSE_MM | heavy | matmuls: `extern` (every matmul cuBLAS, a tanh GELU in cuBLASLt's epilogue, a residual add as cuBLASLt's C), `heavy` (as `extern`, except a matmul whose epilogue lowering found heavy, a tanh GELU or its backward (lower/matmul.epilogue_region), is a Triton template when schedule/templates.py's cost model prefers it), `template` (every floating-point matmul a Triton template with its epilogue fused), `auto` (the cost model for every matmul). Default heavy: on an H100 (2026-11-27, scripts/knob_ab.py and scripts/zoo_gpu.py --variant, one process) the anchor GPT's training step 4674 -> 4598 us of kernels (5159 -> 5081 us per step), GPT-2 inference 4.76 -> 4.39 ms and training 18.18 -> 18.09, T5, Whisper, BERT, ViT, Llama unchanged (no heavy template, or within 1%); `auto` lost 1-5% on the training of Llama, ViT, T5 and Whisper (residual and prologue templates its estimates prefer). The templates' tiles are chosen for the archive's lowest target: a build for sm_80 and sm_90 prices them as sm_80's and keeps cuBLAS |
 | attention | AOTFUSE_ATTENTION | auto | inference attention (scaled_dot_product_attention): `auto` a Triton flash-attention template (emit/template_attn.py) where it is supported and up to head dim 64 (H200, 2026-11-26, scripts/attn_probe.py: 0.58-0.93 of sdpa's time on the anchor GPT's shapes, 0.78-0.82 with a kept mask), `template` wherever supported, `extern` always torch's sdpa; schedule/attention.py lists what keeps sdpa |
 | mm_tf32 | AOTFUSE_MM_TF32 | 0 | 1: fp32 template matmuls may use TF32 (eager's default is full fp32) |
 | mm_tflops | AOTFUSE_MM_TFLOPS | 600 | cost model: cuBLAS half-precision matmul throughput (fp32: a tenth) |
 | mm_template_efficiency | AOTFUSE_MM_TEMPLATE_EFF | 0.85 | cost model: a persistent (TMA) template's throughput as a fraction of cuBLAS's (H200, 2026-11-26: 0.86-0.88 on the anchor's K=768 matmuls at 8192 rows, about 1.0 at K=3072) |
 | mm_ws_efficiency | AOTFUSE_MM_WS_EFF | 0.92 | cost model: the same for a warp-specialized persistent template (sm_90's large rule; H200, 2026-11-26, scripts/tune_mm.py at 8192 rows: qkv 0.90 of cuBLAS, head 0.99, proj about 1.0) |
 | mm_bandwidth_gbs | AOTFUSE_MM_BANDWIDTH_GBS | 3000 | cost model: device memory bandwidth for a matmul epilogue's round trip (an H100's measured copy; an H200's is 4270) |
+| mm_slow_op_us | AOTFUSE_MM_SLOW_OP_US | 2.9 | cost model: us per million output elements per slow op (lower/matmul.SLOW_OPS: erf) in a template's epilogue, which runs while its tensor cores wait (H100, 2026-11-27: ViT's MLP dgrad with the erf GELU backward, 12608 x 3072 x 768, took 231 us as a template against 157 for cuBLAS and a separate kernel, some 110 us over the estimate) |
 | mm_tile_efficiency | AOTFUSE_MM_TILE_EFF | 0.45 | cost model: the same for a template with one program per tile (pointer loads; H200, 2026-11-26, 1024 rows: 0.40-0.82 of cuBLAS) |
 | mm_extern_us | AOTFUSE_MM_EXTERN_US | 5.0 | cost model: one library call's fixed cost |
 | mm_config | AOTFUSE_MM_CONFIG | (table) | every template matmul takes this tile configuration, `BM,BN,BK,GROUP_M,WARPS,STAGES[,PERSISTENT[,WARP_SPEC]]` (PERSISTENT: programs per SM of a persistent kernel, 0 for one per tile; WARP_SPEC 1: its tile loop warp-specialized; clamped to the problem; scripts/tune_mm.py measures them); empty: emit/mm_configs.py's table |
 | mm_tma | AOTFUSE_MM_TMA | 1 | a matmul template loads an operand that is one strided read (a weight, a contiguous activation) through a TMA tensor descriptor (sm_90; made in the kernel, in the launch's global scratch); 0: pointer loads |
 | fast_tanh | AOTFUSE_FAST_TANH | 1 | a kernel (a matmul template's epilogue or a fused kernel) whose stored values are all half precision computes tanh as sign(x) (1 - 2 / (1 + e^(2abs(x)))) with ex2.approx and a fast divide (absolute error about 1e-7), a series below abs(x) = 1/8 (within 2 ulps), instead of libdevice's tanhf (emit/printer._TANH_FAST); 0: libdevice |
-| mm_epilogue_max_ops | AOTFUSE_MM_EPILOGUE_OPS | 16 | most ops of the pointwise nodes fused into a matmul template's epilogue (a bias + tanh GELU is 10-14; the GELU backward 39, which made the MLP's dgrad template 210 us against 132 for cuBLAS and a separate kernel, H200 2026-11-26) |
+| mm_epilogue_max_ops | AOTFUSE_MM_EPILOGUE_OPS | 64 | most ops of the pointwise nodes fused into a matmul template's epilogue (a bias + tanh GELU is 10-14; the GELU backward with the GELU itself about 40) |
+| mm_epilogue_split_ops | AOTFUSE_MM_EPILOGUE_SPLIT | 16 | a template epilogue of more ops runs in two column halves of the accumulator (fewer live registers), never warp-specialized: H100, 2026-11-27, `scripts/dgelu_probe.py`, the anchor MLP's dgrad (8192 x 3072 x 768) with the GELU backward storing g and dh: 128x256x64 tiles whole 725 us (spills), in halves 130 us, against 155 for cuBLAS and separate kernels; warp-specialized 1929 us |
+| mm_epilogue_heavy_nodes | AOTFUSE_MM_EPILOGUE_HEAVY | 6 | lowering: a matmul whose epilogue region (lower/matmul.epilogue_region) holds more pointwise FX nodes than this is costed and tiled as a heavy epilogue (mm_epilogue_split_ops' configuration: persistent, not warp-specialized) |
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
 | mm_gelu | AOTFUSE_MM_GELU | 1 | inference, matmuls kept as cuBLAS: a tanh GELU whose only input is an addmm's result (through views) becomes one `aten._addmm_activation.out` extern, the GELU applied by cuBLASLt's GELU_BIAS epilogue (export/mm_gelu.py); 0: the addmm extern and a GELU kernel, as before |
 | mm_residual | AOTFUSE_MM_RESIDUAL | 1 | matmuls kept as cuBLAS, inference and training: `x + mm(a, b)` or `x + addmm(bias, a, b)` (through reshapes) becomes one `aotfuse.mm_residual.out` extern, the residual added by cuBLASLt as C with beta 1, the bias in its BIAS epilogue (lower/residual.py); 0: the matmul and an add fused into its consumer, as before |
@@ -126,7 +129,7 @@ class Knobs:
     dynamic_variants: bool = _env_int("AOTFUSE_DYNAMIC_VARIANTS", 1) != 0
     shape_cache: int = _env_int("AOTFUSE_SHAPE_CACHE", 16)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))
-    mm: str = os.environ.get("AOTFUSE_MM", "extern") or "extern"
+    mm: str = os.environ.get("AOTFUSE_MM", "heavy") or "heavy"
     mm_tf32: bool = bool(_env_int("AOTFUSE_MM_TF32", 0))
     mm_tflops: float = _env_float("AOTFUSE_MM_TFLOPS", 600.0)
     mm_template_efficiency: float = _env_float("AOTFUSE_MM_TEMPLATE_EFF", 0.85)
@@ -134,11 +137,14 @@ class Knobs:
     mm_tile_efficiency: float = _env_float("AOTFUSE_MM_TILE_EFF", 0.45)
     mm_extern_us: float = _env_float("AOTFUSE_MM_EXTERN_US", 5.0)
     mm_bandwidth_gbs: float = _env_float("AOTFUSE_MM_BANDWIDTH_GBS", 3000.0)
+    mm_slow_op_us: float = _env_float("AOTFUSE_MM_SLOW_OP_US", 2.9)
     mm_config: str = os.environ.get("AOTFUSE_MM_CONFIG", "")
     fast_tanh: bool = bool(_env_int("AOTFUSE_FAST_TANH", 1))
     mm_tma: bool = bool(_env_int("AOTFUSE_MM_TMA", 1))
     attention: str = os.environ.get("AOTFUSE_ATTENTION", "auto")
-    mm_epilogue_max_ops: int = _env_int("AOTFUSE_MM_EPILOGUE_OPS", 16)
+    mm_epilogue_max_ops: int = _env_int("AOTFUSE_MM_EPILOGUE_OPS", 64)
+    mm_epilogue_split_ops: int = _env_int("AOTFUSE_MM_EPILOGUE_SPLIT", 16)
+    mm_epilogue_heavy_nodes: int = _env_int("AOTFUSE_MM_EPILOGUE_HEAVY", 6)
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
     mm_gelu: bool = bool(_env_int("AOTFUSE_MM_GELU", 1))
     mm_residual: bool = bool(_env_int("AOTFUSE_MM_RESIDUAL", 1))

@@ -198,9 +198,10 @@ def fwd_kernel(a_ptr, w_ptr, bias_ptr, h_ptr, g_ptr, M: tl.constexpr, N: tl.cons
             _fwd_chunk(a1, rm, c0 + W, bias_ptr, h_ptr, g_ptr, N, W)
 
 
-FWD_CONFIGS = [  # (BM, BN, BK, GM, WARPS, STAGES, WS, SUB)
-    (128, 256, 64, 8, 8, 3, False, 1), (128, 256, 64, 8, 8, 3, False, 2), (128, 128, 64, 8, 8, 4, False, 1),
-    (128, 128, 64, 8, 8, 4, False, 2), (128, 128, 128, 8, 4, 3, True, 1), (128, 256, 64, 8, 4, 3, True, 1),
+FWD_CONFIGS = [  # (BM, BN, BK, GM, WARPS, STAGES, WS, SUB, PROGRAMS PER SM)
+    (128, 256, 64, 8, 8, 3, False, 1, 1), (128, 256, 64, 8, 8, 3, False, 2, 1), (128, 128, 64, 8, 8, 4, False, 2, 1),
+    (128, 128, 64, 8, 8, 3, False, 1, 2), (128, 128, 64, 8, 8, 3, False, 2, 2), (128, 128, 64, 8, 4, 3, False, 1, 2),
+    (128, 128, 64, 8, 4, 3, False, 2, 2),
 ]
 
 
@@ -223,19 +224,20 @@ def forward_probe(M: int, K: int, N: int, sms: int) -> None:
             ("unfused total (addmm, gelu kernel)", graph_us(unfused))]
     base = rows[-1][1]
     for cfg in FWD_CONFIGS:
-        bm, bn, bk, gm, warps, stages, ws, sub = cfg
-        grid = (min(sms, (M // bm) * (N // bn)),)
+        bm, bn, bk, gm, warps, stages, ws, sub, progs = cfg
+        grid = (min(progs * sms, (M // bm) * (N // bn)),)
 
         def fused(cfg=cfg, grid=grid):
-            bm, bn, bk, gm, warps, stages, ws, sub = cfg
-            fwd_kernel[grid](x, w1, b1, h, g, M, N, K, bm, bn, bk, gm, ws, sub, stages, num_warps=warps,
-                             num_stages=stages)
+            bm, bn, bk, gm, warps, stages, ws, sub, progs = cfg
+            return fwd_kernel[grid](x, w1, b1, h, g, M, N, K, bm, bn, bk, gm, ws, sub, stages, num_warps=warps,
+                                    num_stages=stages)
 
-        name = f"fused {bm}x{bn}x{bk} w{warps} s{stages}{' ws' if ws else ''} sub{sub}"
+        name = f"fused {bm}x{bn}x{bk} w{warps} s{stages}{' ws' if ws else ''} sub{sub}" + \
+            (f" x{progs}/SM" if progs > 1 else "")
         try:
             h.zero_()
             g.zero_()
-            fused()
+            ck = fused()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
@@ -245,7 +247,8 @@ def forward_probe(M: int, K: int, N: int, sms: int) -> None:
         if max(e_h, e_g) > 2e-2:
             print(f"  {name}: WRONG h {e_h:.1e} g {e_g:.1e}", flush=True)
             continue
-        rows.append((name, graph_us(fused)))
+        rows.append((name + f" ({getattr(ck, 'n_regs', '?')} regs, {getattr(ck.metadata, 'shared', 0) // 1024} KiB)",
+                     graph_us(fused)))
     print(f"\n| {M} x {N} x {K}: h = x @ W1^T + b and g = gelu(h), both stored | us | vs unfused |")
     print("|---|---|---|")
     for name, us in rows:
@@ -276,15 +279,18 @@ def graph_us(fn, reps: int = 20, rounds: int = 15) -> float:
     return statistics.median(times)
 
 
-# (BM, BN, BK, GM, WARPS, STAGES, WS, SUB, COLSUM, TMA_H, TMA_ST)
+# (BM, BN, BK, GM, WARPS, STAGES, WS, SUB, COLSUM, TMA_H, TMA_ST, PROGRAMS PER SM)
 CONFIGS = [
-    (128, 256, 64, 8, 8, 3, False, 2, True, False, False), (128, 256, 64, 8, 8, 3, False, 4, True, False, False),
-    (128, 256, 64, 8, 8, 3, False, 2, True, True, True), (128, 256, 64, 8, 8, 3, False, 4, True, True, True),
-    (128, 256, 64, 8, 8, 3, False, 2, True, False, True), (128, 256, 64, 8, 8, 3, False, 4, True, False, True),
-    (128, 256, 64, 8, 8, 4, False, 4, True, False, True), (128, 256, 64, 4, 8, 3, False, 4, True, False, True),
-    (128, 128, 64, 8, 8, 4, False, 2, True, False, True), (128, 128, 64, 8, 8, 4, False, 4, True, False, True),
-    (256, 128, 64, 8, 8, 3, False, 2, True, False, True), (256, 128, 64, 8, 8, 3, False, 4, True, False, True),
-    (128, 256, 64, 8, 8, 3, False, 2, False, False, False), (128, 256, 64, 8, 8, 3, False, 4, False, False, True),
+    (128, 256, 64, 8, 8, 3, False, 2, True, False, False, 1), (128, 256, 64, 8, 8, 3, False, 4, True, False, False, 1),
+    (128, 256, 64, 8, 8, 3, False, 2, True, False, True, 1), (128, 128, 64, 8, 8, 4, False, 2, True, False, False, 1),
+    (256, 128, 64, 8, 8, 3, False, 2, True, False, True, 1),
+    (128, 256, 64, 8, 8, 3, False, 2, False, False, False, 1),
+    # two programs per SM: one's epilogue runs while the other's tensor cores work
+    (128, 128, 64, 8, 8, 3, False, 1, True, False, False, 2), (128, 128, 64, 8, 8, 3, False, 2, True, False, False, 2),
+    (128, 128, 64, 8, 4, 3, False, 1, True, False, False, 2), (128, 128, 64, 8, 4, 3, False, 2, True, False, False, 2),
+    (128, 128, 64, 8, 8, 2, False, 2, True, False, False, 2), (64, 256, 64, 8, 4, 3, False, 2, True, False, False, 2),
+    (128, 128, 64, 8, 4, 2, False, 2, True, False, False, 3), (128, 128, 64, 8, 8, 3, False, 2, False, False, False, 2),
+    (128, 128, 64, 8, 4, 3, False, 2, False, False, False, 2), (128, 128, 64, 8, 4, 3, False, 4, False, False, False, 2),
 ]
 # Warp-specialized kernels with this epilogue (H100, 2026-11-27): 128x256x64 4 warps 1929 us, 128x128x64 318 us;
 # with the column sums in the epilogue Triton 3.6's Hopper pass fails ("reduce should not happen on the
@@ -357,38 +363,36 @@ def main() -> None:
             ("column sums of dh", graph_us(colsum_only)), ("unfused total", graph_us(unfused))]
     base = rows[-1][1]
     for cfg in CONFIGS:
-        bm, bn, bk, gm, warps, stages, ws, sub, colsum, tmah, tmast = cfg
+        bm, bn, bk, gm, warps, stages, ws, sub, colsum, tmah, tmast, progs = cfg
         tm = M // bm
         fpart = torch.empty(tm, N, device="cuda", dtype=torch.float32)
-        grid = (min(sms, tm * (N // bn)),)
+        grid = (min(progs * sms, tm * (N // bn)),)
 
         def fused(cfg=cfg, fpart=fpart, grid=grid, tm=tm):
-            bm, bn, bk, gm, warps, stages, ws, sub, colsum, tmah, tmast = cfg
-            fused_kernel[grid](dy, w2, h, g, dh, fpart, M, N, K, bm, bn, bk, gm, ws, sub, colsum, stages, tmah, tmast,
-                               num_warps=warps, num_stages=stages)
+            bm, bn, bk, gm, warps, stages, ws, sub, colsum, tmah, tmast, progs = cfg
+            ck = fused_kernel[grid](dy, w2, h, g, dh, fpart, M, N, K, bm, bn, bk, gm, ws, sub, colsum, stages, tmah,
+                                    tmast, num_warps=warps, num_stages=stages)
             if colsum:
                 colsum_final[(N // 64,)](fpart, db, N, tm, 64, num_warps=4)
             else:
                 colsum_only()
+            return ck
 
         name = (f"fused {bm}x{bn}x{bk} g{gm} w{warps} s{stages}{' ws' if ws else ''} sub{sub}"
-                f"{'' if colsum else ' +colsum kernel'}{' tmaH' if tmah else ''}{' tmaSt' if tmast else ''}")
+                f"{'' if colsum else ' +colsum kernel'}{' tmaH' if tmah else ''}{' tmaSt' if tmast else ''}"
+                f"{f' x{progs}/SM' if progs > 1 else ''}")
         try:
             g.zero_()
             dh.zero_()
             db.zero_()
-            fused()
+            ck = fused()
         except Exception as e:  # noqa: BLE001
             print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
         if not check(name):
             continue
-        try:
-            k = fused_kernel.cache[0]
-            regs = [v.n_regs for v in k.values()][-1] if k else None
-        except Exception:  # noqa: BLE001
-            regs = None
-        rows.append((name + (f" ({regs} regs)" if regs else ""), graph_us(fused)))
+        res = f" ({getattr(ck, 'n_regs', '?')} regs, {getattr(ck.metadata, 'shared', 0) // 1024} KiB)"
+        rows.append((name + res, graph_us(fused)))
     print(f"\n| {M} x {N} x {K}: dg = dY @ W2, g and dh = gelu'(h) dg, db = dh.sum(0) | us | vs unfused |")
     print("|---|---|---|")
     for name, us in rows:

@@ -2,6 +2,7 @@
 
     python3 scripts/zoo_gpu.py [NAME ...] [--mode infer,train] [--iters 20] [--json OUT.json] [--markdown OUT.md]
     python3 scripts/zoo_gpu.py llama --tiny --device cpu      # the same path on tiny configs (CPU check)
+    python3 scripts/zoo_gpu.py gpt2 --variant auto:mm=auto     # and the archive built with other knobs, side by side
 
 For each entry of aotfuse/testing/zoo.py (all by default) and each mode:
 - build with `aotfuse.build` on this machine (bf16 realistic example, the current GPU's target);
@@ -29,6 +30,7 @@ import torch
 
 import aotfuse
 from aotfuse.bench import time_calls
+from aotfuse.knobs import override
 from aotfuse.testing.zoo import ZOO, loss_of, output_leaves
 
 
@@ -130,23 +132,31 @@ def run_one(e, mode: str, args) -> dict:
         targets = (f"sm_{major}{minor}",)
     else:
         targets = ("sm_90",)
-    t0 = time.perf_counter()
-    res = aotfuse.build(ex.model, ex.args, example_kwargs=ex.kwargs, train=train, targets=targets)
-    row["build_s"] = round(time.perf_counter() - t0, 1)
-    art = aotfuse.load(res.data, device=args.device)
-    row["error_vs_eager"] = round(_check(ex, art, train, args.device), 3)
+    built = {}  # contender name -> (build result, loaded archive): "aotfuse" (the defaults), "aotfuse:NAME" per --variant
+    for vname, kv in [("", {})] + list(args.variants):
+        t0 = time.perf_counter()
+        with override(**kv):
+            res = aotfuse.build(ex.model, ex.args, example_kwargs=ex.kwargs, train=train, targets=targets)
+        key = "aotfuse" + (f":{vname}" if vname else "")
+        row[key.replace("aotfuse", "build_s")] = round(time.perf_counter() - t0, 1)
+        art = aotfuse.load(res.data, device=args.device)
+        row[key.replace("aotfuse", "error_vs_eager")] = round(_check(ex, art, train, args.device), 3)
+        built[key] = (res, art)
+    res, art = built["aotfuse"]
     inputs = _to(ex.make_inputs(12), args.device)
     eager = copy.deepcopy(ex.model).to(args.device)
     call = ex.call
     if train:
         mod = art.as_module()
         contenders = [("eager", eager, list(eager.parameters()))]
-        if args.device == "cuda":
+        if args.device == "cuda" and not args.no_compile:
             comp = torch.compile(copy.deepcopy(ex.model).to(args.device))
             contenders.append(("torch.compile", comp, list(comp.parameters())))
-        contenders.append(("aotfuse", None, list(mod.parameters())))
+        for key, (_, a) in built.items():
+            m = a.as_module()
+            contenders.append((key, m, list(m.parameters())))
         for name, m, params in contenders:
-            fn = _step(mod, inputs, lambda _m, i: _m(*i[0], **i[1]), params) if name == "aotfuse" else \
+            fn = _step(m, inputs, lambda _m, i: _m(*i[0], **i[1]), params) if name.startswith("aotfuse") else \
                 _step(m, inputs, call, params)
             try:
                 row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device)
@@ -156,20 +166,30 @@ def run_one(e, mode: str, args) -> dict:
                 row[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
     else:
         contenders = [("eager", lambda: call(eager, inputs))]
-        if args.device == "cuda":
+        if args.device == "cuda" and not args.no_compile:
             ro = torch.compile(copy.deepcopy(ex.model).to(args.device), mode="reduce-overhead")
             contenders.append(("torch.compile(reduce-overhead)", lambda: call(ro, inputs)))
-        del art  # aotfuse's arena is allocated at load: timed on a fresh load, its weights not counted
+        # aotfuse's arena is allocated at load: each archive timed on a fresh load, its weights not counted
+        data = {key: r.data for key, (r, _) in built.items()}
+        del art
+        built.clear()
         fresh = {}
 
-        def ours():
-            if "art" not in fresh:
-                fresh["art"] = aotfuse.load(res.data, device=args.device)
-                fresh["weights"] = sum(t.numel() * t.element_size() for t in fresh["art"].weights.values())
-            return fresh["art"](*inputs[0], **inputs[1])
-        contenders.append(("aotfuse", ours))
+        def ours(key):
+            def run():
+                if fresh.get("key") != key:
+                    fresh.clear()
+                    fresh["art"] = aotfuse.load(data[key], device=args.device)
+                    fresh["key"] = key
+                    fresh["weights"] = sum(t.numel() * t.element_size() for t in fresh["art"].weights.values())
+                return fresh["art"](*inputs[0], **inputs[1])
+            return run
+        contenders += [(key, ours(key)) for key in data]
         with torch.no_grad():
             for name, fn in contenders:
+                fresh.clear()  # the previous archive freed before this contender's baseline is taken
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
                 try:
                     row[name], row[name + "_peak_mb"] = _timer(fn, args.iters, args.device,
                                                                lambda: fresh.get("weights", 0))
@@ -209,7 +229,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="TOP",
                     help="print torch.profiler's TOP kernels per step for aotfuse and torch.compile")
     ap.add_argument("--detail", action="store_true", help="print each output/gradient whose error ratio is > 0.5")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KNOB=V,...",
+                    help="also build, check and time the archive built with these knobs (aotfuse.knobs names), "
+                         "as contender aotfuse:NAME, e.g. --variant auto:mm=auto")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (variants against the defaults)")
     args = ap.parse_args(argv)
+    from knob_ab import parse_variant  # scripts/ is sys.path[0] when this script runs
+
+    args.variants = [parse_variant(v) for v in args.variant]
     global DETAIL
     DETAIL = args.detail
     rows = []
@@ -228,8 +255,10 @@ def main(argv=None) -> int:
                 _save_json(args.json, rows)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+    extra = [f"aotfuse:{v}" for v, _ in args.variants]
     cols = ["model", "mode", "build_s", "error_vs_eager", "eager", "torch.compile", "torch.compile(reduce-overhead)",
-            "aotfuse", "eager_peak_mb", "torch.compile_peak_mb", "aotfuse_peak_mb", "error"]
+            "aotfuse", *extra, "eager_peak_mb", "torch.compile_peak_mb", "aotfuse_peak_mb",
+            *[f"{c}_peak_mb" for c in extra], *[f"error_vs_eager:{v}" for v, _ in args.variants], "error"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     table = "\n".join(lines)

@@ -99,7 +99,9 @@ def test_gelu_backward_computes_one_sigmoid_and_matches_eager(dtype):
     assert len(with_sigmoid) >= 2, "no forward and backward kernels compute the GELU's sigmoid"
     # every kernel computes the sigmoid at most once (the backward's recompute of the GELU and its
     # derivative share it), and no tanh
-    assert all(_body(s).count("tl.sigmoid(") == 1 for s in with_sigmoid.values()), with_sigmoid.keys()
+    # (a matmul template with a heavy epilogue evaluates it in two column halves: once per half)
+    assert all(_body(s).count("tl.sigmoid(") == (2 if "acc_h1" in s else 1) for s in with_sigmoid.values()), \
+        with_sigmoid.keys()
     assert not any(_tanh_calls(s) for s in srcs.values())
     mod = aotfuse.load(res.data, device="cpu").as_module()
     torch.manual_seed(1)

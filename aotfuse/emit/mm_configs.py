@@ -100,7 +100,7 @@ def _clamped(c: MMConfig, m: int, n: int, k: int) -> MMConfig:
                                block_k=_clamp(c.block_k, k))
 
 
-def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, str]:
+def _hopper_half(b: int, m: int, n: int, k: int, sms: int, heavy: bool = False) -> tuple[MMConfig, str]:
     """sm_90, bf16/fp16 operands: rules fitted to scripts/tune_mm.py on an H200 (2026-11-26, the anchor
     GPT's matmuls with their epilogues at 8192 and 128 rows; docs/benchmarks.md).
 
@@ -108,12 +108,22 @@ def _hopper_half(b: int, m: int, n: int, k: int, sms: int) -> tuple[MMConfig, st
     program per SM; operands through TMA descriptors) and warp-specialized (a producer warpgroup, two
     consumer warpgroups of 4 warps), 128 x 256 x 64 tiles with 4 stages when N >= 4096, else 128 x 128 x 128
     with 3 stages (scripts/mm_gap_probe.py, H200 2026-11-26: best or within 2% of the best on the
-    anchor's qkv, out, proj and head, at parity with cuBLAS on qkv and head). Batched (no TMA): 128 x 256
+    anchor's qkv, out, proj and head, at parity with cuBLAS on qkv and head). A heavy epilogue (a GELU or
+    its backward) is never warp-specialized: 128 x 128 x 64, 8 warps, 3 stages, persistent with two
+    programs per SM, so one's epilogue (in column halves) runs while the other's tensor cores work
+    (scripts/dgelu_probe.py, H100 2026-11-27: the MLP's dgrad with the GELU backward about 107 us against
+    115 for one program per SM at 128 x 256, 1929 warp-specialized, 130 for cuBLAS and a separate kernel;
+    fc1 with the bias and GELU storing both 81-83 us against 96). Batched (no TMA): 128 x 256
     x 64 tiles, 8 warps, 3 stages when N >= 2048, else 128 x 128 x 64, 8 warps, 4 stages. Small: one program per tile with BM = 64 (a warpgroup's wgmma height); BN the largest of
     128, 64, 32, 16 that still gives at least half an SM's worth of programs per SM (tiles >= SMs / 2:
     the measured optimum was 72 to 128 tiles on 132 SMs); BK = 128 with 3 stages (4 when BN <= 32)
     for a narrow tile, 64 with 4 stages at BN = 128."""
     big = _count(b, m, n, 128, 128)
+    if m >= 128 and big >= sms and b == 1 and heavy:
+        c = MMConfig(128, _clamp(128, n), _clamp(64, k), 8, 8, 3, persistent=2)
+        return c, (f"sm_90 large ({big} tiles of 128x128 >= {sms} SMs), a heavy epilogue: persistent, two programs "
+                   f"per SM (one's epilogue runs while the other's tensor cores work), not warp-specialized, "
+                   f"{c.block_m}x{c.block_n}x{c.block_k}")
     if m >= 128 and big >= sms and b == 1:
         wide = n >= 4096
         c = MMConfig(128, 256 if wide else 128, 64 if wide else 128, 8, 4, 4 if wide else 3, persistent=1,
@@ -180,8 +190,10 @@ def least_sms(targets) -> int:
     return min((SMS[t] for t in known), default=SMS["sm_90"])
 
 
-def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[MMConfig, str]:
-    """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`."""
+def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets, heavy_epilogue: bool = False
+                  ) -> tuple[MMConfig, str]:
+    """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`; `heavy_epilogue`:
+    its epilogue holds many ops (lower/matmul.epilogue_region), which rules out warp specialization."""
     from ..knobs import knobs
 
     if knobs.mm_config:
@@ -196,7 +208,7 @@ def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets) -> tuple[
     target = min(known, key=ARCH.__getitem__)
     cls, sc = dtype_class(dtype), size_class(m, n)
     if ARCH[target] >= 90 and cls == "half":
-        return _hopper_half(b, m, n, k, min(SMS[t] for t in known))
+        return _hopper_half(b, m, n, k, min(SMS[t] for t in known), heavy_epilogue)
     c = TABLE[target, cls, sc]
     why = [f"table[{target}, {cls}, {sc}]" + (f" (most constrained of {', '.join(known)})" if len(known) > 1 else "")]
     cc = _clamped(c, m, n, k)

@@ -24,7 +24,7 @@ import sympy
 
 from ..errors import BuildError
 from ..ir.indexing import simplify
-from ..ir.loop import Cast, Const, IndexValue, Load, LoopGraph, Op, expr_loads, subs_expr
+from ..ir.loop import Cast, Const, IndexValue, Load, LoopGraph, Op, expr_loads, expr_op_count, subs_expr
 from ..ir.matmul import MatMul, split_operands
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
@@ -186,7 +186,7 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     if any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes) or bsz * m * n > INDEX_LIMIT:
         raise BuildError(f"group {group.name} indexes more than 2**31 elements",
                          remedy="split the batch; 64-bit indexing is not supported yet")
-    cfg, _ = choose_config(bsz, m, n, k, mm.dot_dtype, knobs.targets)
+    cfg, cfg_why = choose_config(bsz, m, n, k, mm.dot_dtype, knobs.targets, mm.heavy_epilogue)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tm, tn = -(-m // bm), -(-n // bn)
     names = set(group.nodes)
@@ -211,6 +211,13 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         for ld in expr_loads(e):
             if ld.buf not in names and ld.buf not in ins:
                 ins.append(ld.buf)
+    # A heavy epilogue (a GELU backward: some 40 ops) on a whole 128 x 256 accumulator spills: it runs on
+    # the accumulator's two column halves in turn (H100, 2026-11-27, scripts/dgelu_probe.py: 725 us whole,
+    # 130 us in halves), and never warp-specialized (Triton 3.6's Hopper pass: 1929 us, or no compile).
+    epi_ops = sum(expr_op_count(kn.body) for kn in knodes)
+    halves = 2 if (mm.heavy_epilogue or epi_ops > knobs.mm_epilogue_split_ops) and knodes and bn >= 32 else 1
+    if knobs.mm_config and cfg.warp_spec:
+        halves = 1  # an explicit warp-specialized AOTFUSE_MM_CONFIG is kept (Triton 3.6 fails on the split)
     outs = [nm for nm in group.nodes if nm in stored]
     if not outs:
         raise BuildError(f"internal: template group {group.name} stores nothing")
@@ -258,6 +265,8 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     w(f"    pid_m = first_m + (pid % {gm * tn}) % group_size")
     w(f"    pid_n = (pid % {gm * tn}) // group_size")
     both_tma = tma_a is not None and tma_b is not None
+    if cfg.warp_spec and halves > 1:
+        cfg = dataclasses.replace(cfg, warp_spec=0, num_warps=2 * cfg.num_warps)
     if cfg.warp_spec and not both_tma:
         # Triton's Hopper warp specialization needs both operands through TMA; otherwise the same tiles,
         # flattened, with both consumer warpgroups' warps (a 4-warp 128-row tile would halve the MMA rate)
@@ -302,12 +311,22 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     else:
         w("        acc = tl.dot(a, b, acc)")
     if both_tma:
-        L.extend(ranges)
-    # always defined: the template's own loads and stores skip it for whole tiles, but kernel_src's emitter
-    # masks a gather in the epilogue with it
-    w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
+        L.extend(ranges[:1] if halves > 1 else ranges)
     flat = SB * (m * n) + SM * n + SN
-    w(f"    xindex = {print_index(flat, {SB: 'pid_b', SM: 'rm[:, None]', SN: 'rn[None, :]'})}")
+
+    def columns(first: str | None):
+        """rn (when `first`: the W columns from there), then the mask and flat index of the tile: always
+        defined (the template's own loads and stores skip xmask for whole tiles, but kernel_src's emitter
+        masks a gather in the epilogue with it)."""
+        if first is not None:
+            w(f"    rn = {first} + tl.arange(0, {bn // halves})")
+        w(f"    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
+        w(f"    xindex = {print_index(flat, {SB: 'pid_b', SM: 'rm[:, None]', SN: 'rn[None, :]'})}")
+
+    if halves == 1:
+        columns(None)
+    else:
+        w(f"    acc_h0, acc_h1 = tl.split(tl.reshape(acc, ({bm}, 2, {bn // 2})).permute(0, 2, 1))")
     rng = {SB: bsz, SM: m, SN: n}
     em = _EpilogueEmitter(graph, {kn.name: kn for kn in knodes} | {mm.name: mm}, in_name, "pointwise",
                           flat_to=flat, rng=rng, names={SB: "pid_b", SM: "rm[:, None]", SN: "rn[None, :]"})
@@ -329,11 +348,20 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
         mask = "" if em.full else ", xmask"
         L.append(f"    tl.store({out_name[name]} + {idx}, {value}.to({dtype}){mask})")
 
-    if mm.name in out_name:
-        store(mm.name, "acc")
-    for kn in knodes:
-        if kn.name in out_name:
-            store(kn.name, em.emit(kn.body))
+    for h in range(halves):
+        acc = "acc"
+        if halves > 1:
+            acc = f"acc_h{h}"
+            columns(f"pid_n * {bn} + {h * (bn // 2)}")
+            em.red_vars[mm.name] = acc
+            em.scopes.append({})  # values of one half are not the other's
+        if mm.name in out_name:
+            store(mm.name, acc)
+        for kn in knodes:
+            if kn.name in out_name:
+                store(kn.name, em.emit(kn.body))
+        if halves > 1:
+            em.scopes.pop()
     if persistent:
         # Persistent: each program (the runtime launches min(tiles, `persistent` per SM), see
         # KernelEntry.persistent) loops over the tiles in GROUP_M order; any grid up to `tiles` computes
@@ -352,7 +380,17 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_mm_{digest}"
     grid = tiles
+    why = (f"matmul template {bm}x{bn}x{bk}, {cfg.num_warps} warps, {cfg.num_stages} stages, "
+           + (f"persistent ({tiles} tiles)" if persistent else f"{tiles} programs")
+           + (", warp-specialized" if cfg.warp_spec and both_tma else "")
+           + (f", TMA operands {'+'.join(t for t, v in (('A', tma_a), ('B', tma_b)) if v is not None)}"
+              if tma_a is not None or tma_b is not None else "")
+           + (f"; epilogue {epi_ops} ops" if knodes else "")
+           + ((f" in two column halves of {bn // 2} (" + ("a heavy epilogue at lowering" if mm.heavy_epilogue else
+                                                          f"> AOTFUSE_MM_EPILOGUE_SPLIT={knobs.mm_epilogue_split_ops}")
+               + ")") if halves > 1 else "")
+           + f" ({cfg_why})")
     return dataclasses.replace(
         KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid, 1, 1), cfg.num_warps, group.name,
-                     "template_mm", group.nodes, bm * bn, bk, grid * bm * bn, 1),
+                     "template_mm", group.nodes, bm * bn, bk, grid * bm * bn, 1, why=why),
         num_stages=cfg.num_stages, persistent=persistent)

@@ -7,6 +7,8 @@ alpha) is a pointwise node over the output that fuses into the template's store.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import sympy
 
 from ..ir.indexing import syms
@@ -42,28 +44,136 @@ def _unfusible(n) -> bool:
     return info is not None and info.category == "extern"
 
 
-def _epilogue_users(node, numel: int, depth: int = 0) -> list[str]:
-    """Names of the pointwise ops that consume node's result (directly or through views) over as
-    many elements: what would fuse into the template's store."""
+def _descendants(node) -> set:
+    """Every FX node that reads node's result, directly or not."""
+    out: set = set()
+    todo = list(node.users)
+    while todo:
+        u = todo.pop()
+        if u not in out:
+            out.add(u)
+            todo.extend(u.users)
+    return out
+
+
+def _name(t) -> str:
+    return str(t).split(".")[1] if str(t).count(".") >= 2 else str(t)
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What lowering sees of a matmul's epilogue (epilogue_region)."""
+
+    names: tuple[str, ...]  # distinct op names of the region, casts included
+    nodes: int  # pointwise nodes the epilogue would evaluate (casts not counted)
+    # passes over the product a template's epilogue saves: 2 (cuBLAS's write and the epilogue kernel's
+    # read), 1 (the read only: the product is stored anyway, read outside the region: a pre-activation saved
+    # for the backward), 0 (no epilogue kernel to save: what the region computes is read only by reductions,
+    # which compute it as they read cuBLAS's product)
+    saving: int = 2
+    why: str = ""  # what the saving is, for the report
+    slow: tuple[str, ...] = ()  # ops of the epilogue that are long instruction sequences (SLOW_OPS)
+
+
+# Ops whose libdevice sequence is long enough to dominate a template's epilogue (which runs while its tensor
+# cores wait): ViT's erf GELU backward in the MLP's dgrad template took 231 us against 157 for cuBLAS and a
+# separate kernel, where the tanh GELU backward (as a sigmoid) takes 108 against 130 (H100, 2026-11-27,
+# scripts/zoo_gpu.py --profile, scripts/dgelu_probe.py); the cost model charges them (AOTFUSE_MM_SLOW_OP_US)
+SLOW_OPS = ("erf", "erfc", "erfinv", "lgamma", "digamma", "i0")
+
+
+def epilogue_region(node, numel: int, limit: int = 64) -> Epilogue:
+    """The pointwise ops over node's numel elements that would fuse into a template's store: its result's
+    consumers, directly, through views or casts, or through each other, as long as every other input they
+    read is independent of the result (a cast is looked through: a training graph upcasts a bf16 product
+    before its GELU backward; a reduction of the result, or an op over it, ends the region). `nodes` counts
+    the region's pointwise nodes that are not casts and those of the pointwise producers of its other
+    inputs that feed nothing else, which inline into it (the GELU derivative of a saved pre-activation)."""
     from ..opclass import VIEW_OPS
     from .registry import registry
 
-    out = []
-    for user in node.users:
-        t = user.target
-        if t in VIEW_OPS and depth < 8:
-            out += _epilogue_users(user, numel, depth + 1)
+    def category(n) -> str | None:
+        info = registry().get(n.target) if n.op == "call_function" else None
+        return None if info is None else info.category
+
+    def pointwise(n) -> bool:
+        if category(n) != "pointwise":
+            return False
+        val = n.meta.get("val")
+        return not (val is not None and hasattr(val, "numel") and int(val.numel()) != numel)
+
+    after = _descendants(node)
+    region = {node}
+    carriers = {node}  # the product itself, its views and casts
+    names: list[str] = []
+    count = 0
+    todo = [(u, 0) for u in node.users]
+    while todo and len(region) < limit:
+        user, depth = todo.pop(0)
+        if user in region:
             continue
-        info = registry().get(t)
-        if info is None or info.category != "pointwise":
+        if user.target in VIEW_OPS:
+            if depth < 8:
+                region.add(user)
+                if any(a in carriers for a in user.all_input_nodes):
+                    carriers.add(user)
+                todo += [(u, depth + 1) for u in user.users]
             continue
-        val = user.meta.get("val")
-        if val is not None and hasattr(val, "numel") and int(val.numel()) != numel:
+        if not pointwise(user) or any(a in after and a not in region for a in user.all_input_nodes):
             continue
-        name = str(t).split(".")[1] if str(t).count(".") >= 2 else str(t)
-        if name not in out:
-            out.append(name)
-    return out
+        region.add(user)
+        if _name(user.target) not in names:
+            names.append(_name(user.target))
+        if str(user.target) in _CASTS:
+            if any(a in carriers for a in user.all_input_nodes):
+                carriers.add(user)
+        else:
+            count += 1
+        todo += [(u, depth) for u in user.users]
+    # the pointwise producers of the region's other inputs that exist only to feed it: recomputed in the
+    # epilogue (a GELU derivative of the saved pre-activation). A producer something else reads too is stored
+    # anyway and the epilogue loads it (a LayerNorm's output under a residual add).
+    side: set = set()
+    grew = True
+    while grew and len(side) < limit:
+        grew = False
+        for a in {a for r in region | side if r is not node for a in r.all_input_nodes}:
+            if a in side or a in region or a.op != "call_function" or len(side) >= limit:
+                continue
+            if a.target not in VIEW_OPS and not pointwise(a):
+                continue
+            if all(u in region or u in side for u in a.users):
+                side.add(a)
+                grew = True
+                if a.target not in VIEW_OPS and str(a.target) not in _CASTS:
+                    count += 1
+    # slow ops among the region's pointwise ancestors, shared or not: a horizontal fusion may bring a shared
+    # one into the template too (the GELU the dgrad's epilogue recomputes for fc2's weight gradient)
+    near: set = set()
+    up = [a for r in region if r is not node for a in r.all_input_nodes if a not in region]
+    while up and len(near) < limit:
+        a = up.pop()
+        if a in near or a in region or a.op != "call_function" or not (a.target in VIEW_OPS or pointwise(a)):
+            continue
+        near.add(a)
+        up.extend(a.all_input_nodes)
+    slow = tuple(sorted({_name(n.target) for n in region | near if _name(n.target) in SLOW_OPS}))
+    # What does the epilogue save? The epilogue kernel cuBLAS's product needs exists only when a value the
+    # region computes is stored (read outside it by anything but a reduction); the product's own write is
+    # saved only when nothing outside the region reads it.
+    outside = sorted({_name(u.target) for c in carriers for u in c.users if u not in region})
+    leaving = [u for r in region - carriers for u in r.users if u not in region]
+    if count and leaving and all(category(u) == "reduction" for u in leaving):
+        return Epilogue(tuple(names), count, 0, "what the epilogue computes is read only by reductions ("
+                        + ", ".join(sorted({_name(u.target) for u in leaving})) + "), which compute it as they read",
+                        slow)
+    if outside:
+        stored = count and any(category(u) != "reduction" for u in leaving)
+        if not stored:
+            return Epilogue(tuple(names), count, 0, f"the product is also read by {', '.join(outside)}", slow)
+        return Epilogue(tuple(names), count, 1, f"the product is also read by {', '.join(outside)}: the template "
+                                                "stores it as well, the epilogue kernel's read of it is saved", slow)
+    return Epilogue(tuple(names), count, 2, "", slow)
 
 
 def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
@@ -90,7 +200,8 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
         return None
     from ..schedule.templates import choose
 
-    epilogue = _epilogue_users(node, bsz * m * n)
+    region = epilogue_region(node, bsz * m * n)
+    epilogue = list(region.names)
     if bias is not None and (alpha != 1 or beta != 1) and not epilogue:
         epilogue = ["scaled bias"]
     copies, copy_us = [], 0.0
@@ -109,8 +220,10 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
         else:
             continue
         copy_us += knobs.launch_overhead_us + 2 * nbytes / (knobs.bandwidth_gbs * 1e3)
+    heavy = region.nodes > knobs.mm_epilogue_heavy_nodes
     rec = choose(node.name, origin, bsz, m, n, k, dt, epilogue=epilogue, bias=bias is not None,
-                 operand_copy_us=copy_us, operand_copies=copies)
+                 operand_copy_us=copy_us, operand_copies=copies, heavy_epilogue=heavy,
+                 epilogue_saving=(region.saving, region.why), slow_ops=region.slow)
     ctx.decisions.append(rec)
     if rec["choice"] != "template":
         return None
@@ -126,7 +239,7 @@ def try_template(ctx, node, a, b, origin: str, bias=None, alpha=1, beta=1):
     name = ctx.fresh("mm")
     rec["node"] = name
     ctx.add_buffer(name, shape, dt, "node")
-    ctx.nodes.append(MatMul(name, tuple(shape), (k,), body, "sum", acc, a.dtype, origin))
+    ctx.nodes.append(MatMul(name, tuple(shape), (k,), body, "sum", acc, a.dtype, origin, heavy))
     out = View.of_buffer(name, shape, dt)
     if bias is None:
         return out

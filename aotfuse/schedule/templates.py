@@ -4,8 +4,9 @@ producers are inlined into its operands (prologues).
 Choice (made at lowering, where the FX graph still shows a matmul's consumers), `AOTFUSE_MM`:
 - `extern`: every matmul calls cuBLAS (aten mm/addmm/bmm .out), epilogues run as separate kernels;
 - `template`: every floating-point matmul is a Triton template (emit/template_mm.py);
-- `auto`: the cheaper of the two by a small model, in microseconds (the default is `extern`: knobs.py says
-  why):
+- `heavy`: as `auto` for the matmuls whose epilogue lowering found heavy (lower/matmul.epilogue_region: a
+  GELU, its backward), cuBLAS for every other (knobs.py says which is the default, and why);
+- `auto`: the cheaper of the two by a small model, in microseconds:
     extern   = mm_extern_us + flops / throughput
                + if the epilogue stays outside: a round trip of the M x N output at mm_bandwidth_gbs
                  (no launch: the epilogue fuses into the kernel that reads it next, a residual add
@@ -39,13 +40,13 @@ from ..ir.loop import ITEMSIZE, Cast, Const, IndexValue, Load, Op, Pointwise, Re
 from ..ir.matmul import MatMul, is_matmul
 from ..knobs import knobs
 
-MODES = ("auto", "template", "extern")
+MODES = ("auto", "heavy", "template", "extern")
 CASTS = ("_to_copy", "convert_element_type", "to", "type_as")  # epilogue op names that only change the dtype
 TEMPLATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def mode() -> str:
-    m = (knobs.mm or "extern").lower()
+    m = (knobs.mm or "heavy").lower()
     if m not in MODES:
         from ..errors import BuildError
 
@@ -54,15 +55,17 @@ def mode() -> str:
 
 
 def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, operand_copies: int,
-             bias_in_library: bool, config, sms: int = 132) -> dict:
-    """The two cost estimates (us) of one matmul."""
+             bias_in_library: bool, config, sms: int = 132, epilogue_passes: int = 2) -> dict:
+    """The two cost estimates (us) of one matmul; `epilogue_passes`: the passes over the product an
+    epilogue kernel costs the extern side (2: cuBLAS's write and its read; 1: the read, the product being
+    stored either way)."""
     flops = 2.0 * b * m * n * k
     tput = knobs.mm_tflops * (0.1 if dtype == "float32" else 1.0) * 1e6  # flops per us
     bw = knobs.mm_bandwidth_gbs * 1e3  # bytes per us
     out_bytes = b * m * n * ITEMSIZE[dtype]
     t_lib = flops / tput
     extern = knobs.mm_extern_us + t_lib
-    extern += epilogue_kernels * (2 * out_bytes / bw)
+    extern += epilogue_kernels * (epilogue_passes * out_bytes / bw)
     extern += operand_copies  # (launch + the operand's round trip) each, precomputed by the caller
     pad_m = -(-m // config.block_m) * config.block_m
     pad_n = -(-n // config.block_n) * config.block_n
@@ -86,7 +89,8 @@ def estimate(b: int, m: int, n: int, k: int, dtype: str, epilogue_kernels: int, 
 
 
 def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *, epilogue: list[str],
-           bias: bool, operand_copy_us: float, operand_copies: list[str], targets=None) -> dict:
+           bias: bool, operand_copy_us: float, operand_copies: list[str], targets=None,
+           heavy_epilogue: bool = False, epilogue_saving: tuple[int, str] = (2, ""), slow_ops=()) -> dict:
     """Template or extern for one matmul; the returned record goes into the report."""
     md = mode()
     rec = {"matmul": name, "op": origin, "shape": {"B": b, "M": m, "N": n, "K": k}, "dtype": dtype, "mode": md,
@@ -97,27 +101,47 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
     if max(b * m * k, b * k * n, b * m * n) > 2**31 - 1:
         rec.update(choice="extern", why="an operand indexes more than 2**31 elements (32-bit template indexing)")
         return rec
-    cfg, cfg_why = choose_config(b, m, n, k, dtype, targets or knobs.targets)
+    cfg, cfg_why = choose_config(b, m, n, k, dtype, targets or knobs.targets, heavy_epilogue)
     sms = least_sms(targets or knobs.targets)
     rec.update(config=cfg.as_dict(), config_why=cfg_why)
+    if heavy_epilogue:
+        rec["heavy_epilogue"] = True
     # Epilogue kernels the extern path needs: a bias cuBLAS cannot add in its call (addmm adds it
     # only when nothing else consumes the product), and the pointwise consumers. A cast alone saves no
     # round trip: its consumer casts as it reads cuBLAS's output, while a template would store the wider
     # result (H200, 2026-11-26: the anchor's training step with fp32 casts fused into templates lost).
     separate = 1 if [e for e in epilogue if e not in CASTS] else 0
-    est = estimate(b, m, n, k, dtype, separate, operand_copy_us, bias and not epilogue, cfg, sms)
+    passes, saving_why = epilogue_saving
+    est = estimate(b, m, n, k, dtype, separate, operand_copy_us, bias and not epilogue, cfg, sms,
+                   epilogue_passes=passes)
+    slow_us = 0.0
+    if separate and slow_ops:
+        # a long libdevice sequence (erf) in the epilogue runs while the template's tensor cores wait
+        slow_us = round(len(slow_ops) * b * m * n * 1e-6 * knobs.mm_slow_op_us, 2)
+        est["template"] = round(est["template"] + slow_us, 2)
+        est["slow_ops_us"] = slow_us
     rec["cost_us"] = est
-    if md != "auto":
+    if md == "heavy" and not heavy_epilogue:
+        rec.update(choice="extern", why="AOTFUSE_MM=heavy: only a matmul with a heavy epilogue (a GELU or its "
+                                        "backward) is weighed against cuBLAS")
+        return rec
+    if md not in ("auto", "heavy"):
         rec.update(choice=md, why=f"AOTFUSE_MM={md}")
         return rec
     if epilogue and not separate:
         rec.update(choice="extern", why=f"the epilogue ({', '.join(epilogue)}) only casts: its consumer casts as it "
                                         "reads cuBLAS's result, a template would store the wider one")
         return rec
+    if epilogue and separate and not passes:
+        rec.update(choice="extern", why=f"the epilogue ({', '.join(epilogue)}) saves no pass over the product: "
+                                        f"{saving_why}")
+        return rec
     if est["template"] <= est["extern"]:
         parts = []
         if epilogue:
-            parts.append(f"epilogue ({', '.join(epilogue)}) saves a round trip of the {m}x{n} output")
+            parts.append(f"epilogue ({', '.join(epilogue)}) saves "
+                         + (f"a round trip of the {m}x{n} output" if passes == 2 else f"a pass over the {m}x{n} "
+                            f"output ({saving_why})"))
         if operand_copies:
             parts.append(f"prologue ({', '.join(operand_copies)}) saves an operand copy")
         if not parts:
@@ -126,7 +150,9 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
         rec.update(choice="template", why=f"{why}: {est['template']} us <= cuBLAS {est['extern']} us")
     else:
         rec.update(choice="extern", why=f"cuBLAS {est['extern']} us < template {est['template']} us"
-                                        + ("" if epilogue else " (plain matmul: nothing to fuse)"))
+                                        + ("" if epilogue else " (plain matmul: nothing to fuse)")
+                                        + (f" (of which {slow_us} us for {', '.join(slow_ops)} in the epilogue, "
+                                           "AOTFUSE_MM_SLOW_OP_US)" if slow_us else ""))
     return rec
 
 
