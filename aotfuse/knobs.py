@@ -59,6 +59,7 @@
 | mm_epilogue_heavy_nodes | AOTFUSE_MM_EPILOGUE_HEAVY | 6 | lowering: a matmul whose epilogue region (lower/matmul.epilogue_region) holds more pointwise FX nodes than this is costed and tiled as a heavy epilogue (mm_epilogue_split_ops' configuration: persistent, not warp-specialized) |
 | mm_prologue_max_ops | AOTFUSE_MM_PROLOGUE_OPS | 0 | most ops of a producer inlined into a matmul operand (0: views and casts only) |
 | mm_gelu | AOTFUSE_MM_GELU | 1 | inference, matmuls kept as cuBLAS: a tanh GELU whose only input is an addmm's result (through views) becomes one `aten._addmm_activation.out` extern, the GELU applied by cuBLASLt's GELU_BIAS epilogue (export/mm_gelu.py); 0: the addmm extern and a GELU kernel, as before |
+| gelu_formula | AOTFUSE_GELU_FORMULA | 1 | inference: a tanh GELU written out as its formula (GPT-2's gelu_new: `0.5 * x * (1 + tanh(...))`, eight ops) becomes one `aten.gelu(approximate="tanh")` (export/gelu_formula.py: matched by evaluating the sub-graph), which export/mm_gelu.py can fuse into cuBLASLt's epilogue; 0: the ops as written |
 | mm_residual | AOTFUSE_MM_RESIDUAL | 1 | matmuls kept as cuBLAS, inference and training: `x + mm(a, b)` or `x + addmm(bias, a, b)` (through reshapes) becomes one `aotfuse.mm_residual.out` extern, the residual added by cuBLASLt as C with beta 1, the bias in its BIAS epilogue (lower/residual.py); 0: the matmul and an add fused into its consumer, as before |
 | mm_pad | AOTFUSE_MM_PAD | 1 | cuBLAS matmuls (2-D, half or fp32) whose result rows or operand leading dims are not 16-byte multiples (a vocabulary of 50257): the result is written into rows padded to 16 bytes and used as their slice (a model output comes back with that row stride, as torch.compile's padded matmuls do), an operand is copied into padded rows once (a producer fuses into the copy); cuBLAS otherwise runs an sm_75 `align1` kernel (GPT-2's LM head, H100: 6.6 ms against 0.9); 0: as they are |
 | conv_bias_split | AOTFUSE_CONV_BIAS_SPLIT | 1 | a convolution with a bias calls cuDNN without it and adds the bias per channel in a pointwise node that fuses into the conv's consumer (torch adds it in a separate kernel: a read and a write of the whole output); 0: the bias passed to the call |
@@ -147,6 +148,7 @@ class Knobs:
     mm_epilogue_heavy_nodes: int = _env_int("AOTFUSE_MM_EPILOGUE_HEAVY", 6)
     mm_prologue_max_ops: int = _env_int("AOTFUSE_MM_PROLOGUE_OPS", 0)
     mm_gelu: bool = bool(_env_int("AOTFUSE_MM_GELU", 1))
+    gelu_formula: bool = bool(_env_int("AOTFUSE_GELU_FORMULA", 1))
     mm_residual: bool = bool(_env_int("AOTFUSE_MM_RESIDUAL", 1))
     mm_pad: bool = bool(_env_int("AOTFUSE_MM_PAD", 1))
     conv_bias_split: bool = bool(_env_int("AOTFUSE_CONV_BIAS_SPLIT", 1))

@@ -31,6 +31,7 @@ import torch.fx
 
 from ..fxgraph import module_path, value
 from ..knobs import knobs
+from .gelu_formula import recognize
 
 aten = torch.ops.aten
 
@@ -159,7 +160,9 @@ def fuse(gm: torch.fx.GraphModule) -> tuple[int, list[dict]]:
 
 def decompose(ep, table: dict):
     """`ep.run_decompositions(table)` with qualifying tanh GELUs fused into their matmuls:
-    (the decomposed program, the decision records)."""
+    (the decomposed program, the decision records). First, a tanh GELU written as its formula becomes a gelu
+    (export/gelu_formula.py: GPT-2's gelu_new)."""
+    formula = recognize(ep.graph_module) if knobs.gelu_formula else []  # in place: ep's own graph module
     sites = _sites(ep.graph_module)
     tanh = [s for s in sites if _approximate(s[0]) == "tanh"]
     why = None
@@ -170,10 +173,10 @@ def decompose(ep, table: dict):
     if not tanh or why is not None:
         records = [_record(gelu, mm, False, ERF_WHY if _approximate(gelu) != "tanh" else why)
                    for gelu, mm, _ in sites]
-        return ep.run_decompositions(table), records
+        return ep.run_decompositions(table), formula + records
     kept = {op: fn for op, fn in table.items() if op is not aten.gelu.default}
     first = ep.run_decompositions(kept)
     n, records = fuse(first.graph_module)
     if not n:  # nothing qualified: the one decomposition of the exported graph, as without this pass
-        return ep.run_decompositions(table), records
-    return first.run_decompositions(table), records
+        return ep.run_decompositions(table), formula + records
+    return first.run_decompositions(table), formula + records

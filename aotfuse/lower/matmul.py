@@ -44,16 +44,38 @@ def _unfusible(n) -> bool:
     return info is not None and info.category == "extern"
 
 
-def _descendants(node) -> set:
-    """Every FX node that reads node's result, directly or not."""
-    out: set = set()
-    todo = list(node.users)
+def _order(graph) -> dict:
+    """Node -> position in the graph (cached on the graph while its node count holds)."""
+    cached = getattr(graph, "_aotfuse_order", None)
+    if cached is None or len(cached) != len(graph.nodes):
+        cached = {n: i for i, n in enumerate(graph.nodes)}
+        graph._aotfuse_order = cached
+    return cached
+
+
+def _depends_on(a, node, order: dict, memo: dict) -> bool:
+    """Does a read node's result, directly or not? Only nodes after node in the (topological) order can: the
+    search upward stays among them."""
+    start = order[node]
+    if order.get(a, -1) <= start:
+        return a is node
+    todo, seen = [a], set()
     while todo:
-        u = todo.pop()
-        if u not in out:
-            out.add(u)
-            todo.extend(u.users)
-    return out
+        x = todo.pop()
+        if x is node:
+            return True
+        if x in seen or order.get(x, -1) <= start:
+            continue
+        hit = memo.get(x)
+        if hit is not None:
+            if hit:
+                return True
+            continue
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    for x in seen:
+        memo.setdefault(x, False)
+    return False
 
 
 def _name(t) -> str:
@@ -102,7 +124,7 @@ def epilogue_region(node, numel: int, limit: int = 64) -> Epilogue:
         val = n.meta.get("val")
         return not (val is not None and hasattr(val, "numel") and int(val.numel()) != numel)
 
-    after = _descendants(node)
+    order, memo = _order(node.graph), {}
     region = {node}
     carriers = {node}  # the product itself, its views and casts
     names: list[str] = []
@@ -119,7 +141,8 @@ def epilogue_region(node, numel: int, limit: int = 64) -> Epilogue:
                     carriers.add(user)
                 todo += [(u, depth + 1) for u in user.users]
             continue
-        if not pointwise(user) or any(a in after and a not in region for a in user.all_input_nodes):
+        if not pointwise(user) or any(a not in region and _depends_on(a, node, order, memo)
+                                      for a in user.all_input_nodes):
             continue
         region.add(user)
         if _name(user.target) not in names:

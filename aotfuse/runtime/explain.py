@@ -19,6 +19,8 @@ def _lowering(d: dict) -> str | None:
         what = "fused into the matmul, one _addmm_activation extern" if d["fused"] else "not fused"
         approx = "erf" if d["approximate"] == "none" else d["approximate"]
         return f"  {d['producer']} -> {d['mm_gelu']}: {approx} GELU {what} ({d['why']})"
+    if "gelu_formula" in d:  # export/gelu_formula.py
+        return f"  {d['gelu_formula']}: {'a tanh GELU formula made one gelu' if d['fused'] else 'kept'} ({d['why']})"
     if "mm_residual" in d:  # lower/residual.py
         what = "fused into the matmul, one mm_residual extern" if d["fused"] else "not fused"
         return f"  {d['producer']} -> {d['mm_residual']}: residual add {what} ({d['why']})"
