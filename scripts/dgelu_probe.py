@@ -75,6 +75,14 @@ def colsum_final(part_ptr, out_ptr, N: tl.constexpr, P: tl.constexpr, XB: tl.con
 
 
 @triton.jit
+def _tile_of(tile, tm, tn, GM: tl.constexpr):
+    """(row tile, column tile) of a persistent loop's `tile`, GM rows of tiles at a time (L2 reuse)."""
+    first_m = tile // (GM * tn) * GM
+    group_size = tl.minimum(tm - first_m, GM)
+    return first_m + (tile % (GM * tn)) % group_size, (tile % (GM * tn)) // group_size
+
+
+@triton.jit
 def _chunk(part, rm, c0, h_ptr, g_ptr, dh_ptr, part_ptr, h_desc, g_desc, dh_desc, pid_m, row0,
            N: tl.constexpr, W: tl.constexpr, COLSUM: tl.constexpr, TMA_H: tl.constexpr, TMA_ST: tl.constexpr):
     """The epilogue of columns c0 .. c0 + W of a tile (part: the fp32 accumulator's columns)."""
@@ -111,11 +119,7 @@ def fused_kernel(a_ptr, b_ptr, h_ptr, g_ptr, dh_ptr, part_ptr, M: tl.constexpr, 
     tn: tl.constexpr = N // BN
     for tile in tl.range(tl.program_id(0), tm * tn, tl.num_programs(0), flatten=not WS, warp_specialize=WS,
                          num_stages=STAGES):
-        group_id = tile // (GM * tn)
-        first_m = group_id * GM
-        group_size = tl.minimum(tm - first_m, GM)
-        pid_m = first_m + (tile % (GM * tn)) % group_size
-        pid_n = (tile % (GM * tn)) // group_size
+        pid_m, pid_n = _tile_of(tile, tm, tn, GM)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             a = a_desc.load([pid_m * BM, k0])
@@ -178,11 +182,7 @@ def fwd_kernel(a_ptr, w_ptr, bias_ptr, h_ptr, g_ptr, M: tl.constexpr, N: tl.cons
     tn: tl.constexpr = N // BN
     for tile in tl.range(tl.program_id(0), tm * tn, tl.num_programs(0), flatten=not WS, warp_specialize=WS,
                          num_stages=STAGES):
-        group_id = tile // (GM * tn)
-        first_m = group_id * GM
-        group_size = tl.minimum(tm - first_m, GM)
-        pid_m = first_m + (tile % (GM * tn)) % group_size
-        pid_n = (tile % (GM * tn)) // group_size
+        pid_m, pid_n = _tile_of(tile, tm, tn, GM)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             a = a_desc.load([pid_m * BM, k0])
