@@ -1,6 +1,6 @@
 """Matmul templates with heavy epilogues in training (issue 11.4): the MLP's dgrad with the GELU backward, fc1
 with its bias and GELU storing both the pre-activation and the activation. Lowering looks through the fp32
-upcast to the epilogue (lower/matmul.epilogue_region), counts what would run in it and what it saves; the
+upcast to the epilogue (lower/epilogue.epilogue_region), counts what would run in it and what it saves; the
 template runs such an epilogue in two column halves on a persistent tile configuration with two programs per
 SM; the numbers are eager's (CPU path through Triton's interpreter; a GPU test at the anchor's sizes)."""
 from __future__ import annotations

@@ -193,7 +193,7 @@ def least_sms(targets) -> int:
 def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets, heavy_epilogue: bool = False
                   ) -> tuple[MMConfig, str]:
     """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`; `heavy_epilogue`:
-    its epilogue holds many ops (lower/matmul.epilogue_region), which rules out warp specialization."""
+    its epilogue holds many ops (lower/epilogue.epilogue_region), which rules out warp specialization."""
     from ..knobs import knobs
 
     if knobs.mm_config:

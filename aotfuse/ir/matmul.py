@@ -21,7 +21,7 @@ from .loop import Cast, Expr, Op, Reduction
 class MatMul(Reduction):
     dot_dtype: str  # dtype the operand tiles enter tl.dot in ("bfloat16", "float16", "float32")
     origin: str  # the aten op it came from ("mm", "addmm", "bmm"), for reports
-    # the epilogue lowering saw holds many ops (lower/matmul.epilogue_region; a GELU backward): the tile
+    # the epilogue lowering saw holds many ops (lower/epilogue.epilogue_region; a GELU backward): the tile
     # configuration is one whose epilogue runs in column halves (emit/mm_configs.choose_config)
     heavy_epilogue: bool = False
 

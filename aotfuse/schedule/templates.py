@@ -4,7 +4,7 @@ producers are inlined into its operands (prologues).
 Choice (made at lowering, where the FX graph still shows a matmul's consumers), `AOTFUSE_MM`:
 - `extern`: every matmul calls cuBLAS (aten mm/addmm/bmm .out), epilogues run as separate kernels;
 - `template`: every floating-point matmul is a Triton template (emit/template_mm.py);
-- `heavy`: as `auto` for the matmuls whose epilogue lowering found heavy (lower/matmul.epilogue_region: a
+- `heavy`: as `auto` for the matmuls whose epilogue lowering found heavy (lower/epilogue.epilogue_region: a
   GELU, its backward), cuBLAS for every other (knobs.py says which is the default, and why);
 - `auto`: the cheaper of the two by a small model, in microseconds:
     extern   = mm_extern_us + flops / throughput
