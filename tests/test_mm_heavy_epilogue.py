@@ -195,3 +195,24 @@ def test_heavy_mode_choices(mode):
     if mode == "heavy":
         assert not any(d.get("heavy_epilogue") for d in recs(res)), [d["why"] for d in recs(res)]
         assert all(d["choice"] == "extern" for d in recs(res))
+
+
+class BatchedHeavy(nn.Module):
+    def forward(self, a, b, r):
+        y = torch.bmm(a, b)
+        return torch.tanh(y) * torch.sigmoid(y + r) + y * y * 0.1 - torch.exp(-y * y) * r
+
+
+@pytest.mark.parametrize("config", ["", "64,64,32,8,4,3,2"], ids=["rules", "persistent"])
+def test_batched_heavy_epilogue_in_halves(config):
+    """A bmm whose epilogue is heavy: in column halves over tiles that divide neither M nor N, one program per
+    tile or persistent; eager's numbers."""
+    torch.manual_seed(0)
+    ins = (torch.randn(3, 70, 40), torch.randn(3, 40, 90), torch.randn(3, 70, 90))
+    with override(mm="template", mm_epilogue_heavy_nodes=0, mm_config=config):
+        res = aotfuse.build(BatchedHeavy(), ins, targets=("sm_90",))
+    whys = [(g.blocks or {}).get("why", "") for g in res.report.groups if g.kind == "template"]
+    assert len(whys) == 1 and "two column halves" in whys[0], whys
+    art = aotfuse.load(res.data, device="cpu")
+    fresh = tuple(torch.randn_like(t) for t in ins)
+    torch.testing.assert_close(art(*fresh), BatchedHeavy()(*fresh), rtol=1e-5, atol=1e-4)
