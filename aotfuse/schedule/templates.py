@@ -122,8 +122,8 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
         est["slow_ops_us"] = slow_us
     rec["cost_us"] = est
     if md == "heavy" and not heavy_epilogue:
-        rec.update(choice="extern", why="AOTFUSE_MM=heavy: only a matmul with a heavy epilogue (a GELU or its "
-                                        "backward) is weighed against cuBLAS")
+        rec.update(choice="extern", why="AOTFUSE_MM=heavy: only a matmul with a heavy epilogue (a GELU, its "
+                                        "derivative) is weighed against cuBLAS")
         return rec
     if md not in ("auto", "heavy"):
         rec.update(choice=md, why=f"AOTFUSE_MM={md}")
