@@ -17,11 +17,10 @@ Needs a CUDA device.
 from __future__ import annotations
 
 import argparse
-import statistics
-
 import torch
 import triton
 import triton.language as tl
+from ce_prologue_probe import graph_us  # scripts/ is sys.path[0] when this script runs
 
 K0 = 0.7978845608028654  # sqrt(2 / pi)
 K1 = 0.044715
@@ -253,30 +252,6 @@ def forward_probe(M: int, K: int, N: int, sms: int) -> None:
     print("|---|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:.1f} | {us / base:.2f} |")
-
-
-def graph_us(fn, reps: int = 20, rounds: int = 15) -> float:
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(times)
 
 
 # (BM, BN, BK, GM, WARPS, STAGES, WS, SUB, COLSUM, TMA_H, TMA_ST, PROGRAMS PER SM)

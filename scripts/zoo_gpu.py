@@ -142,12 +142,11 @@ def run_one(e, mode: str, args) -> dict:
         art = aotfuse.load(res.data, device=args.device)
         row[key.replace("aotfuse", "error_vs_eager")] = round(_check(ex, art, train, args.device), 3)
         built[key] = (res, art)
-    res, art = built["aotfuse"]
+    del res, art  # each contender below takes its own from `built`
     inputs = _to(ex.make_inputs(12), args.device)
     eager = copy.deepcopy(ex.model).to(args.device)
     call = ex.call
     if train:
-        mod = art.as_module()
         contenders = [("eager", eager, list(eager.parameters()))]
         if args.device == "cuda" and not args.no_compile:
             comp = torch.compile(copy.deepcopy(ex.model).to(args.device))
@@ -171,7 +170,6 @@ def run_one(e, mode: str, args) -> dict:
             contenders.append(("torch.compile(reduce-overhead)", lambda: call(ro, inputs)))
         # aotfuse's arena is allocated at load: each archive timed on a fresh load, its weights not counted
         data = {key: r.data for key, (r, _) in built.items()}
-        del art
         built.clear()
         fresh = {}
 

@@ -8,27 +8,17 @@ import dataclasses
 FX_CASTS = ("aten._to_copy.default", "prims.convert_element_type.default", "aten.to.dtype")
 
 
-def _order(graph) -> dict:
-    """Node -> position in the graph (cached on the graph while its node count holds)."""
-    cached = getattr(graph, "_aotfuse_order", None)
-    if cached is None or len(cached) != len(graph.nodes):
-        cached = {n: i for i, n in enumerate(graph.nodes)}
-        graph._aotfuse_order = cached
-    return cached
-
-
-def _depends_on(a, node, order: dict, memo: dict) -> bool:
-    """Does a read node's result, directly or not? Only nodes after node in the (topological) order can: the
-    search upward stays among them."""
-    start = order[node]
-    if order.get(a, -1) <= start:
+def _depends_on(a, node, memo: dict) -> bool:
+    """Does a read node's result, directly or not? Only nodes after node in the graph (fx orders its nodes)
+    can: the search upward stays among them."""
+    if not a > node:
         return a is node
     todo, seen = [a], set()
     while todo:
         x = todo.pop()
         if x is node:
             return True
-        if x in seen or order.get(x, -1) <= start:
+        if x in seen or not x > node:
             continue
         hit = memo.get(x)
         if hit is not None:
@@ -88,7 +78,7 @@ def epilogue_region(node, numel: int, limit: int = 64) -> Epilogue:
         val = n.meta.get("val")
         return not (val is not None and hasattr(val, "numel") and int(val.numel()) != numel)
 
-    order, memo = _order(node.graph), {}
+    memo: dict = {}
     region = {node}
     carriers = {node}  # the product itself, its views and casts
     names: list[str] = []
@@ -105,7 +95,7 @@ def epilogue_region(node, numel: int, limit: int = 64) -> Epilogue:
                     carriers.add(user)
                 todo += [(u, depth + 1) for u in user.users]
             continue
-        if not pointwise(user) or any(a not in region and _depends_on(a, node, order, memo)
+        if not pointwise(user) or any(a not in region and _depends_on(a, node, memo)
                                       for a in user.all_input_nodes):
             continue
         region.add(user)
@@ -150,14 +140,14 @@ def epilogue_region(node, numel: int, limit: int = 64) -> Epilogue:
     # saved only when nothing outside the region reads it.
     outside = sorted({_name(u.target) for c in carriers for u in c.users if u not in region})
     leaving = [u for r in region - carriers for u in r.users if u not in region]
-    if count and leaving and all(category(u) == "reduction" for u in leaving):
+    stored = bool(count) and any(category(u) != "reduction" for u in leaving)
+    if count and leaving and not stored:
         return Epilogue(tuple(names), count, 0, "what the epilogue computes is read only by reductions ("
                         + ", ".join(sorted({_name(u.target) for u in leaving})) + "), which compute it as they read",
                         slow)
+    if outside and not stored:
+        return Epilogue(tuple(names), count, 0, f"the product is also read by {', '.join(outside)}", slow)
     if outside:
-        stored = count and any(category(u) != "reduction" for u in leaving)
-        if not stored:
-            return Epilogue(tuple(names), count, 0, f"the product is also read by {', '.join(outside)}", slow)
         return Epilogue(tuple(names), count, 1, f"the product is also read by {', '.join(outside)}: the template "
                                                 "stores it as well, the epilogue kernel's read of it is saved", slow)
     return Epilogue(tuple(names), count, 2, "", slow)
