@@ -19,6 +19,8 @@ import torch
 from . import __version__
 from .archive import write_archive
 from .archive.format import write_atomically
+from .contract.kernels import has_target_tiles
+from .contract.program import TILES_VERSION
 from .contract import (Binary, FusionSummary, GroupRecord, InlineRecord, KernelArg, KernelEntry,
                        Manifest, MemorySummary, OutputSpec, Report, kernels_to_dict)
 from .dtypes import TORCH
@@ -298,7 +300,8 @@ def _kernel_entries(kernels, binaries) -> dict[str, KernelEntry]:
         # record the smallest, which every launch satisfies and which covers what the kernel touches.
         args = tuple(KernelArg(a.name, a.dtype, a.role, min((x.args[i].numel for x in ks), key=_at_example))
                      for i, a in enumerate(k.args))
-        bins = {arch: Binary(b.cubin, b.name, b.num_warps, b.shared, b.global_scratch, b.profile_scratch)
+        bins = {arch: Binary(b.cubin, b.name, b.num_warps, b.shared, b.global_scratch, b.profile_scratch,
+                             b.grid, b.persistent)
                 for arch, b in binaries[name].items()}
         out[name] = KernelEntry(k.kind, tuple(k.nodes), tuple(k.grid), k.num_warps, k.xblock, k.rblock, k.xnumel,
                                 k.rnumel, args, bins, launches=len(ks), size_args=tuple(k.sizes),
@@ -346,6 +349,9 @@ def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train
                                           for d in fwd.cg.dims)} if fwd.cg.dims else {}))
     pack = lambda v: msgpack.packb(v, use_bin_type=True, default=_report_size)  # noqa: E731
     parts = {"kernels": pack(kernels_to_dict(kernels)), "sources": pack(sources), "report": pack(report.to_dict())}
+    tiles = has_target_tiles(kernels)
     for name, prog in programs.items():
+        if tiles and prog.version < TILES_VERSION:  # a binary with its own tiles: an older reader must refuse
+            prog = dataclasses.replace(prog, version=TILES_VERSION)
         parts[f"program.{name}"] = pack(prog.to_dict())  # no timings in the archive: reproducible bytes
     return manifest, parts, weights

@@ -7,6 +7,7 @@ kernels) and that time as percent of the measured device copy, with every varian
 
 A VARIANT is `name:knob=value,knob=value` (knobs of aotfuse.knobs; `name:` alone is the defaults), e.g.
     python3 scripts/knob_ab.py base: nomix:mix_order=0 p64k:persistent_rblock_max=65536
+The archive is built for the device's own target unless a variant names them: `multi:targets=sm_80+sm_90`.
 """
 from __future__ import annotations
 
@@ -117,6 +118,8 @@ CASES = {"ln": _ln, "ce": _ce, "anchor": _anchor, "anchor_infer": _anchor_infer,
 
 def _value(knob: str, raw: str):
     cur = getattr(knobs, knob)
+    if isinstance(cur, tuple):  # targets=sm_80+sm_90
+        return tuple(raw.split("+"))
     return type(cur)(int(raw)) if isinstance(cur, bool) else type(cur)(raw)
 
 
@@ -134,8 +137,10 @@ def build(model, inputs, train: bool, kv: dict, step: str | None = "auto"):
     anchor GPT to the product's default (knobs.train_step); a variant's train_step knob decides."""
     path = tempfile.mktemp(suffix=".aotf")
     major, minor = torch.cuda.get_device_capability()
+    kv = dict(kv)
+    targets = kv.pop("targets", None) or (f"sm_{major}{minor}",)  # a variant may name several: targets=sm_80+sm_90
     with override(**kv):
-        res = aotfuse.build(model, inputs, train=train, targets=(f"sm_{major}{minor}",),
+        res = aotfuse.build(model, inputs, train=train, targets=targets,
                             **({"step": step} if train and "train_step" not in kv else {}))
     res.save(path)
     art = aotfuse.load(path, device="cuda")

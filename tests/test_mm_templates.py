@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import aotfuse
 from aotfuse.errors import BuildError
-from aotfuse.emit.mm_configs import TABLE, choose_config
+from aotfuse.emit.mm_configs import TABLE, choose_config, target_configs
 from aotfuse.knobs import override
 from aotfuse.schedule import templates
 
@@ -62,8 +62,13 @@ def test_decision_table():
         # a persistent TMA template (sm_90 only) fuses the GELU: cheaper than cuBLAS + a GELU kernel's round trip
         fc = _choose(1, 8192, 3072, 768, epilogue=["add", "gelu"], bias=True, targets=("sm_90",))
         assert fc["choice"] == "template" and "epilogue" in fc["why"] and fc["config"]["persistent"] == 1
-        # with sm_80 too the source takes sm_80's tiles, one program per tile: slower than cuBLAS
-        assert _choose(1, 8192, 3072, 768, epilogue=["add", "gelu"], bias=True)["choice"] == "extern"
+        # with sm_80 too each target compiles its own tiles and the choice is priced for the newest (sm_90)
+        both = _choose(1, 8192, 3072, 768, epilogue=["add", "gelu"], bias=True, targets=("sm_80", "sm_90"))
+        assert both["choice"] == "template" and both["config"] == fc["config"]
+        assert "priced for sm_90, the newest target" in both["config_why"]
+        # an archive for sm_80 alone prices sm_80's tiles (one program per tile): slower than cuBLAS
+        assert _choose(1, 8192, 3072, 768, epilogue=["add", "gelu"], bias=True, targets=("sm_80",))["choice"] \
+            == "extern"
         small = _choose(1, 128, 768, 768)
         assert small["choice"] == "template" and "launch beats" in small["why"]
         qkv = _choose(1, 2048, 2304, 768, bias=True)  # cuBLAS adds the bias in its call
@@ -111,10 +116,17 @@ def test_config_table():
     for (target, cls, _), c in TABLE.items():
         limit = 163 * 1024 if target != "sm_90" else 227 * 1024
         assert c.smem_bytes(4 if cls == "fp32" else 2) <= limit, (target, cls, c)
-    c, why = choose_config(1, 8192, 3072, 768, "bfloat16", ("sm_80", "sm_90"))
-    assert (c.block_m, c.block_n, c.block_k) == (128, 128, 64) and "sm_80" in why
-    c90, _ = choose_config(1, 8192, 3072, 768, "bfloat16", ("sm_90",))
-    assert c90.num_stages >= c.num_stages
+    # each target its own configuration; the cost model prices the newest target's
+    (t80, c, why), (t90, c90, _) = target_configs(1, 8192, 3072, 768, "bfloat16", ("sm_80", "sm_90"))
+    assert (t80, t90) == ("sm_80", "sm_90")
+    assert (c.block_m, c.block_n, c.block_k) == (128, 128, 64) and "sm_80" in why and not c.persistent
+    assert c90.persistent and c90.num_stages >= c.num_stages
+    assert choose_config(1, 8192, 3072, 768, "bfloat16", ("sm_80", "sm_90"))[0] == c90
+    # an explicit persistent AOTFUSE_MM_CONFIG runs one program per tile before sm_90 (no TMA there)
+    with override(mm_config="128,128,64,8,8,3,1,1"):
+        (_, e80, why80), (_, e90, _) = target_configs(1, 8192, 3072, 768, "bfloat16", ("sm_80", "sm_90"))
+        assert e90.persistent == 1 and e90.warp_spec == 1 and e80.persistent == 0 and e80.warp_spec == 0
+        assert "one program per tile before sm_90" in why80
     odd, why = choose_config(1, 37, 101, 65, "float32", ("sm_90",))
     assert odd.block_m <= 64 and odd.block_k <= 128 and min(odd.block_m, odd.block_n, odd.block_k) >= 16
     small, why = choose_config(1, 128, 768, 768, "bfloat16", ("sm_80",))
@@ -142,8 +154,8 @@ def test_hopper_rules():
         c, why = cfg(m, n, k)
         assert (c.block_m, c.block_n, c.block_k, c.persistent) == (64, bn, bk, 0) and "small" in why
         assert -(-m // 64) * -(-n // bn) >= 66  # at least half an SM's worth of programs per SM (132 SMs)
-    c, _ = cfg(8192, 3072, 768, ("sm_80", "sm_90"))  # the most constrained target's table: no persistence
-    assert c.persistent == 0 and "sm_80" in _
+    (_, c80, why80), (_, c90, _) = target_configs(1, 8192, 3072, 768, "bfloat16", ("sm_80", "sm_90"))
+    assert c80.persistent == 0 and "sm_80" in why80 and c90 == cfg(8192, 3072, 768)[0]  # each target its own
 
 
 def test_config_knob():

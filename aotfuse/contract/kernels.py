@@ -48,15 +48,29 @@ class Binary:
     shared: int  # dynamic shared memory, bytes
     global_scratch: int  # bytes per program the kernel needs (TMA descriptors; the runtime allocates them)
     profile_scratch: int
+    # program version 6: a matmul template compiled from its target's own tile configuration launches with
+    # this grid and this many programs per SM instead of the entry's (and the launch's); None: the entry's.
+    # Written only when set.
+    grid: tuple[int, int, int] | None = None
+    persistent: int | None = None
+
+    @property
+    def own_tiles(self) -> bool:
+        return self.grid is not None or self.persistent is not None
 
     def to_dict(self) -> dict:
-        return {"cubin": self.cubin, "name": self.name, "num_warps": self.num_warps, "shared": self.shared,
-                "global_scratch": self.global_scratch, "profile_scratch": self.profile_scratch}
+        out = {"cubin": self.cubin, "name": self.name, "num_warps": self.num_warps, "shared": self.shared,
+               "global_scratch": self.global_scratch, "profile_scratch": self.profile_scratch}
+        put_optional(out, "grid", None if self.grid is None else list(self.grid))
+        return put_optional(out, "persistent", self.persistent)
 
     @classmethod
     def from_dict(cls, d: Any) -> "Binary":
-        d = fields(d, "binary", ("cubin", "name", "num_warps", "shared", "global_scratch", "profile_scratch"))
-        return cls(d["cubin"], d["name"], d["num_warps"], d["shared"], d["global_scratch"], d["profile_scratch"])
+        d = fields(d, "binary", ("cubin", "name", "num_warps", "shared", "global_scratch", "profile_scratch"),
+                   ("grid", "persistent"))
+        grid = d.get("grid")
+        return cls(d["cubin"], d["name"], d["num_warps"], d["shared"], d["global_scratch"], d["profile_scratch"],
+                   None if grid is None else size_tuple(grid, "binary grid"), d.get("persistent"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +137,11 @@ def specialize_kernel(k: KernelEntry, env: Mapping[str, int]) -> KernelEntry:
 
     return dataclasses.replace(k, grid=tuple(ev(g) for g in k.grid), xnumel=ev(k.xnumel), rnumel=ev(k.rnumel),
                                args=tuple(dataclasses.replace(a, numel=ev(a.numel)) for a in k.args))
+
+
+def has_target_tiles(kernels: dict) -> bool:
+    """Does a binary launch with its own tiles (program version 6, TILES_VERSION)?"""
+    return any(b.own_tiles for k in kernels.values() for b in k.binaries.values())
 
 
 def kernels_to_dict(kernels: dict) -> dict:

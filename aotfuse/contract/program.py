@@ -30,6 +30,10 @@ one that has them is DIMS_VERSION, set by `Program` itself (`__post_init__`). Ve
   5  (2026-12)        dynamic dims: size fields may be size expressions (contract/sizes.py) over the
                       manifest's `dims`; a launch's optional `sizes`: int32 kernel arguments after its
                       buffers (the kernel's `size_args`). Written only by programs that use them
+  6  (2026-11-27)     a kernel binary's optional `grid` and `persistent`: a matmul template compiled from
+                      its target's own tile configuration launches with them (contract/kernels.Binary).
+                      Written only by archives that have such a binary (TILES_VERSION; the build raises
+                      every program's version)
 """
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ from .sizes import SYMBOL, SizeExpr, check_size, evaluate, free_dims
 
 PROGRAM_VERSION = 4  # what this aotfuse writes for a program without size expressions
 DIMS_VERSION = 5  # ... and for one with size expressions or launch sizes (dynamic dims)
+TILES_VERSION = 6  # ... and for any program of an archive with a binary that has its own tiles
 MIN_SUPPORTED_VERSION = 1  # the oldest it reads
-MAX_SUPPORTED_VERSION = DIMS_VERSION  # the newest it reads
+MAX_SUPPORTED_VERSION = TILES_VERSION  # the newest it reads
 
 
 def check_program_version(v: Any, where: str = "program") -> int:

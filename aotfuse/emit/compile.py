@@ -30,6 +30,18 @@ class Binary:
     shared: int
     global_scratch: int
     profile_scratch: int
+    # a matmul template's binary compiled from its target's own source (KernelSource.per_target): that
+    # source's grid and programs per SM, when they differ from the kernel entry's (None: the entry's)
+    grid: tuple | None = None
+    persistent: int | None = None
+
+
+def with_tiles(b: Binary, main: KernelSource, own: KernelSource) -> Binary:
+    """`b` (compiled from `own`, its target's source of kernel `main`) with the launch shape that differs."""
+    if own is main:
+        return b
+    return dataclasses.replace(b, grid=None if tuple(own.grid) == tuple(main.grid) else tuple(own.grid),
+                               persistent=None if own.persistent == main.persistent else own.persistent)
 
 
 # Part of Triton's cache key (see _compile_one): bump it whenever _stable_debug_paths changes what it
@@ -128,8 +140,9 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     unique = {}
     for k in kernels:
         unique.setdefault(k.name, k)
-    jobs = [(k.name, k.source, k.signature, k.num_warps, arch, k.num_stages, k.aligned_sizes)
-            for k in unique.values() for arch in targets]
+    # a template with its own tiles on a target compiles that target's source (KernelSource.per_target)
+    jobs = [(k.name, t.source, t.signature, t.num_warps, arch, t.num_stages, t.aligned_sizes)
+            for k in unique.values() for arch in targets for t in (k.for_target(arch),)]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)
     if progress:
@@ -138,7 +151,7 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
         for i, job in enumerate(jobs):
             with TRITON_STATE_LOCK:  # not while a CPU-path launch in another thread has triton patched
                 b = _compile_one(*job)
-            out[job[0]][job[4]] = b
+            out[job[0]][job[4]] = with_tiles(b, unique[job[0]], unique[job[0]].for_target(job[4]))
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
         return out
@@ -157,5 +170,5 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     # Filled in job order, not completion order: the archive stores each kernel's binaries in this
     # dict's order, and completion order varies from run to run.
     for job in jobs:
-        out[job[0]][job[4]] = done[job[0], job[4]]
+        out[job[0]][job[4]] = with_tiles(done[job[0], job[4]], unique[job[0]], unique[job[0]].for_target(job[4]))
     return out

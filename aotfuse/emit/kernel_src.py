@@ -91,6 +91,14 @@ class KernelSource:
     # a variant for dims that are all multiples of 16 (compiled with that divisibility: aligned row starts
     # vectorize); `variants` entries are (upto, KernelSource) and the aligned ones say so here
     aligned_sizes: bool = False
+    # a matmul template whose tiles differ per target (emit/mm_configs.target_configs): (arch, KernelSource)
+    # for each target not compiled from this source; same name and arguments, its own tiles, grid and
+    # persistence (the archive's binary for that target records them)
+    per_target: tuple = ()
+
+    def for_target(self, arch: str) -> "KernelSource":
+        """The source `arch`'s cubin is compiled from."""
+        return next((k for a, k in self.per_target if a == arch), self)
 
     @property
     def signature(self) -> dict[str, str]:

@@ -1,12 +1,15 @@
 """Tile configurations of the matmul template, chosen at build time without a GPU.
 
 sm_90 with bf16/fp16 operands: rules fitted to measurements (`_hopper_half`). Otherwise a table keyed
-by (target, operand dtype class, size class); no autotuning. One kernel source
-serves every target of an archive (the tiles are literals in it), so a build for several targets
-takes the entry of its most constrained one (the lowest arch: the least shared memory). Then the
-tiles shrink while the grid would leave SMs idle (a small M x N), down to 16 (tl.dot's least),
-and each block dimension is clamped to the next power of two of its extent (odd and tiny sizes).
-Every choice comes with the reason, which the build report keeps.
+by (target, operand dtype class, size class); no autotuning. Each target of an archive gets its own
+configuration (`target_configs`): the tiles are literals in the kernel's source, so a template whose
+targets differ is written once per distinct configuration and each target's cubin compiled from its own
+source (emit/template_mm.py, KernelSource.per_target; the binary records its own grid and persistence).
+The cost model prices the template for the archive's newest target (`pricing_target`: the one whose
+parameters were measured, and the one an archive built for several is deployed on for speed). From a
+table entry the tiles shrink while the grid would leave SMs idle (a small M x N), down to 16 (tl.dot's
+least), and each block dimension is clamped to the next power of two of its extent (odd and tiny
+sizes). Every choice comes with the reason, which the build report keeps.
 
 Shared memory per config: (BM*BK + BK*BN) * itemsize * stages; sm_80 allows 163 KiB per block,
 sm_90 227 KiB. The half-precision entries keep sm_80's under 100 KiB.
@@ -184,39 +187,62 @@ def parse_config(text: str) -> MMConfig:
     return c
 
 
-def least_sms(targets) -> int:
-    """The fewest SMs among the known targets (132, an H100's, when none is known)."""
-    known = [t for t in (targets or ()) if t in SMS]
-    return min((SMS[t] for t in known), default=SMS["sm_90"])
+def pricing_sms(targets) -> int:
+    """The SMs of the pricing target (132, an H100's, when none is known)."""
+    return SMS[pricing_target(targets)]
+
+
+def known_targets(targets) -> list[str]:
+    """The targets this module has rules for, in the given order (sm_90 when none is known)."""
+    return [t for t in (tuple(targets or ()) or ("sm_90",)) if t in ARCH] or ["sm_90"]
+
+
+def pricing_target(targets) -> str:
+    """The target the cost model prices a template for: the newest of the archive's."""
+    return max(known_targets(targets), key=ARCH.__getitem__)
 
 
 def choose_config(b: int, m: int, n: int, k: int, dtype: str, targets, heavy_epilogue: bool = False
                   ) -> tuple[MMConfig, str]:
-    """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`; `heavy_epilogue`:
-    its epilogue holds many ops (lower/epilogue.epilogue_region), which rules out warp specialization."""
+    """(config, why) the cost model prices: that of pricing_target(targets) (see target_configs)."""
+    return config_for(b, m, n, k, dtype, pricing_target(targets), heavy_epilogue)
+
+
+def target_configs(b: int, m: int, n: int, k: int, dtype: str, targets, heavy_epilogue: bool = False
+                   ) -> list[tuple[str, MMConfig, str]]:
+    """(target, config, why) for each known target, in the given order."""
+    return [(t, *config_for(b, m, n, k, dtype, t, heavy_epilogue)) for t in known_targets(targets)]
+
+
+def config_for(b: int, m: int, n: int, k: int, dtype: str, target: str, heavy_epilogue: bool = False
+               ) -> tuple[MMConfig, str]:
+    """(config, why) for a B x M x N x K matmul whose operands enter tl.dot as `dtype`, on `target`;
+    `heavy_epilogue`: its epilogue holds many ops (lower/epilogue.epilogue_region), which rules out warp
+    specialization."""
     from ..knobs import knobs
 
     if knobs.mm_config:
         c = parse_config(knobs.mm_config)
+        if ARCH.get(target, 90) < 90 and c.persistent:
+            # TMA and Hopper's warp specialization do not exist before sm_90: the same tiles, one per program
+            c = dataclasses.replace(c, persistent=0, warp_spec=0)
         cc = _clamped(c, m, n, k)
-        why = f"AOTFUSE_MM_CONFIG={knobs.mm_config}"
+        why = f"AOTFUSE_MM_CONFIG={knobs.mm_config}" + (" (one program per tile before sm_90)"
+                                                       if c != parse_config(knobs.mm_config) else "")
         if cc != c:
             why += f"; clamped to the problem: {cc.block_m}x{cc.block_n}x{cc.block_k}"
         return cc, why
-    targets = tuple(targets) or ("sm_90",)
-    known = [t for t in targets if t in ARCH] or ["sm_90"]
-    target = min(known, key=ARCH.__getitem__)
     cls, sc = dtype_class(dtype), size_class(m, n)
-    if ARCH[target] >= 90 and cls == "half":
-        return _hopper_half(b, m, n, k, min(SMS[t] for t in known), heavy_epilogue)
+    sms = SMS.get(target, SMS["sm_90"])
+    if ARCH.get(target, 90) >= 90 and cls == "half":
+        return _hopper_half(b, m, n, k, sms, heavy_epilogue)
     c = TABLE[target, cls, sc]
-    why = [f"table[{target}, {cls}, {sc}]" + (f" (most constrained of {', '.join(known)})" if len(known) > 1 else "")]
+    why = [f"table[{target}, {cls}, {sc}]"]
     cc = _clamped(c, m, n, k)
     if cc != c:
         why.append(f"clamped to the problem: {cc.block_m}x{cc.block_n}x{cc.block_k}")
         c = cc
-    # Fill the SMs: halve the larger block while the grid has fewer programs than the least SM count.
-    sms = min(SMS[t] for t in known)
+    # Fill the SMs: halve the larger block while the grid has fewer programs than the target's SMs.
     shrunk = False
     while tile_count(b, m, n, c) < sms and max(c.block_m, c.block_n) > 32:
         if c.block_n >= c.block_m:

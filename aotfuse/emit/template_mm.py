@@ -29,7 +29,7 @@ from ..ir.matmul import MatMul, split_operands
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _kernelize, fast_tanh_ok, header
-from .mm_configs import choose_config
+from .mm_configs import ARCH, target_configs
 from .printer import TL_DTYPE, index_value, literal, op_source, print_index
 
 SB = sympy.Symbol("sb", integer=True, nonnegative=True)
@@ -174,6 +174,35 @@ def tma_operand(e, outer: sympy.Symbol, extent: int, k: int, block_outer: int, b
 
 
 def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
+    """The group's kernel: one source per distinct tile configuration among the archive's targets
+    (mm_configs.target_configs), the lowest target's the main one (stored for the CPU path), the others in
+    `per_target`; one name for all, a digest of every source."""
+    mm = next((n for n in graph.nodes if n.name in group.nodes and isinstance(n, MatMul)), None)
+    if mm is None:
+        raise BuildError(f"internal: template group {group.name} holds no matmul")
+    bsz, m, n, k = mm.mnk
+    by_cfg: dict = {}
+    for target, cfg, why in target_configs(bsz, m, n, k, mm.dot_dtype, knobs.targets, mm.heavy_epilogue):
+        by_cfg.setdefault(cfg, (why, []))[1].append(target)
+    written = [(targets, _generate(group, graph, stored, cfg, why)) for cfg, (why, targets) in by_cfg.items()]
+    written.sort(key=lambda tw: min(ARCH[t] for t in tw[0]))
+    if len(written) == 1:
+        return written[0][1]
+    digest = hashlib.sha256("".join(w.source for _, w in written).encode()).hexdigest()[:12]
+    name = f"aotf_mm_{digest}"
+
+    def named(w: KernelSource, targets) -> KernelSource:
+        return dataclasses.replace(w, name=name, source=w.source.replace(w.name, name),
+                                   why=f"{', '.join(targets)}: {w.why}")
+
+    main = named(written[0][1], written[0][0])
+    others = tuple((t, named(w, ts)) for ts, w in written[1:] for t in ts)
+    why = "; ".join([main.why] + list(dict.fromkeys(w.why for _, w in others)))
+    return dataclasses.replace(main, per_target=others, why=why)
+
+
+def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset, cfg, cfg_why: str) -> KernelSource:
+    """The group's kernel with the tile configuration `cfg`."""
     nodes_by = {n.name: n for n in graph.nodes}
     mms = [nodes_by[n] for n in group.nodes if isinstance(nodes_by[n], MatMul)]
     if len(mms) != 1:
@@ -186,7 +215,6 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     if any(graph.buffer(b).numel > INDEX_LIMIT for b in group.nodes) or bsz * m * n > INDEX_LIMIT:
         raise BuildError(f"group {group.name} indexes more than 2**31 elements",
                          remedy="split the batch; 64-bit indexing is not supported yet")
-    cfg, cfg_why = choose_config(bsz, m, n, k, mm.dot_dtype, knobs.targets, mm.heavy_epilogue)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tm, tn = -(-m // bm), -(-n // bn)
     names = set(group.nodes)

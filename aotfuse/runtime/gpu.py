@@ -44,8 +44,11 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
         bound = fn.bind(["ptr"] * len(k.args) + ["i32"] * len(k.size_args), b.num_warps, b.shared)
         if b.global_scratch:
             bound = ScratchLaunch(bound, b.global_scratch, device)
-        if k.persistent:
-            bound = PersistentLaunch(bound, k.persistent * sm_count(device))
+        persistent = k.persistent if b.persistent is None else b.persistent
+        if persistent:
+            bound = PersistentLaunch(bound, persistent * sm_count(device))
+        if b.grid is not None:  # a template compiled from this target's own tiles (Binary.grid)
+            bound = GridLaunch(bound, tuple(b.grid))
         launchers[name] = bound  # called as bound(grid, stream, addresses [+ sizes]) by the executor
     return launchers, arch, modules
 
@@ -103,3 +106,19 @@ class PersistentLaunch:
 
     def prepare(self, grid):
         return self.inner.prepare(self._grid(grid))
+
+
+class GridLaunch:
+    """A binary with its own grid (a matmul template compiled from its target's own tiles,
+    contract/kernels.Binary.grid): the program's launch grid (the entry's tiles) is replaced by it."""
+
+    __slots__ = ("inner", "grid")
+
+    def __init__(self, inner, grid: tuple):
+        self.inner, self.grid = inner, grid
+
+    def __call__(self, grid, stream, args, **kw) -> None:
+        self.inner(self.grid, stream, args, **kw)
+
+    def prepare(self, grid):
+        return self.inner.prepare(self.grid)

@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from ..contract.manifest import backward_programs
-from ..contract.program import DIMS_VERSION, check_program_version
+from ..contract.program import DIMS_VERSION, TILES_VERSION, check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
@@ -506,6 +506,9 @@ def validate_program(name: str, program, kernels: dict, weights: dict[str, torch
     v = check_program_version(p["version"], where)
     if v >= 2 and any("xnumel" not in k for k in kernels.values()):
         _fail(where, f"version {v} program but the kernels part lacks per-argument sizes")
+    if v < TILES_VERSION and any("grid" in b or "persistent" in b for k in kernels.values()
+                                 for b in k["binaries"].values()):
+        _fail(where, f"version {v} program but a kernel's binary has its own tiles (version {TILES_VERSION}+)")
     return _Walk(name, p, kernels, weights, empty_ok).run()
 
 

@@ -104,7 +104,21 @@ def _binaries(where: str, bins, template_warps: int | None = None) -> None:
         # the compiled kernel's warps: the entry's, or 3 x them for a warp-specialized template (a producer
         # and two consumer warpgroups); the launch uses exactly this many
         _int(b["num_warps"], f"{w} num_warps", 1, 32)
-        if b["num_warps"] not in NUM_WARPS and (template_warps is None or b["num_warps"] != 3 * template_warps):
+        own = "grid" in b or "persistent" in b  # a template's binary with its target's own tiles (version 6)
+        if own and template_warps is None:
+            _fail(w, "grid / persistent: only a matmul template's binary may have its own tiles")
+        if "grid" in b:
+            g = _grid(b["grid"], f"{w} grid")
+            if g[1:] != [1, 1]:
+                _fail(w, f"grid {g} has y/z blocks; aotfuse kernels are 1-D")
+        if "persistent" in b:
+            _int(b["persistent"], f"{w} persistent", 0, 8)
+        # a warp-specialized template runs 3 x its warps (a producer and two consumer warpgroups): the entry's,
+        # or, with its own tiles, its own
+        ws = {3 * template_warps} if template_warps is not None else set()
+        if own:
+            ws |= {3 * x for x in NUM_WARPS if 3 * x <= 32}
+        if b["num_warps"] not in NUM_WARPS and b["num_warps"] not in ws:
             _fail(w, f"num_warps {b['num_warps']} is not a power of two (nor 3 x a warp-specialized template's "
                      "warps)")
         _int(b["shared"], f"{w} shared", 0, 1 << 24)

@@ -35,7 +35,7 @@ and a node that feeds the matmul's operands.
 """
 from __future__ import annotations
 
-from ..emit.mm_configs import choose_config, least_sms, tile_count
+from ..emit.mm_configs import choose_config, known_targets, pricing_sms, pricing_target, tile_count
 from ..ir.loop import ITEMSIZE, Cast, Const, IndexValue, Load, Op, Pointwise, Reduction, expr_op_count
 from ..ir.matmul import MatMul, is_matmul
 from ..knobs import knobs
@@ -101,8 +101,12 @@ def choose(name: str, origin: str, b: int, m: int, n: int, k: int, dtype: str, *
     if max(b * m * k, b * k * n, b * m * n) > 2**31 - 1:
         rec.update(choice="extern", why="an operand indexes more than 2**31 elements (32-bit template indexing)")
         return rec
-    cfg, cfg_why = choose_config(b, m, n, k, dtype, targets or knobs.targets, heavy_epilogue)
-    sms = least_sms(targets or knobs.targets)
+    targets = targets or knobs.targets
+    cfg, cfg_why = choose_config(b, m, n, k, dtype, targets, heavy_epilogue)
+    sms = pricing_sms(targets)
+    if len(known_targets(targets)) > 1:
+        # each target compiles its own tiles (emit/mm_configs.target_configs); the choice is one per archive
+        cfg_why = f"priced for {pricing_target(targets)}, the newest target: {cfg_why}"
     rec.update(config=cfg.as_dict(), config_why=cfg_why)
     if heavy_epilogue:
         rec["heavy_epilogue"] = True
@@ -160,7 +164,7 @@ def library_epilogue_estimate(m: int, n: int, k: int, dtype: str) -> dict:
     """The two estimates of a matmul whose epilogue both sides fuse (cuBLASLt's own epilogue or C, the
     template's store): no epilogue round trip on either side."""
     cfg, _ = choose_config(1, m, n, k, dtype, knobs.targets)
-    return estimate(1, m, n, k, dtype, 0, 0.0, True, cfg, least_sms(knobs.targets))
+    return estimate(1, m, n, k, dtype, 0, 0.0, True, cfg, pricing_sms(knobs.targets))
 
 
 def library_epilogue_choice(m: int, n: int, k: int, dtype: str, what: str) -> tuple[bool, str]:
