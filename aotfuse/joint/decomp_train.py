@@ -406,6 +406,15 @@ class sdpa_math_mode(TorchFunctionMode):
     def _sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p:
             sdpa_math(q, k, v, dropout_p=dropout_p)  # raises the refusal, with its remedy
+        from ..sdpa_shapes import plan
+
+        bc = plan(tuple(q.shape), tuple(k.shape), tuple(v.shape)) if all(
+            isinstance(t, torch.Tensor) for t in (q, k, v)) else None
+        if bc is not None:  # broadcast leading dims (Falcon's one key/value head): grouped heads, or expanded
+            if bc.gqa:
+                enable_gqa = True
+            else:
+                q, k, v = (t.expand(*bc.lead, *t.shape[-2:]) for t in (q, k, v))
         why = fused_attention_refusal(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) \
             if self.fused else "fused attention is off"
         i = len(self.decisions)
@@ -417,8 +426,11 @@ class sdpa_math_mode(TorchFunctionMode):
             self.decisions.append({"attention": i, "kernel": "fused", "query": shape, "causal": bool(is_causal),
                                    "mask": attn_mask is not None, "gqa": bool(enable_gqa and k.shape[1] != q.shape[1]),
                                    "why": "aotfuse::attention: no B x H x T x T tensor; saves q, k, v, out, lse"})
+            if bc is not None:
+                self.decisions[-1]["why"] += f"; {bc.why}"
             return attention(q, k, v, attn_mask, bool(is_causal), s, bool(enable_gqa))[0]
-        self.decisions.append({"attention": i, "kernel": "math", "query": shape, "why": why})
+        self.decisions.append({"attention": i, "kernel": "math", "query": shape,
+                               "why": why + (f"; {bc.why}" if bc is not None else "")})
         return sdpa_math(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 

@@ -8,6 +8,7 @@ from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.o
 from ..runtime.mm_residual import mm_residual as _mm_residual_op
 
 from ..errors import UnsupportedOpError
+from ..sdpa_shapes import plan as sdpa_plan
 from ..ir.sizes import sizes, static
 from ..knobs import knobs
 from ..ir.views import View
@@ -351,6 +352,14 @@ def _sdpa(ctx, node, args, kwargs):
     if dropout:
         raise UnsupportedOpError(str(node.target), node.name, "attention dropout",
                                  remedy="set dropout_p=0 (or put dropout after the attention)")
+    bc = sdpa_plan(tuple(q.shape), tuple(k.shape), tuple(v.shape)) if all(isinstance(t, View) for t in (q, k, v)) \
+        else None
+    if bc is not None:  # broadcast leading dims (Falcon's one key/value head): grouped heads, or expanded views
+        ctx.decisions.append({"attention_broadcast": node.name, "why": bc.why})
+        if bc.gqa:
+            gqa = True
+        else:
+            q, k, v = (t.expand((*bc.lead, *t.shape[-2:])) for t in (q, k, v))
     tq, tk, tv = _bthe(ctx, node, (q, k, v), ("query", "key", "value"))
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
     _mask_decision(ctx, node)

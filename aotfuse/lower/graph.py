@@ -1,6 +1,8 @@
 """lower: the captured FX graph -> LoopGraph (one node per computing op; views are index math)."""
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 
 import torch
@@ -101,7 +103,20 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 continue
             empty = _empty_shape(node.meta.get("val"))
             if empty is not None:  # kernels index by division by sizes: an empty tensor has none to run
+                if isinstance(node.meta.get("val"), torch.Tensor):
+                    # nothing to compute; a concatenation leaves it out (a rotary embedding's empty pass-through
+                    # half, Phi-3: q[..., rotary_dim:] with rotary_dim == head_dim, and its gradient's slice)
+                    env[node] = Empty(node.name, tuple(empty))
+                    continue
                 raise UnsupportedOpError(str(node.target), node.name, f"its result is empty (shape {empty})",
+                                         remedy="leave the empty computation out of the model (zero-size tensors "
+                                                "are not lowered)")
+            reads = [a for a in node.all_input_nodes if isinstance(env.get(a), Empty)]
+            if reads and node.target not in CATS:
+                e = env[reads[0]]
+                raise UnsupportedOpError(str(node.target), node.name,
+                                         f"it reads {e.name}, an empty tensor (shape {list(e.shape)}); only a "
+                                         "concatenation may (it leaves it out)",
                                          remedy="leave the empty computation out of the model (zero-size tensors "
                                                 "are not lowered)")
             if node in fused:
@@ -168,6 +183,9 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
         elif node.op == "output":
             for k, out in enumerate(node.args[0]):
                 v = env[out]
+                if isinstance(v, Empty):
+                    raise UnsupportedOpError("output", str(out), f"output {k} is an empty tensor (shape "
+                                             f"{list(v.shape)})", remedy="return no zero-size tensor from the model")
                 if not isinstance(v, View):
                     raise UnsupportedOpError("output", str(out), "model outputs must be tensors")
                 t = ctx.tensor_arg(v, "output is not strided")
@@ -184,6 +202,17 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
     graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
                       tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
+
+
+CATS = (torch.ops.aten.cat.default,)  # rules that skip an empty operand (lower/concat._cat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Empty:
+    """The value of a node whose result has no elements: no buffer, no kernel."""
+
+    name: str
+    shape: tuple
 
 
 def _empty_shape(val) -> list | None:

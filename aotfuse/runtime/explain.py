@@ -39,6 +39,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['matmul']}: {d['pad']}"
     if "attention_mask" in d:  # export/masks.py
         return f"  {d['attention_mask']}: attention mask {'kept' if d['kept'] else 'removed'} ({d['why']})"
+    if "attention_broadcast" in d:  # lower/extern.py (aotfuse/sdpa_shapes.py)
+        return f"  {d['attention_broadcast']}: {d['why']}"
     if "attention" in d and "mode" in d:  # schedule/attention.py: the template or sdpa
         mask = f" mask {d['mask']}" if d.get("mask") else ""
         return (f"  {d['attention']}: attention {d.get('shape')}{' causal' if d.get('causal') else ''}{mask} -> "

@@ -1,0 +1,68 @@
+"""Empty intermediate values (a zero-size dim): nothing to compute; a concatenation leaves them out (Phi-3's
+rotary embedding: q[..., rotary_dim:] is empty when rotary_dim == head_dim, and so is its gradient's slice),
+any other reader is refused naming the op, before anything runs."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse.errors import UnsupportedOpError
+
+
+class PartialRotary(nn.Module):
+    def __init__(self, d=16, rot=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.rot = rot
+
+    def forward(self, x):
+        q = self.lin(x)
+        r, p = q[..., :self.rot], q[..., self.rot:]
+        return torch.cat([r.sin() * 2 + r, p], dim=-1)
+
+
+class Loss(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).square().mean()
+
+
+def test_empty_half_in_inference():
+    torch.manual_seed(0)
+    model = PartialRotary()
+    res = aotfuse.build(model, (torch.randn(2, 5, 16),), targets=("sm_90",))
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_empty_half_in_training():
+    torch.manual_seed(0)
+    model = Loss(PartialRotary())
+    res = aotfuse.build(model, (torch.randn(2, 5, 16),), train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    loss, want = mod(x), ref(x)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    got = dict(mod.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class SumOfEmpty(nn.Module):
+    def forward(self, x):
+        return x * 2 + x[..., 16:].sum()
+
+
+def test_empty_read_elsewhere_is_refused():
+    with pytest.raises(UnsupportedOpError, match=r"reads slice.*an empty tensor \(shape \[2, 5, 0\]\)"):
+        aotfuse.build(SumOfEmpty(), (torch.randn(2, 5, 16),), targets=("sm_90",))

@@ -1,0 +1,77 @@
+"""scaled_dot_product_attention with broadcast leading dims (aotfuse/sdpa_shapes.py): Falcon's multi-query
+attention passes one key/value head against H query heads (grouped-query attention with Hk = 1, no copy);
+a key and value with batch 1 are expanded. Inference and training match eager; before, the inference archive
+built and then refused its own extern at run time, and the training trace failed in a reshape."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.sdpa_shapes import plan
+
+
+class MQA(nn.Module):
+    def __init__(self, batch_broadcast: bool):
+        super().__init__()
+        self.q = nn.Linear(16, 64)
+        self.kv = nn.Linear(16, 32)
+        self.batch_broadcast = batch_broadcast
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 16).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 1, 16).transpose(1, 3).unbind(2)  # [B, 1, T, 16]: one head
+        if self.batch_broadcast:  # [1, 4, T, 16]: the first sequence's key and value for every batch
+            k, v = (z[:1].expand(1, 4, t, 16) * 1.0 for z in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Loss(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).square().mean()
+
+
+def test_plan():
+    assert plan((2, 4, 8, 16), (2, 4, 8, 16), (2, 4, 8, 16)) is None
+    p = plan((2, 4, 8, 16), (2, 1, 8, 16), (2, 1, 8, 16))
+    assert p.gqa and p.lead is None and "1 head" in p.why
+    p = plan((2, 4, 8, 16), (1, 4, 8, 16), (1, 4, 8, 16))
+    assert not p.gqa and p.lead == (2, 4)
+    assert plan((2, 4, 8, 16), (3, 4, 8, 16), (3, 4, 8, 16)) is None  # not broadcastable: torch's error
+
+
+@pytest.mark.parametrize("batch_broadcast", [False, True], ids=["one_head", "batch1"])
+def test_inference(batch_broadcast):
+    torch.manual_seed(0)
+    model = MQA(batch_broadcast)
+    res = aotfuse.build(model, (torch.randn(2, 8, 16),), targets=("sm_90",))
+    recs = [d for d in res.report.lowering if "attention_broadcast" in d]
+    assert len(recs) == 1 and ("grouped-query" in recs[0]["why"]) != batch_broadcast, recs
+    x = torch.randn(2, 8, 16)
+    torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch_broadcast", [False, True], ids=["one_head", "batch1"])
+def test_training(batch_broadcast):
+    torch.manual_seed(0)
+    model = Loss(MQA(batch_broadcast))
+    res = aotfuse.build(model, (torch.randn(2, 8, 16),), train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8, 16)
+    loss, want = mod(x), ref(x)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    got = dict(mod.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
