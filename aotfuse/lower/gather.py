@@ -130,12 +130,17 @@ def _index(ctx, node, args, kwargs):
     return _gather(ctx, node, x, coords, indexed, ranges)
 
 
+SCATTER_PER_ROW_MAX = 16  # indices per row along a scatter's dim: one compare and where each
+
+
 @rule(aten.scatter.value, aten.scatter.src, category="pointwise",
-      note="one index per row along dim (index of size 1 there, self's size elsewhere): a compare and a where")
+      note=f"k <= {SCATTER_PER_ROW_MAX} indices per row along dim (index of self's size elsewhere): k compares "
+           "and wheres")
 def _scatter(ctx, node, args, kwargs):
-    """out = self with out[..., index[..., 0, ...], ...] = value (or src[..., 0, ...]) along `dim`, for an
-    index of size 1 along dim and self's size elsewhere (an argmax kept as a dim, as cumprod's backward
-    makes): each element compares its position along dim with the one index of its row."""
+    """out = self with out[..., index[..., j, ...], ...] = value (or src[..., j, ...]) along `dim`, for an index
+    of k <= SCATTER_PER_ROW_MAX along dim and self's size elsewhere: each element compares its position along dim
+    with the k indices of its row, the last match winning (an argmax kept as a dim, as cumprod's backward makes:
+    k = 1; a mixture of experts' routing weights scattered into a dense [tokens, experts] by their top-k)."""
     x, dim, idx, val = args[0], args[1], args[2], args[3]
     if kwargs.get("reduce") is not None:
         raise UnsupportedOpError(str(node.target), node.name, "scatter with reduce=")
@@ -143,21 +148,26 @@ def _scatter(ctx, node, args, kwargs):
     if not nd:
         raise UnsupportedOpError(str(node.target), node.name, "scatter into a 0-d tensor")
     dim %= nd
-    if len(idx.shape) != nd or idx.shape[dim] != 1 or any(idx.shape[d] != x.shape[d] for d in range(nd) if d != dim):
+    k = idx.shape[dim] if len(idx.shape) == nd else None
+    if k is None or type(k) is not int or not 1 <= k <= SCATTER_PER_ROW_MAX \
+            or any(idx.shape[d] != x.shape[d] for d in range(nd) if d != dim):
         raise UnsupportedOpError(str(node.target), node.name,
                                  f"scatter with index {list(idx.shape)} into {list(x.shape)} along dim {dim}: only "
-                                 "one index per row (size 1 along dim, the tensor's size elsewhere) is lowered")
+                                 f"1 to {SCATTER_PER_ROW_MAX} indices per row (along dim; the tensor's size "
+                                 "elsewhere) are lowered")
     shape = out_shape(node)
     dt = out_dtype(node)
     pv = syms("p", nd)
     ranges = dict(zip(pv, shape))
-    row = [pv[d] if d != dim else sympy.Integer(0) for d in range(nd)]
-    # an index outside [0, n) (torch raises) matches no position: nothing is written, nothing read outside
-    target = as_dtype(ctx.load(idx, row, ranges), "int64")
-    hit = Op("eq", (target, IndexValue(pv[dim], "int64")), "bool")
     cd = compute_dtype(dt)
-    new = as_dtype(ctx.load(val, row, ranges), cd) if isinstance(val, View) else Const(val, cd)
-    body = Op("where", (hit, new, as_dtype(ctx.load(x, list(pv), ranges), cd)), cd)
+    body = as_dtype(ctx.load(x, list(pv), ranges), cd)
+    for j in range(k):  # later indices win: the where for j wraps those before it
+        row = [pv[d] if d != dim else sympy.Integer(j) for d in range(nd)]
+        # an index outside [0, n) (torch raises) matches no position: nothing is written, nothing read outside
+        target = as_dtype(ctx.load(idx, row, ranges), "int64")
+        hit = Op("eq", (target, IndexValue(pv[dim], "int64")), "bool")
+        new = as_dtype(ctx.load(val, row, ranges), cd) if isinstance(val, View) else Const(val, cd)
+        body = Op("where", (hit, new, body), cd)
     return ctx.pointwise(shape, dt, as_dtype(body, dt), hint="scatter")
 
 

@@ -296,6 +296,10 @@ fn_case("argmax_argmin", lambda x, a: (torch.argmax(x, 1), torch.argmin(x, 0, ke
 fn_case("scatter_one_per_row", lambda x, i, j: (x.scatter(2, i, 2.5), x.scatter(1, j, x[:, :1] * 3)),
         lambda dt: (randn(*S, dtype=dt), torch.randint(0, S[2], (S[0], S[1], 1)), torch.randint(0, S[1], (S[0], 1, S[2]))),
         ["aten.scatter.value", "aten.scatter.src"], HALF)
+# a mixture of experts' routing: the top-k weights scattered into a dense [tokens, experts] (k indices per row)
+fn_case("scatter_topk_per_row", lambda x: torch.zeros_like(x).scatter(2, x.topk(3, dim=2).indices,
+                                                                      x.topk(3, dim=2).values.softmax(-1)),
+        _x(*S), ["aten.scatter.src"], HALF)
 fn_case("any", lambda x: ((x > 1).any(1), torch.any(x > 1.5, dim=(0, 2)), (x > 2).any(), x.any(-1)), _x(*S),
         ["aten.any.dim", "aten.any.dims", "aten.any.default"])
 fn_case("prod", lambda x: (x.prod(1), x.prod(-1, keepdim=True)), _x(*S), ["aten.prod.dim_int"])
@@ -675,8 +679,9 @@ UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the reg
 REFUSED = [  # registered ops that refuse one form of themselves
     Unsupported("as_strided_of_slice", lambda x: x[:, :3].as_strided((2, 2), (1, 6)), "aten.as_strided.default",
                 "as_strided", "as_strided of a dense, non-overlapping tensor (a contiguous copy first)"),
-    Unsupported("scatter_two_per_row", lambda x: x.scatter(1, torch.zeros(4, 2, dtype=torch.int64), 1.0),
-                "aten.scatter.value", "scatter", "one index per row along the dim (size 1 there) lowers"),
+    Unsupported("scatter_fewer_rows", lambda x: x.scatter(1, torch.zeros(2, 2, dtype=torch.int64), 1.0),
+                "aten.scatter.value", "scatter", "1 to 16 indices per row along the dim (the tensor's size "
+                "elsewhere) lower"),
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
                                                                          dropout_p=0.5),
                 "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),
