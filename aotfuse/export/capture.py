@@ -14,6 +14,7 @@ from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
 from .mm_gelu import decompose
+from .checks import drop_metadata_checks
 from .fold import fold_unlowerable_constants, lowerable_ops
 from .masks import simplify_attention_masks
 from .ranges import int_range
@@ -208,6 +209,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     fixed = {ph: state[fqn] for ph, fqn in {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}.items()}
     # Masks transformers materializes under tracing (all-true, causal) become flags first, so that their
     # constant subgraphs die instead of being folded into stored weights.
+    drop_metadata_checks(ep.graph_module)  # (export/checks.py: the dead code they kept alive goes with them)
     simplify_attention_masks(ep.graph_module, seeds=fixed)
     folded = fold_unlowerable_constants(ep.graph_module, lowerable_ops(), seeds=fixed)
     if env0 is not None and len(env0.guards) != n_guards:

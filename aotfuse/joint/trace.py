@@ -668,6 +668,9 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     placeholders.append((tangent.name, "tangent", None))
     graph.eliminate_dead_code()
     placeholders = _lift_constants(gm, placeholders, buffer_names, weights)
+    from ..export.checks import drop_metadata_checks
+
+    drop_metadata_checks(gm)
     _simplify_masks(gm, placeholders, weights, set(mutated))
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)

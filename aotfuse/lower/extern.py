@@ -324,6 +324,11 @@ def _convolution(ctx, node, args, kwargs):
 def _convolution_backward(ctx, node, args, kwargs):
     g, x, w = args[:3]
     rest = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args[3:])
+    # stride, padding, dilation, output_padding: one value per spatial dim (torch records padding="valid" as
+    # [0] and broadcasts it; the runtime's check and cuDNN's call take one per dim: SigLIP's patch embedding)
+    nsp = len(x.shape) - 2
+    rest = tuple(a * nsp if i in (1, 2, 3, 5) and isinstance(a, tuple) and len(a) == 1 and nsp > 1 else a
+                 for i, a in enumerate(rest))
     mask = list(rest[-1])
     tg, tx, tw = (_targ(ctx, t, node, n) for t, n in zip((g, x, w), ("grad_output", "input", "weight")))
     vals = node.meta["val"]

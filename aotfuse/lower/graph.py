@@ -105,20 +105,17 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             if empty is not None:  # kernels index by division by sizes: an empty tensor has none to run
                 if isinstance(node.meta.get("val"), torch.Tensor):
                     # nothing to compute; a concatenation leaves it out (a rotary embedding's empty pass-through
-                    # half, Phi-3: q[..., rotary_dim:] with rotary_dim == head_dim, and its gradient's slice)
-                    env[node] = Empty(node.name, tuple(empty))
+                    # half, Phi-3: q[..., rotary_dim:] with rotary_dim == head_dim, and its gradient's slice).
+                    # An empty computed from an empty keeps the first one's op, which an error names.
+                    src = next((env[a] for a in node.all_input_nodes if isinstance(env.get(a), Empty)), None)
+                    env[node] = src or Empty(str(node.target), node.name, tuple(empty))
                     continue
                 raise UnsupportedOpError(str(node.target), node.name, f"its result is empty (shape {empty})",
                                          remedy="leave the empty computation out of the model (zero-size tensors "
                                                 "are not lowered)")
             reads = [a for a in node.all_input_nodes if isinstance(env.get(a), Empty)]
             if reads and node.target not in CATS:
-                e = env[reads[0]]
-                raise UnsupportedOpError(str(node.target), node.name,
-                                         f"it reads {e.name}, an empty tensor (shape {list(e.shape)}); only a "
-                                         "concatenation may (it leaves it out)",
-                                         remedy="leave the empty computation out of the model (zero-size tensors "
-                                                "are not lowered)")
+                raise env[reads[0]].error(f"{node.name} ({node.target}) reads it")
             if node in fused:
                 env[node] = mm_residual(ctx, node, _map_args(node.args, env), env[fused[node].residual])
                 continue
@@ -184,8 +181,7 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
             for k, out in enumerate(node.args[0]):
                 v = env[out]
                 if isinstance(v, Empty):
-                    raise UnsupportedOpError("output", str(out), f"output {k} is an empty tensor (shape "
-                                             f"{list(v.shape)})", remedy="return no zero-size tensor from the model")
+                    raise v.error(f"it reaches output {k}")
                 if not isinstance(v, View):
                     raise UnsupportedOpError("output", str(out), "model outputs must be tensors")
                 t = ctx.tensor_arg(v, "output is not strided")
@@ -209,10 +205,18 @@ CATS = (torch.ops.aten.cat.default,)  # rules that skip an empty operand (lower/
 
 @dataclasses.dataclass(frozen=True)
 class Empty:
-    """The value of a node whose result has no elements: no buffer, no kernel."""
+    """The value of a node whose result has no elements: no buffer, no kernel. `op`, `node`: where the empty
+    value began (an empty computed from it keeps them)."""
 
-    name: str
+    op: str
+    node: str
     shape: tuple
+
+    def error(self, how: str) -> UnsupportedOpError:
+        return UnsupportedOpError(self.op, self.node, f"its result is empty (shape {list(self.shape)}) and {how}; "
+                                  "only a concatenation may read an empty tensor (it leaves it out)",
+                                  remedy="leave the empty computation out of the model (zero-size tensors are not "
+                                         "lowered)")
 
 
 def _empty_shape(val) -> list | None:

@@ -237,12 +237,6 @@ def _convert(ctx, node, src, dt):
     return ctx.pointwise(shape, dt, as_dtype(x, compute_dtype(dt) if dt != "bool" else "bool"))
 
 
-@rule(aten._assert_tensor_metadata.default, category="structural",
-          note="export's check on the input of x.to(dtype); shapes and dtypes are static: nothing to run")
-def _assert_tensor_metadata(ctx, node, args, kwargs):
-    return None
-
-
 @rule(torch.ops.prims.convert_element_type.default, category="pointwise")
 def _convert_element_type(ctx, node, args, kwargs):
     return _convert(ctx, node, args[0], out_dtype(node))

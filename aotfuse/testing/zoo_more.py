@@ -1,0 +1,338 @@
+"""More of the zoo: transformers architectures that each exercise something the main zoo does not.
+
+A second list, `MORE`, read by tests/test_zoo_more.py (CPU path, tiny configs) and
+`scripts/zoo_probe.py --more`. Same conventions as aotfuse/testing/zoo.py (its `Example`, its helpers):
+each `tiny(train=False, dtype=torch.float32, seed=0)` returns an `Example` whose model is in eval()
+mode for inference and train() mode for training, every dropout probability 0, built under a fixed
+seed without disturbing the caller's RNG; `labels=` (or CLIP's `return_loss=True`) for training so the
+model returns its own loss; `make_inputs(seed)` gives fresh inputs of the same shapes.
+
+Entries are tiny only (`realistic` is None: the GPU benchmark reads ZOO). Attention is
+`attn_implementation="sdpa"` where the model accepts it, "eager" where transformers refuses sdpa
+(Gemma 2, DeBERTa-v2, BLOOM), none for the CNNs. The set came from a probe of 41 architectures
+(2026-11-27); each entry's docstring says what it covers.
+
+`needs` names importable packages ("transformers") and the classes the entry builds
+("transformers.Phi3Config"): `unmet(entry)` says which is missing (an older transformers lacks a
+config class), and the test tier skips that entry.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .zoo import Example, ZooEntry, _finish, _gen, _hf, _images, _llama_cfg, _seq2seq_inputs
+
+__all__ = ["MORE", "entry", "unmet"]
+
+
+def unmet(e: ZooEntry) -> str | None:
+    """The first of the entry's needs that is not met ("pkg" not importable, "pkg.Attr" absent), or None."""
+    for need in e.needs:
+        mod, _, attr = need.partition(".")
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            return f"needs {mod} (test extra)"
+        if attr and not hasattr(m, attr):
+            return f"needs {need} (absent from {mod} {getattr(m, '__version__', '')})".replace(" )", ")")
+    return None
+
+
+# ---------------------------------------------------------------- helpers
+
+def _causal(cls_name: str, cfg_name: str, cfg: dict, train: bool, dtype, seed: int, attn: str = "sdpa",
+            batch: int = 2, seq: int = 16) -> Example:
+    """A causal LM called with input_ids (and labels=input_ids for training: the model shifts them)."""
+    model = _finish(_hf(cls_name, cfg_name, seed, attn=attn, use_cache=False, **cfg), train, dtype)
+    vocab = cfg["vocab_size"]
+
+    def make_inputs(s: int):
+        ids = torch.randint(3, vocab, (batch, seq), generator=_gen(s))  # above the special tokens
+        kw = {"input_ids": ids}
+        if train:
+            kw["labels"] = ids.clone()
+        return (), kw
+
+    return Example(model, *make_inputs(seed + 1), make_inputs)
+
+
+def _encoder(cls_name: str, cfg_name: str, cfg: dict, train: bool, dtype, seed: int, attn: str = "sdpa",
+             labels: str = "mlm", batch: int = 2, seq: int = 16) -> Example:
+    """An encoder with a padding mask (the later rows padded); labels: "mlm" (-100 where not picked or
+    padded, as zoo.bert) or "cls" (one class of 3 per row)."""
+    model = _finish(_hf(cls_name, cfg_name, seed, attn=attn, **cfg), train, dtype)
+    vocab = cfg["vocab_size"]
+
+    def make_inputs(s: int):
+        g = _gen(s)
+        ids = torch.randint(3, vocab, (batch, seq), generator=g)
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[1:, seq - seq // 4:] = 0
+        kw = {"input_ids": ids, "attention_mask": mask}
+        if train:
+            if labels == "mlm":
+                picked = torch.rand(batch, seq, generator=g) < 0.3
+                picked[:, 0] = True  # at least one target per row
+                kw["labels"] = torch.where(picked & (mask == 1), ids, torch.full_like(ids, -100))
+            else:
+                kw["labels"] = torch.randint(0, cfg["num_labels"], (batch,), generator=g)
+        return (), kw
+
+    return Example(model, *make_inputs(seed + 1), make_inputs)
+
+
+def _vision(cls_name: str, cfg_name: str, cfg: dict, train: bool, dtype, seed: int, attn: str | None = "sdpa",
+            size: int = 32) -> Example:
+    model = _finish(_hf(cls_name, cfg_name, seed, attn=attn, **cfg), train, dtype)
+    make = _images(2, size, cfg["num_labels"], train, dtype)
+    return Example(model, *make(seed + 1), make)
+
+
+# ---------------------------------------------------------------- decoders
+
+def phi3(train=False, dtype=torch.float32, seed=0):
+    """Phi3ForCausalLM: fused qkv / gate-up projections; full rotary, so the pass-through slice of the
+    rotary embedding (`q[..., rotary_dim:]`) is empty and concatenated back."""
+    cfg = dict(_llama_cfg(True), original_max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0,
+               attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _causal("Phi3ForCausalLM", "Phi3Config", cfg, train, dtype, seed)
+
+
+def falcon(train=False, dtype=torch.float32, seed=0):
+    """FalconForCausalLM, falcon-7b style (config defaults): multi-query attention, one key/value head
+    broadcast over 4 query heads inside sdpa; parallel attention + MLP; ALiBi off, rotary on."""
+    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
+               attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return _causal("FalconForCausalLM", "FalconConfig", cfg, train, dtype, seed)
+
+
+def gemma2(train=False, dtype=torch.float32, seed=0):
+    """Gemma2ForCausalLM (eager attention: transformers refuses sdpa): tanh soft-capping of the attention
+    logits and the final logits, alternating sliding-window (8) and full layers, sandwich RMSNorms."""
+    cfg = dict(_llama_cfg(True), head_dim=16, pad_token_id=0, bos_token_id=2, eos_token_id=1, sliding_window=8,
+               query_pre_attn_scalar=16, final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    return _causal("Gemma2ForCausalLM", "Gemma2Config", cfg, train, dtype, seed, attn="eager")
+
+
+def gemma3(train=False, dtype=torch.float32, seed=0):
+    """Gemma3ForCausalLM (text): both layers sliding-window (the pattern puts a full layer every 6th), so the
+    full causal mask transformers still builds is dead code; q/k RMSNorms, local/global rotary."""
+    cfg = dict(_llama_cfg(True), head_dim=16, pad_token_id=0, bos_token_id=2, eos_token_id=1, sliding_window=8,
+               query_pre_attn_scalar=16)
+    return _causal("Gemma3ForCausalLM", "Gemma3TextConfig", cfg, train, dtype, seed)
+
+
+def gpt_neox(train=False, dtype=torch.float32, seed=0):
+    """GPTNeoXForCausalLM: partial rotary (a quarter of each head), parallel residual, fused qkv."""
+    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               max_position_embeddings=64, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0,
+               use_parallel_residual=True, bos_token_id=0, eos_token_id=0)
+    return _causal("GPTNeoXForCausalLM", "GPTNeoXConfig", cfg, train, dtype, seed)
+
+
+def opt(train=False, dtype=torch.float32, seed=0):
+    """OPTForCausalLM: learned positions offset by 2 (from the attention mask's cumsum), ReLU MLP."""
+    cfg = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+               max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, layerdrop=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return _causal("OPTForCausalLM", "OPTConfig", cfg, train, dtype, seed)
+
+
+def bloom(train=False, dtype=torch.float32, seed=0):
+    """BloomForCausalLM (eager attention: transformers refuses sdpa): ALiBi position bias added to the
+    scores (baddbmm), embedding LayerNorm, tanh-GELU."""
+    cfg = dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return _causal("BloomForCausalLM", "BloomConfig", cfg, train, dtype, seed, attn="eager")
+
+
+def mixtral(train=False, dtype=torch.float32, seed=0):
+    """MixtralForCausalLM, experts_implementation="batched_mm": top-2 of 4 experts routed per token (softmax,
+    topk, a scatter of the routing weights into [tokens, experts] whose backward gathers), every expert run
+    as batched matmuls. (The default "grouped_mm" needs aten.histc; "eager" loops over the experts hit.)"""
+    cfg = dict(_llama_cfg(True), num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+               experts_implementation="batched_mm")
+    return _causal("MixtralForCausalLM", "MixtralConfig", cfg, train, dtype, seed)
+
+
+# ---------------------------------------------------------------- encoders
+
+_BERTISH = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def deberta_v2(train=False, dtype=torch.float32, seed=0):
+    """DebertaV2ForMaskedLM (eager attention): disentangled relative-position attention (c2p and p2c,
+    log-bucketed positions gathered from a shared relative embedding), no absolute positions."""
+    cfg = dict(_BERTISH, relative_attention=True, position_biased_input=False, pos_att_type=["p2c", "c2p"],
+               norm_rel_ebd="layer_norm", share_att_key=True, max_relative_positions=-1, position_buckets=8)
+    return _encoder("DebertaV2ForMaskedLM", "DebertaV2Config", cfg, train, dtype, seed, attn="eager")
+
+
+def distilbert(train=False, dtype=torch.float32, seed=0):
+    """DistilBertForSequenceClassification: no token types, a pre-classifier on the first token, a
+    classification loss over 3 labels."""
+    cfg = dict(vocab_size=128, dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=32,
+               dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, num_labels=3)
+    return _encoder("DistilBertForSequenceClassification", "DistilBertConfig", cfg, train, dtype, seed,
+                    labels="cls")
+
+
+def roberta(train=False, dtype=torch.float32, seed=0):
+    """RobertaForMaskedLM: positions from the input ids (cumsum of the non-padding mask, offset by pad id)."""
+    return _encoder("RobertaForMaskedLM", "RobertaConfig", dict(_BERTISH, pad_token_id=1), train, dtype, seed)
+
+
+# ---------------------------------------------------------------- seq2seq
+
+def bart(train=False, dtype=torch.float32, seed=0):
+    """BartForConditionalGeneration: encoder-decoder with learned positions (offset 2), padded sources,
+    labels shifted right into the decoder inputs by the model, the final-logits bias buffer."""
+    cfg = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
+               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+               decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+               forced_eos_token_id=2)
+    model = _finish(_hf("BartForConditionalGeneration", "BartConfig", seed, use_cache=False, **cfg), train, dtype)
+    make = _seq2seq_inputs(cfg["vocab_size"], 2, 16, 8, train)
+    return Example(model, *make(seed + 1), make)
+
+
+# ---------------------------------------------------------------- multimodal
+
+def _contrastive(cls_name: str, cfg_name: str, train: bool, dtype, seed: int) -> Example:
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                eos_token_id=127)
+    vision = dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, dropout=0.0, attention_dropout=0.0)
+    clip = cls_name == "CLIPModel"
+    extra = dict(projection_dim=32) if clip else {}
+    model = _finish(_hf(cls_name, cfg_name, seed, text_config=text, vision_config=vision, **extra), train, dtype)
+    batch, seq = 2, 16
+
+    def make_inputs(s: int):
+        g = _gen(s)
+        ids = torch.randint(3, 126, (batch, seq), generator=g)
+        ids[:, -1] = 127  # eos last: CLIP pools the text at the first eos
+        kw = {"input_ids": ids}
+        if clip:
+            kw["attention_mask"] = torch.ones(batch, seq, dtype=torch.int64)
+        kw["pixel_values"] = torch.randn(batch, 3, 32, 32, generator=g).to(dtype)
+        if train:
+            kw["return_loss"] = True  # a constant: baked into the archive, which then takes only the tensors
+        return (), kw
+
+    return Example(model, *make_inputs(seed + 1), make_inputs)
+
+
+def clip(train=False, dtype=torch.float32, seed=0):
+    """CLIPModel: text and vision towers, projections, a learned logit scale (exp), the symmetric
+    contrastive loss (cross entropy over the image-text similarity matrix both ways; return_loss=True)."""
+    return _contrastive("CLIPModel", "CLIPConfig", train, dtype, seed)
+
+
+def siglip(train=False, dtype=torch.float32, seed=0):
+    """SiglipModel: the patch embedding is a Conv2d with padding="valid" (recorded as padding [0]), attention
+    pooling head in the vision tower, sigmoid pairwise loss (return_loss=True)."""
+    return _contrastive("SiglipModel", "SiglipConfig", train, dtype, seed)
+
+
+# ---------------------------------------------------------------- vision
+
+_VIT = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def swin(train=False, dtype=torch.float32, seed=0):
+    """SwinForImageClassification: shifted-window attention (window 4: roll, window partition/reverse, the
+    shifted windows' mask), relative position bias table, patch merging."""
+    cfg = dict(image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4,
+               num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return _vision("SwinForImageClassification", "SwinConfig", cfg, train, dtype, seed)
+
+
+def convnext(train=False, dtype=torch.float32, seed=0):
+    """ConvNextForImageClassification: 7x7 depthwise convolutions, channels-last LayerNorm (permutes),
+    layer scale parameters, patchify stem."""
+    cfg = dict(hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], num_labels=10, drop_path_rate=0.0)
+    return _vision("ConvNextForImageClassification", "ConvNextConfig", cfg, train, dtype, seed, attn=None)
+
+
+def segformer(train=False, dtype=torch.float32, seed=0):
+    """SegformerForSemanticSegmentation: overlapping patch embeddings, spatial-reduction attention, Mix-FFN
+    (depthwise conv), an all-MLP decode head that upsamples (bilinear) each stage and fuses them, BatchNorm
+    in the head, per-pixel cross entropy on labels upsampled logits."""
+    cfg = dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+               strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=5,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+               drop_path_rate=0.0)
+    model = _finish(_hf("SegformerForSemanticSegmentation", "SegformerConfig", seed, **cfg), train, dtype)
+
+    def make_inputs(s: int):
+        g = _gen(s)
+        kw = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g).to(dtype)}
+        if train:
+            kw["labels"] = torch.randint(0, cfg["num_labels"], (2, 32, 32), generator=g)
+        return (), kw
+
+    return Example(model, *make_inputs(seed + 1), make_inputs)
+
+
+def dinov2(train=False, dtype=torch.float32, seed=0):
+    """Dinov2Model for inference (its hidden states and pooled output); Dinov2ForImageClassification for
+    training (a head on the CLS token and the mean patch token; the bare model has no loss). Layer
+    scale on both residual branches."""
+    cfg = dict(_VIT, mlp_ratio=2, drop_path_rate=0.0, num_labels=10)
+    return _vision("Dinov2ForImageClassification" if train else "Dinov2Model", "Dinov2Config", cfg, train, dtype,
+                   seed)
+
+
+def mobilenet_v2(train=False, dtype=torch.float32, seed=0):
+    """MobileNetV2ForImageClassification: inverted residuals (1x1 expand, 3x3 depthwise, 1x1 project), ReLU6,
+    TF-style padding, BatchNorm (momentum 0.997) in train mode: batch statistics and running buffers."""
+    cfg = dict(image_size=32, depth_multiplier=0.25, min_depth=8, num_labels=10, classifier_dropout_prob=0.0)
+    return _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", cfg, train, dtype, seed, attn=None)
+
+
+# ---------------------------------------------------------------- the list
+
+def _more(name: str, tiny, *classes: str, note: str = "") -> ZooEntry:
+    return ZooEntry(name, tiny, None, ("transformers",) + tuple(f"transformers.{c}" for c in classes), note=note)
+
+
+MORE: tuple[ZooEntry, ...] = (
+    _more("phi3", phi3, "Phi3Config", "Phi3ForCausalLM", note="empty rotary pass-through slice"),
+    _more("falcon", falcon, "FalconConfig", "FalconForCausalLM", note="one key/value head broadcast in sdpa"),
+    _more("gemma2", gemma2, "Gemma2Config", "Gemma2ForCausalLM", note="eager attention, logit soft-capping"),
+    _more("gemma3", gemma3, "Gemma3TextConfig", "Gemma3ForCausalLM", note="sliding-window layers, dead full mask"),
+    _more("deberta_v2", deberta_v2, "DebertaV2Config", "DebertaV2ForMaskedLM", note="relative position attention"),
+    _more("gpt_neox", gpt_neox, "GPTNeoXConfig", "GPTNeoXForCausalLM", note="partial rotary"),
+    _more("opt", opt, "OPTConfig", "OPTForCausalLM", note="positions from the mask's cumsum"),
+    _more("bloom", bloom, "BloomConfig", "BloomForCausalLM", note="ALiBi"),
+    _more("distilbert", distilbert, "DistilBertConfig", "DistilBertForSequenceClassification",
+          note="sequence classification loss"),
+    _more("roberta", roberta, "RobertaConfig", "RobertaForMaskedLM", note="positions from padding"),
+    _more("bart", bart, "BartConfig", "BartForConditionalGeneration", note="seq2seq, learned positions"),
+    _more("clip", clip, "CLIPConfig", "CLIPModel", note="contrastive loss, return_loss=True"),
+    _more("swin", swin, "SwinConfig", "SwinForImageClassification", note="shifted window attention"),
+    _more("convnext", convnext, "ConvNextConfig", "ConvNextForImageClassification",
+          note="depthwise conv, layer scale"),
+    _more("segformer", segformer, "SegformerConfig", "SegformerForSemanticSegmentation",
+          note="upsampling decode head"),
+    _more("dinov2", dinov2, "Dinov2Config", "Dinov2Model", "Dinov2ForImageClassification",
+          note="classification head for training"),
+    _more("mobilenet_v2", mobilenet_v2, "MobileNetV2Config", "MobileNetV2ForImageClassification",
+          note="depthwise, ReLU6, train-mode BatchNorm"),
+    _more("siglip", siglip, "SiglipConfig", "SiglipModel", note='padding="valid" conv'),
+    _more("mixtral", mixtral, "MixtralConfig", "MixtralForCausalLM", note="MoE top-k routing (batched_mm experts)"),
+)
+
+
+def entry(name: str) -> ZooEntry:
+    for e in MORE:
+        if e.name == name:
+            return e
+    raise KeyError(f"no zoo_more entry {name!r}; entries: {', '.join(e.name for e in MORE)}")

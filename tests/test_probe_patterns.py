@@ -1,0 +1,64 @@
+"""Patterns of models outside the zoo that built archives which then failed at load or run (a probe of 41
+transformers architectures, 2026-11-27): Gemma 3's unused full causal mask kept alive by export's metadata
+check (export/checks.py), SigLIP's convolution with padding="valid" in training."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+
+
+class DeadMask(nn.Module):
+    """Two masks built from positions (packed-sequence ids through cumsum), only the sliding one used; the
+    full one's `.to(device=, dtype=)` leaves an aten._assert_tensor_metadata node on it."""
+
+    def forward(self, q):
+        pos = torch.arange(16, device=q.device).expand(2, 16)
+        i = torch.arange(16, device=q.device)
+
+        def mask(window):
+            seg = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+            m = (i[:, None] >= i[None, :])[None, None]
+            if window:
+                m = m & (i[:, None] - i[None, :] < window)[None, None]
+            return m & (seg[:, None, :, None] == seg[:, None, None, :]).to(device=q.device, dtype=torch.bool)
+
+        mask(None)  # built, never used
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask(8).expand(2, -1, 16, 16))
+
+
+def test_dead_mask_is_not_lowered():
+    model = DeadMask()
+    res = aotfuse.build(model, (torch.randn(2, 4, 16, 16),), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")  # before: a kernel with no output, refused at load
+    q = torch.randn(2, 4, 16, 16)
+    torch.testing.assert_close(art(q), model(q), rtol=1e-5, atol=1e-5)
+
+
+class ValidConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, kernel_size=8, stride=8, padding="valid")
+
+    def forward(self, x):
+        return self.conv(x).float().pow(2).mean()
+
+
+def test_valid_padding_conv_training():
+    torch.manual_seed(0)
+    model = ValidConv()
+    res = aotfuse.build(model, (torch.randn(2, 3, 32, 32),), train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    loss, want = mod(x), ref(x)
+    loss.backward()  # before: the backward's convolution_backward extern with padding [0] refused at run
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    got = dict(mod.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
