@@ -68,6 +68,20 @@ def render() -> str:
                          f"{GPU.get((e.name, mode), 'not measured yet')} |")
     lines += ["", "Realistic sizes (GPU): Llama 8 layers, hidden 2048, 16/4 heads, batch 2 x 2048; ResNet-18 batch "
               "64 at 224x224 channels_last; ViT-B/16 batch 64 (`ZooEntry.realistic`).", ""]
+    from aotfuse.testing.zoo_more import MORE, SPARE
+
+    lines += ["## More architectures (CPU check)", "",
+              "`aotfuse/testing/zoo_more.py`: tiny configs of further transformers architectures, each for what it "
+              "exercises; `tests/test_zoo_more.py` checks MORE for inference and training in float32 as above; the "
+              "spare ones pass too (`python3 scripts/zoo_probe.py NAME --more --run`). Not measured on the GPU.", "",
+              "| model | exercises | in the test |", "|---|---|---|"]
+    for e in MORE + SPARE:
+        lines.append(f"| {e.name} | {e.note} | {'yes' if e in MORE else 'spare'} |")
+    lines += ["", "Not supported: a mixture of experts' default grouped experts (transformers' `grouped_mm`: "
+              "`aten.histc` and data-dependent group sizes; `experts_implementation=\"batched_mm\"` builds), a "
+              "loss that selects positions by a mask (`logits[mask]`: Electra with an attention mask) or checks "
+              "label values in Python (Wav2Vec2 and HuBERT CTC training): each is refused with the op and model line "
+              "named.", ""]
     return "\n".join(lines)
 
 
