@@ -418,3 +418,60 @@ def test_attention_past_32_bit_indexing_keeps_sdpa():
     assert "32-bit indexing" in refusal(q, k, v, None, True, False, "bfloat16")
     small = [TensorArg("qkv", (2, 12, 128, 64), (128 * hd, 64, hd, 1), off) for off in (0, 768, 1536)]
     assert refusal(*small, None, True, False, "bfloat16") is None
+
+
+def test_auto_takes_sdpa_for_short_sequences_over_many_blocks():
+    """AOTFUSE_ATTENTION=auto: at most 512 keys over at least 4 x 132 row blocks goes to sdpa (H100: cuDNN
+    faster there: ViT-B/16, BERT-base), unless the mask has a head dim (T5's position bias: the template, 2.5x
+    faster model-wide); small attentions (launch-bound) and long ones keep the template."""
+    from aotfuse.ir.loop import TensorArg
+    from aotfuse.schedule.attention import choose
+
+    def qkv(b, h, t, d=64):
+        hd = 3 * h * d
+        return [TensorArg("qkv", (b, h, t, d), (t * hd, d, hd, 1), off) for off in (0, h * d, 2 * h * d)]
+
+    def mask(shape):
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.insert(0, acc)
+            acc *= n
+        return TensorArg("m", tuple(shape), tuple(stride), 0)
+
+    vit, rec = choose("a", *qkv(64, 12, 197), None, False, False, "bfloat16")
+    assert not vit and rec["kernel"] == "sdpa" and "197 keys <= 512" in rec["why"]
+    bert, rec = choose("a", *qkv(32, 12, 512), mask((32, 1, 1, 512)), False, False, "bfloat16", "bool")
+    assert not bert and "cuDNN" in rec["why"]
+    t5, rec = choose("a", *qkv(16, 8, 512), mask((1, 8, 512, 512)), False, False, "bfloat16", "float32")
+    assert t5 and rec["kernel"] == "template"  # a per-head mask
+    for shape in ((1, 12, 128), (8, 12, 1024), (2, 12, 512)):  # launch-bound, or long sequences
+        ok, rec = choose("a", *qkv(*shape), None, True, False, "bfloat16")
+        assert ok and rec["kernel"] == "template", (shape, rec)
+
+
+def test_sdpa_extern_reads_an_additive_mask_made_once():
+    """Kept on sdpa, a bool mask becomes the additive one torch would make on every call (0 / -inf in the query's
+    dtype), made once by a kernel of the program and shared by the layers that read the same mask."""
+
+    class TwoLayers(torch.nn.Module):
+        def forward(self, q, k, v, m):
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+            return F.scaled_dot_product_attention(a, k, v, attn_mask=m)
+
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 40, 32, generator=g).to(bf) for _ in range(3))
+    m = torch.ones(2, 1, 40, 40, dtype=torch.bool)
+    m[1, ..., 30:] = False
+    m[0, 0, 5, :] = False  # a row masked everywhere: what torch gives (NaN or 0), the archive gives too
+    with override(attention="extern"):
+        res = aotfuse.build(TwoLayers(), (q, k, v, m), targets=("sm_90",))
+    recs = _attention_records(res)
+    assert len(recs) == 2 and all(r["kernel"] == "sdpa" and r.get("mask_made_additive") for r in recs), recs
+    assert [g.kind for g in res.report.groups].count("pointwise") == 1  # one mask kernel for both layers
+    q, k, v = (torch.randn(2, 3, 40, 32, generator=g).to(bf) for _ in range(3))
+    out = aotfuse.load(res.data, device="cpu")(q, k, v, m)
+    want = TwoLayers()(q, k, v, m)
+    assert torch.equal(out.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert rel_err(out[ok], want[ok]) < 1e-2

@@ -43,8 +43,10 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['attention_broadcast']}: {d['why']}"
     if "attention" in d and "mode" in d:  # schedule/attention.py: the template or sdpa
         mask = f" mask {d['mask']}" if d.get("mask") else ""
+        made = "; its bool mask made additive (0 / -inf) by a kernel of the program" if d.get("mask_made_additive") \
+            else ""
         return (f"  {d['attention']}: attention {d.get('shape')}{' causal' if d.get('causal') else ''}{mask} -> "
-                f"{d['kernel']} ({d['why']})")
+                f"{d['kernel']} ({d['why']}{made})")
     if "attention" in d:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
     if "embedding_backward" in d:  # lower/embedding.py

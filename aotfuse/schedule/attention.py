@@ -15,7 +15,13 @@ the report (`explain`):
 `auto` takes the template up to D = 64 (H200, 2026-11-26, scripts/attn_probe.py: 44.0 vs 47.5 us at
 8 x 12 x 1024 x 64 causal, 13.4 vs 14.7 at 1 x 1024, 3.5 vs 6.1 at 1 x 128; scripts/attn_mask_bench.py,
 8 x 12 x 1024 x 64 with a kept mask: bool padding 83.6 vs 106.2 us, float padding 78.8 vs 101.0, a bool
-window [B, 1, T, T] 112.6 vs 137.5; not measured beyond D = 64).
+window [B, 1, T, T] 112.6 vs 137.5; not measured beyond D = 64), except for short sequences over many row
+blocks (at most AUTO_SDPA_MAX_KEYS keys, at least AUTO_SDPA_MIN_PROGRAMS blocks of 64 query rows) without a
+per-head mask: there torch's sdpa (cuDNN) was faster (H100, 2026-11-27, scripts/attn_probe.py causal: 32 x 512
+76.6 vs 54.9 us, 64 x 256 58.2 vs 40.8, 16 x 512 32.5 vs 32.2, but 8 x 1024 46.8 vs 48.2 and 4 x 2048 73.8 vs
+79.1; scripts/attn_mask_bench.py at 32 x 512: padding masks 1.13-1.46x, at 8 x 1024 0.79-0.92x; whole models
+with AOTFUSE_ATTENTION=extern: ViT-B/16 (197 tokens) 6.27 -> 6.06 ms, BERT-base (32 x 512, padding mask) 9.56 ->
+9.39-9.42, T5's per-head position bias 3.26 -> 8.15, which is why a per-head mask keeps the template).
 """
 from __future__ import annotations
 
@@ -27,6 +33,11 @@ from ..knobs import knobs
 
 MODES = ("auto", "template", "extern")
 AUTO_MAX_HEAD_DIM = 64  # measured (module docstring)
+# short sequences over many row blocks go to sdpa (module docstring): at most this many keys ...
+AUTO_SDPA_MAX_KEYS = 512
+# ... over at least this many 64-row blocks (4 waves of an H100's 132 SMs; smaller attentions are launch-bound,
+# where the template won: 3.5 vs 6.1 us at 1 x 12 x 128 x 64, H200)
+AUTO_SDPA_MIN_PROGRAMS = 4 * 132
 
 
 def mode() -> str:
@@ -122,6 +133,15 @@ def choose(name: str, q: TensorArg, k: TensorArg, v: TensorArg, mask, causal: bo
     if md == "auto" and d > AUTO_MAX_HEAD_DIM:
         rec.update(kernel="sdpa", why=f"head dim {d} > {AUTO_MAX_HEAD_DIM}: the template was measured faster than "
                                       "sdpa up to 64 only (AOTFUSE_ATTENTION=template forces it)")
+        return False, rec
+    b, h, tq, tk = int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k.shape[2])
+    programs = b * h * -(-tq // BLOCK_M)
+    per_head_mask = mask is not None and len(mask.shape) >= 3 and int(mask.shape[-3]) > 1
+    if md == "auto" and tk <= AUTO_SDPA_MAX_KEYS and programs >= AUTO_SDPA_MIN_PROGRAMS and not per_head_mask:
+        rec.update(kernel="sdpa", why=f"{tk} keys <= {AUTO_SDPA_MAX_KEYS} over {programs} row blocks: sdpa's kernels "
+                                      "(cuDNN) were measured faster there (H100, 2026-11-27: the template 1.01-1.46x of "
+                                      "sdpa's time at 16-64 x 12 x 256-512 x 64; ViT-B/16 and BERT-base whole "
+                                      "models 2-3% faster with sdpa); AOTFUSE_ATTENTION=template forces it")
         return False, rec
     measured = ("H200: 0.78-0.82x of sdpa's time at 8x12x1024x64 with a kept padding or window mask" if mask is not None
                 else "H200: 0.93x at 8x12x1024x64 causal, 0.58x at 1x12x128x64")
