@@ -150,3 +150,45 @@ def test_attention_ops_match_sdpa_with_gqa_and_masks():
         got = attention_backward(g, q, k, v, m, out, lse, causal, e ** -0.5, gqa)
         for x, y in zip(got, want):  # the contract's lse is float32, also for float64 inputs
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_bool_mask_made_additive_once_in_the_graph():
+    """Two fused attentions reading one bool padding mask: the additive mask (0 / -inf) the runtime would make in
+    every forward and backward is made once in the joint graph (the conversions merge); loss and gradients match
+    eager."""
+
+    class TwoLayers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 96), nn.Linear(32, 96)
+
+        def forward(self, x, m):
+            b, t, _ = x.shape
+            for lin in (self.a, self.b):
+                q, k, v = lin(x).view(b, t, 3, 2, 16).permute(2, 0, 3, 1, 4)
+                x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=m).transpose(1, 2).reshape(b, t, 32)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    m = torch.ones(2, 1, 1, 24, dtype=torch.bool)
+    m[1, ..., 18:] = False
+    model = TwoLayers()
+    res = aotfuse.build(model, (torch.randn(2, 24, 32), m), train=True, targets=("sm_90",))
+    with read_archive(res.data) as ar:
+        part = read_report(ar).partition
+    assert [a["kernel"] for a in part["attention"]] == ["fused"] * 2
+    assert all("made additive" in a["why"] for a in part["attention"]), part["attention"]
+    joint = trace_joint(model, (torch.randn(2, 24, 32), m))
+    conv = [n for n in joint.gm.graph.nodes if n.op == "call_function" and "where" in str(n.target)
+            and any(getattr(a, "op", None) == "placeholder" for a in n.args)]
+    assert len(conv) == 1, conv  # one conversion of the mask for both layers
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 24, 32)
+    loss, want = mod(x, m), ref(x, m)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    got = dict(mod.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -428,6 +428,11 @@ class sdpa_math_mode(TorchFunctionMode):
                                    "why": "aotfuse::attention: no B x H x T x T tensor; saves q, k, v, out, lse"})
             if bc is not None:
                 self.decisions[-1]["why"] += f"; {bc.why}"
+            if attn_mask is not None and attn_mask.dtype == torch.bool and q.dtype.is_floating_point:
+                # the additive mask (0 / -inf in q's dtype) the runtime would make from a bool one in every layer's
+                # forward and backward, made once in the graph (the layers' equal conversions merge: _cse)
+                attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
+                self.decisions[-1]["why"] += "; its bool mask made additive (0 / -inf) once in the graph"
             return attention(q, k, v, attn_mask, bool(is_causal), s, bool(enable_gqa))[0]
         self.decisions.append({"attention": i, "kernel": "math", "query": shape,
                                "why": why + (f"; {bc.why}" if bc is not None else "")})
