@@ -62,3 +62,19 @@ def test_valid_padding_conv_training():
     got = dict(mod.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grouped_experts_refusal_names_the_remedy():
+    """transformers' default grouped experts count tokens per expert with histc (data-dependent group sizes):
+    refused by name, with the switch that builds (batched_mm experts: tests/test_zoo_more.py's Mixtral)."""
+    import pytest
+
+    from aotfuse.errors import UnsupportedOpError
+
+    class Counts(nn.Module):
+        def forward(self, x):
+            return x * torch.histc(x.argmax(-1).float(), bins=4, min=0, max=3).sum()
+
+    with pytest.raises(UnsupportedOpError, match="aten.histc") as e:
+        aotfuse.build(Counts(), (torch.randn(8, 4),), targets=("sm_90",))
+    assert 'set_experts_implementation("batched_mm")' in str(e.value)

@@ -124,7 +124,8 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 continue
             info = rules.get(node.target)
             if info is None:
-                raise UnsupportedOpError(str(node.target), node.name, _where(node))
+                raise UnsupportedOpError(str(node.target), node.name, _where(node),
+                                         remedy=KNOWN_REMEDIES.get(str(node.target)))
             if info.category in ("pointwise", "view") and node.all_input_nodes \
                     and all(_is_const(a, consts) for a in node.args):
                 # Depends only on folded values: fold at build time into a stored constant. Filled
@@ -199,6 +200,14 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                       tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
 
+
+# ops with no rule that come from a known model pattern: what to do instead
+KNOWN_REMEDIES = {
+    "aten.histc.default": "a mixture of experts whose experts run grouped (transformers' default grouped_mm: tokens "
+                          "counted per expert, groups of data-dependent sizes) is not supported; build the model with "
+                          "model.set_experts_implementation(\"batched_mm\") (or from_pretrained(..., "
+                          "experts_implementation=\"batched_mm\")): the same numbers, static shapes",
+}
 
 CATS = (torch.ops.aten.cat.default,)  # rules that skip an empty operand (lower/concat._cat)
 
