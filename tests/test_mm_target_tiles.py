@@ -60,6 +60,8 @@ def test_each_target_its_own_tiles():
         b80, b90 = k["binaries"]["sm_80"], k["binaries"]["sm_90"]
         assert "persistent" not in k and "persistent" not in b80  # the entry is sm_80's: one program per tile
         assert b90["persistent"] == 2, b90.keys()
+        # sm_90's function has its own name (its text is not the stored one, so it never takes its pseudo-path)
+        assert b80["name"] == name and b90["name"] == f"{name}_sm_90"
         # the stored source (the CPU path's) is sm_80's: a program per tile, no tile loop
         assert "tl.program_id(0)" in sources[name] and "num_programs" not in sources[name]
     for prog in ("forward", "backward"):

@@ -131,6 +131,21 @@ def test_scratch_launch_gives_each_launch_site_its_own_scratch():
     assert both.prepare((4096, 1, 1)).keep.numel() == 132 * 256
 
 
+def test_grid_launch_replaces_the_programs_grid():
+    """A binary with its own tiles (contract/kernels.Binary.grid): the program's grid (the entry's tiles) is
+    replaced before persistence clamps it and scratch is sized for it (runtime/gpu.make_launchers' order)."""
+    inner = _Inner()
+    launch = gpu.GridLaunch(gpu.PersistentLaunch(gpu.ScratchLaunch(inner, 256, torch.device("cpu")), 132),
+                            (256, 1, 1))
+    launch((512, 1, 1), 0, [1])
+    assert inner.calls[0][0] == (132, 1, 1)
+    p = launch.prepare((512, 1, 1))
+    assert p.grid == (132, 1, 1) and p.keep.numel() == 132 * 256
+    plain = gpu.GridLaunch(_Inner(), (16, 1, 1))  # not persistent: exactly its own grid
+    plain((512, 1, 1), 0, [])
+    assert plain.inner.calls[0][0] == (16, 1, 1)
+
+
 def test_persistent_entry_round_trips_and_is_validated():
     import dataclasses
 

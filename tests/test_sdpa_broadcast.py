@@ -75,3 +75,39 @@ def test_training(batch_broadcast):
     got = dict(mod.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class Rank3(nn.Module):
+    """sdpa on [B, L, E] (no head dim), causal or with a [B, L, S] mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 48)
+
+    def forward(self, x, m=None):
+        q, k, v = self.lin(x).chunk(3, -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
+
+
+def test_rank3_inference_and_training():
+    """Before: the build made an extern on 3-d views, which the runtime refused at load as a damaged archive."""
+    torch.manual_seed(0)
+    model = Rank3()
+    x = torch.randn(2, 10, 16)
+    mask = torch.rand(2, 10, 10) > 0.3
+    mask[:, :, 0] = True
+    for args in ((x,), (x, mask)):
+        res = aotfuse.build(model, args, targets=("sm_90",))
+        fresh = (torch.randn(2, 10, 16), *args[1:])
+        torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(*fresh), model(*fresh), rtol=1e-5, atol=1e-5)
+    loss_model = Loss(Rank3())
+    res = aotfuse.build(loss_model, (x,), train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    ref = copy.deepcopy(loss_model)
+    loss, want = mod(x), ref(x)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    got = dict(mod.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

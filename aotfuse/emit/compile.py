@@ -140,18 +140,21 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     unique = {}
     for k in kernels:
         unique.setdefault(k.name, k)
-    # a template with its own tiles on a target compiles that target's source (KernelSource.per_target)
-    jobs = [(k.name, t.source, t.signature, t.num_warps, arch, t.num_stages, t.aligned_sizes)
-            for k in unique.values() for arch in targets for t in (k.for_target(arch),)]
+    # A template with its own tiles on a target compiles that target's source (KernelSource.per_target), whose
+    # function has a name of its own (Binary.name: what the runtime looks up in the cubin), so each source text
+    # lives under its own pseudo-path (a later compile cannot replace the text the CPU path runs).
+    keys = [(k.name, arch) for k in unique.values() for arch in targets]
+    jobs = [(t.name, t.source, t.signature, t.num_warps, arch, t.num_stages, t.aligned_sizes)
+            for (name, arch) in keys for t in (unique[name].for_target(arch),)]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)
     if progress:
         progress("kernels", {"done": 0, "total": total})
     if workers <= 1 or total <= 1:
-        for i, job in enumerate(jobs):
+        for i, ((name, arch), job) in enumerate(zip(keys, jobs)):
             with TRITON_STATE_LOCK:  # not while a CPU-path launch in another thread has triton patched
                 b = _compile_one(*job)
-            out[job[0]][job[4]] = with_tiles(b, unique[job[0]], unique[job[0]].for_target(job[4]))
+            out[name][arch] = with_tiles(b, unique[name], unique[name].for_target(arch))
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
         return out
@@ -161,14 +164,13 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
         # Forked workers start at the first submit and inherit triton's state as it is then: not
         # mid-launch of a CPU-path kernel in another thread (the workers never take the lock).
         with TRITON_STATE_LOCK:
-            futs = {pool.submit(_compile_one, *job): job for job in jobs}
+            futs = {pool.submit(_compile_one, *job): key for key, job in zip(keys, jobs)}
         for i, fut in enumerate(cf.as_completed(futs)):
-            job = futs[fut]
-            done[job[0], job[4]] = fut.result()
+            done[futs[fut]] = fut.result()
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
     # Filled in job order, not completion order: the archive stores each kernel's binaries in this
     # dict's order, and completion order varies from run to run.
-    for job in jobs:
-        out[job[0]][job[4]] = with_tiles(done[job[0], job[4]], unique[job[0]], unique[job[0]].for_target(job[4]))
+    for name, arch in keys:
+        out[name][arch] = with_tiles(done[name, arch], unique[name], unique[name].for_target(arch))
     return out

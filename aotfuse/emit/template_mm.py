@@ -176,7 +176,8 @@ def tma_operand(e, outer: sympy.Symbol, extent: int, k: int, block_outer: int, b
 def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> KernelSource:
     """The group's kernel: one source per distinct tile configuration among the archive's targets
     (mm_configs.target_configs), the lowest target's the main one (stored for the CPU path), the others in
-    `per_target`; one name for all, a digest of every source."""
+    `per_target`; the kernel's name is a digest of every source, another target's function that name and the
+    target's (its cubin's Binary.name)."""
     mm = next((n for n in graph.nodes if n.name in group.nodes and isinstance(n, MatMul)), None)
     if mm is None:
         raise BuildError(f"internal: template group {group.name} holds no matmul")
@@ -191,12 +192,13 @@ def generate_mm(group: FusionGroup, graph: LoopGraph, stored: frozenset) -> Kern
     digest = hashlib.sha256("".join(w.source for _, w in written).encode()).hexdigest()[:12]
     name = f"aotf_mm_{digest}"
 
-    def named(w: KernelSource, targets) -> KernelSource:
-        return dataclasses.replace(w, name=name, source=w.source.replace(w.name, name),
+    def named(w: KernelSource, targets, own: str) -> KernelSource:
+        return dataclasses.replace(w, name=own, source=w.source.replace(w.name, own),
                                    why=f"{', '.join(targets)}: {w.why}")
 
-    main = named(written[0][1], written[0][0])
-    others = tuple((t, named(w, ts)) for ts, w in written[1:] for t in ts)
+    main = named(written[0][1], written[0][0], name)
+    # another target's function is named after it (its text is not the stored one: its own pseudo-path)
+    others = tuple((t, named(w, ts, f"{name}_{ts[0]}")) for ts, w in written[1:] for t in ts)
     why = "; ".join([main.why] + list(dict.fromkeys(w.why for _, w in others)))
     return dataclasses.replace(main, per_target=others, why=why)
 

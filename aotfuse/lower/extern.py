@@ -359,6 +359,13 @@ def _sdpa(ctx, node, args, kwargs):
     if dropout:
         raise UnsupportedOpError(str(node.target), node.name, "attention dropout",
                                  remedy="set dropout_p=0 (or put dropout after the attention)")
+    squeeze = all(isinstance(t, View) and len(t.shape) == 3 for t in (q, k, v))
+    if squeeze:  # [B, L, E] (no head dim): attended as one head, [B, 1, L, E] (the kernels take 4-d views)
+        q, k, v = (t.unsqueeze(1) for t in (q, k, v))
+        if isinstance(mask, View):
+            while len(mask.shape) < 3:
+                mask = mask.unsqueeze(0)
+            mask = mask.unsqueeze(1)
     bc = sdpa_plan(tuple(q.shape), tuple(k.shape), tuple(v.shape)) if all(isinstance(t, View) for t in (q, k, v)) \
         else None
     if bc is not None:  # broadcast leading dims (Falcon's one key/value head): grouped heads, or expanded views
@@ -371,11 +378,14 @@ def _sdpa(ctx, node, args, kwargs):
     tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
     _mask_decision(ctx, node)
     shape = out_shape(node)
+    if squeeze:
+        shape = (shape[0], 1, *shape[1:])
     mdt = None if mask is None else mask.dtype
     template, rec = attention_choice(node.name, tq, tk, tv, tm, bool(causal), bool(gqa), out_dtype(node), mdt)
     ctx.decisions.append(rec)
     if template:  # a flash-attention kernel of our own (schedule/attention.py decides, lower/attention.py)
-        return lower_attention(ctx, node, tq, tk, tv, bool(causal), scale, shape, out_dtype(node), tm, mdt)
+        out = lower_attention(ctx, node, tq, tk, tv, bool(causal), scale, shape, out_dtype(node), tm, mdt)
+        return out.squeeze([1]) if squeeze else out
     perm = [0, 2, 1, 3] if len(shape) == 4 else None
     if tm is not None and mdt == "bool" and isinstance(mask, View) and out_dtype(node) in _ADDITIVE_DTYPES:
         # torch turns a bool mask into an additive one (0 where kept, -inf elsewhere: its
@@ -385,8 +395,9 @@ def _sdpa(ctx, node, args, kwargs):
         tm = _targ(ctx, _additive_mask(ctx, mask, out_dtype(node)), node, "attn_mask")
         rec["mask_made_additive"] = True
     kw = {"is_causal": bool(causal), "scale": scale, "enable_gqa": bool(gqa), "dropout_p": 0.0}
-    return ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),
-                      False, storage_perm=perm)
+    out = ctx.extern("aten.scaled_dot_product_attention.default", (tq, tk, tv, tm), kw, shape, out_dtype(node),
+                     False, storage_perm=perm)
+    return out.squeeze([1]) if squeeze else out
 
 
 _ADDITIVE_DTYPES = ("bfloat16", "float16", "float32")
@@ -394,7 +405,10 @@ _ADDITIVE_DTYPES = ("bfloat16", "float16", "float32")
 
 def _additive_mask(ctx, mask: View, dt: str) -> View:
     """`where(mask, 0, -inf)` in the query's dtype, over the mask's shape: the additive mask torch's sdpa makes
-    of a bool one."""
+    of a bool one for its math and efficient kernels (convert_boolean_attn_mask). A row masked everywhere then
+    gives what -inf gives, 0 on the GPU's kernels as in the template and the training op (runtime/attention.py);
+    torch's own cuDNN path fills a bool mask with a finite value instead, so there such a row may differ from
+    eager (every other row is the same: exp of the fill underflows to 0 either way). Not checked on a GPU yet."""
     pv = syms("p", len(mask.shape))
     ranges = dict(zip(pv, mask.shape))
     keep = as_dtype(ctx.load(mask, list(pv), ranges), "bool")
