@@ -72,8 +72,12 @@ def test_scatter_one_index_per_row_and_refusal():
     art = aotfuse.load(res.data, device="cpu")
     for a, b in zip(art(x, idx, idx0, src), fn(x, idx, idx0, src)):
         assert torch.equal(a, b)
-    with pytest.raises(UnsupportedOpError, match="one index per row"):
-        aotfuse.build(Fn(lambda x, i: x.scatter(1, i, 1.0)), (x, torch.zeros(3, 2, dtype=torch.int64)),
+    # k indices per row (a top-k's positions; repeated ones write the same value)
+    two = (x, torch.tensor([[0, 3], [2, 2], [4, 1]]))
+    res = aotfuse.build(Fn(lambda x, i: x.scatter(1, i, 1.0)), two, targets=("sm_90",))
+    assert torch.equal(aotfuse.load(res.data, device="cpu")(*two), two[0].scatter(1, two[1], 1.0))
+    with pytest.raises(UnsupportedOpError, match="1 to 16 indices per row"):  # an index over fewer rows
+        aotfuse.build(Fn(lambda x, i: x.scatter(1, i, 1.0)), (x, torch.zeros(2, 2, dtype=torch.int64)),
                       targets=("sm_90",))
 
 
