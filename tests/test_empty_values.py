@@ -3,13 +3,12 @@ rotary embedding: q[..., rotary_dim:] is empty when rotary_dim == head_dim, and 
 any other reader is refused naming the op, before anything runs."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 
 import aotfuse
+from aotfuse.testing.train_check import assert_training_matches
 from aotfuse.errors import UnsupportedOpError
 
 
@@ -46,16 +45,7 @@ def test_empty_half_in_training():
     torch.manual_seed(0)
     model = Loss(PartialRotary())
     res = aotfuse.build(model, (torch.randn(2, 5, 16),), train=True, targets=("sm_90",))
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref = copy.deepcopy(model)
-    x = torch.randn(2, 5, 16)
-    loss, want = mod(x), ref(x)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_training_matches(res.data, model, (torch.randn(2, 5, 16),), grad_rtol=1e-5)
 
 
 class SumOfEmpty(nn.Module):

@@ -4,8 +4,6 @@ sm_90 binary records its own grid and programs per SM (contract/kernels.Binary, 
 cost model prices the newest target, and the CPU path runs the lowest target's source with eager's numbers."""
 from __future__ import annotations
 
-import copy
-
 import msgpack
 import pytest
 import torch
@@ -20,6 +18,7 @@ from aotfuse.errors import ArchiveError
 from aotfuse.knobs import override
 from aotfuse.runtime.validate import validate_program
 from aotfuse.runtime.validate_kernels import validate_kernels
+from aotfuse.testing.train_check import assert_half_training_close
 
 
 class MLP(nn.Module):
@@ -69,18 +68,7 @@ def test_each_target_its_own_tiles():
     whys = [(g.blocks or {}).get("why", "") for g in res.report.groups if g.kind == "template"]
     assert whys and all(w.startswith("sm_80: ") and "; sm_90: " in w and "persistent" in w for w in whys), whys
     # the CPU path
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref32 = copy.deepcopy(model).float()
-    ref = copy.deepcopy(model)
-    xs = torch.randn(2, 40, 48, dtype=torch.bfloat16)
-    loss, want, want32 = mod(xs), ref(xs), ref32(xs.float())
-    for t in (loss, want, want32):
-        t.backward()
-    assert _rel(loss, want32) <= max(2e-2, 2 * _rel(want, want32))
-    got = dict(mod.named_parameters())
-    for (name, p), p32 in zip(ref.named_parameters(), ref32.parameters()):
-        ours, eager = _rel(got[name].grad, p32.grad), _rel(p.grad, p32.grad)
-        assert ours <= max(2e-2, 2 * eager), (name, ours, eager)
+    assert_half_training_close(res.data, model, (torch.randn(2, 40, 48, dtype=torch.bfloat16),))
 
 
 def test_own_grid():
@@ -169,15 +157,5 @@ def test_default_targets_run_sm90_tiles_on_gpu():
     kernels = _part(res.data, "kernels")
     own = [k["binaries"]["sm_90"] for k in kernels.values() if k["kind"] == "template_mm"]
     assert own and all(b.get("persistent") == 2 for b in own), own
-    mod = aotfuse.load(res.data, device="cuda").as_module()
-    ref = copy.deepcopy(model).cuda()
-    ref32 = copy.deepcopy(model).float().cuda()
     xs = torch.randn(8, 1024, 768, dtype=torch.bfloat16, device="cuda")
-    loss, want, want32 = mod(xs), ref(xs), ref32(xs.float())
-    for t in (loss, want, want32):
-        t.backward()
-    assert _rel(loss, want32) <= max(2e-2, 2 * _rel(want, want32))
-    got = dict(mod.named_parameters())
-    for (name, p), p32 in zip(ref.named_parameters(), ref32.parameters()):
-        ours, eager = _rel(got[name].grad, p32.grad), _rel(p.grad, p32.grad)
-        assert torch.isfinite(got[name].grad).all() and ours <= max(2e-2, 2 * eager), (name, ours, eager)
+    assert_half_training_close(res.data, model, (xs,), device="cuda")

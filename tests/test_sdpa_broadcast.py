@@ -4,14 +4,13 @@ a key and value with batch 1 are expanded. Inference and training match eager; b
 built and then refused its own extern at run time, and the training trace failed in a reshape."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import aotfuse
+from aotfuse.testing.train_check import assert_training_matches
 from aotfuse.sdpa_shapes import plan
 
 
@@ -65,16 +64,7 @@ def test_training(batch_broadcast):
     torch.manual_seed(0)
     model = Loss(MQA(batch_broadcast))
     res = aotfuse.build(model, (torch.randn(2, 8, 16),), train=True, targets=("sm_90",))
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref = copy.deepcopy(model)
-    x = torch.randn(2, 8, 16)
-    loss, want = mod(x), ref(x)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_training_matches(res.data, model, (torch.randn(2, 8, 16),))
 
 
 class Rank3(nn.Module):
@@ -102,12 +92,4 @@ def test_rank3_inference_and_training():
         torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(*fresh), model(*fresh), rtol=1e-5, atol=1e-5)
     loss_model = Loss(Rank3())
     res = aotfuse.build(loss_model, (x,), train=True, targets=("sm_90",))
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref = copy.deepcopy(loss_model)
-    loss, want = mod(x), ref(x)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_training_matches(res.data, loss_model, (x,))

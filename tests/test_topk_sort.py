@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import aotfuse
+from aotfuse.testing.train_check import assert_training_matches
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -41,8 +42,6 @@ def test_topk_and_sort_match_eager():
 def test_training_through_topk():
     """topk's backward scatters the k gradients of each row back to their positions (lower/gather._scatter, k
     indices per row: a mixture of experts' router); before, the scatter was refused by name."""
-    import copy
-
     class Loss(nn.Module):
         def __init__(self):
             super().__init__()
@@ -54,16 +53,7 @@ def test_training_through_topk():
     torch.manual_seed(0)
     model = Loss()
     res = aotfuse.build(model, (torch.randn(4, 8),), train=True, targets=("sm_90",))
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref = copy.deepcopy(model)
-    x = torch.randn(4, 8)
-    loss, want = mod(x), ref(x)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert_training_matches(res.data, model, (torch.randn(4, 8),), loss_atol=1e-5, grad_rtol=1e-5, grad_atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotfuse
+from aotfuse.testing.train_check import assert_training_matches
 from aotfuse.archive import read_archive
 from aotfuse.contract import PROGRAM_VERSION
 from aotfuse.examples.gpt import demo_train
@@ -182,13 +183,4 @@ def test_bool_mask_made_additive_once_in_the_graph():
     conv = [n for n in joint.gm.graph.nodes if n.op == "call_function" and "where" in str(n.target)
             and any(getattr(a, "op", None) == "placeholder" for a in n.args)]
     assert len(conv) == 1, conv  # one conversion of the mask for both layers
-    mod = aotfuse.load(res.data, device="cpu").as_module()
-    ref = copy.deepcopy(model)
-    x = torch.randn(2, 24, 32)
-    loss, want = mod(x, m), ref(x, m)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_training_matches(res.data, model, (torch.randn(2, 24, 32), m))

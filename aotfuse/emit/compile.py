@@ -144,8 +144,9 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     # function has a name of its own (Binary.name: what the runtime looks up in the cubin), so each source text
     # lives under its own pseudo-path (a later compile cannot replace the text the CPU path runs).
     keys = [(k.name, arch) for k in unique.values() for arch in targets]
+    own = {key: unique[key[0]].for_target(key[1]) for key in keys}
     jobs = [(t.name, t.source, t.signature, t.num_warps, arch, t.num_stages, t.aligned_sizes)
-            for (name, arch) in keys for t in (unique[name].for_target(arch),)]
+            for (name, arch), t in own.items()]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)
     if progress:
@@ -154,7 +155,7 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
         for i, ((name, arch), job) in enumerate(zip(keys, jobs)):
             with TRITON_STATE_LOCK:  # not while a CPU-path launch in another thread has triton patched
                 b = _compile_one(*job)
-            out[name][arch] = with_tiles(b, unique[name], unique[name].for_target(arch))
+            out[name][arch] = with_tiles(b, unique[name], own[name, arch])
             if progress:
                 progress("kernels", {"done": i + 1, "total": total})
         return out
@@ -172,5 +173,5 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     # Filled in job order, not completion order: the archive stores each kernel's binaries in this
     # dict's order, and completion order varies from run to run.
     for name, arch in keys:
-        out[name][arch] = with_tiles(done[name, arch], unique[name], unique[name].for_target(arch))
+        out[name][arch] = with_tiles(done[name, arch], unique[name], own[name, arch])
     return out
