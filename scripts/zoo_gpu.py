@@ -3,6 +3,7 @@
     python3 scripts/zoo_gpu.py [NAME ...] [--mode infer,train] [--iters 20] [--json OUT.json] [--markdown OUT.md]
     python3 scripts/zoo_gpu.py llama --tiny --device cpu      # the same path on tiny configs (CPU check)
     python3 scripts/zoo_gpu.py gpt2 --variant auto:mm=auto     # and the archive built with other knobs, side by side
+    python3 scripts/zoo_gpu.py swin convnext --more            # zoo_more entries with a realistic size
 
 For each entry of aotfuse/testing/zoo.py (all by default) and each mode:
 - build with `aotfuse.build` on this machine (bf16 realistic example, the current GPU's target);
@@ -231,6 +232,8 @@ def main(argv=None) -> int:
                     help="also build, check and time the archive built with these knobs (aotfuse.knobs names), "
                          "as contender aotfuse:NAME, e.g. --variant auto:mm=auto")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (variants against the defaults)")
+    ap.add_argument("--more", action="store_true",
+                    help="also aotfuse/testing/zoo_more.py's entries that have a realistic size (zoo_more.REALISTIC)")
     args = ap.parse_args(argv)
     from knob_ab import parse_variant  # scripts/ is sys.path[0] when this script runs
 
@@ -238,7 +241,12 @@ def main(argv=None) -> int:
     global DETAIL
     DETAIL = args.detail
     rows = []
-    for e in ZOO:
+    entries = ZOO
+    if args.more:
+        from aotfuse.testing.zoo_more import MORE, SPARE
+
+        entries = ZOO + tuple(e for e in MORE + SPARE if e.realistic is not None)
+    for e in entries:
         if args.names and e.name not in args.names:
             continue
         for mode in args.mode.split(","):

@@ -31,7 +31,16 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_ena
         out = out * weight
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype)
+    return _as_eager_layout(out.to(x.dtype))
+
+
+def _as_eager_layout(out):
+    """LayerNorm's output is contiguous in eager (ATen's kernel normalizes a contiguous copy), whatever the input's
+    strides; the decomposition's pointwise ops would keep a permuted input's. A consumer's decomposition picks by
+    strides (matmul folds a contiguous [..., K] into one mm, but runs a permuted one as a bmm over all leading dims
+    but one: ConvNeXt's channels-last LayerNorm after a permute fed 3584 matmuls of 56 rows to cuBLAS). The copy
+    costs nothing: the kernel that computes the normalized values writes them in this order."""
+    return out.contiguous()
 
 
 def _native_layer_norm(x, normalized_shape, weight, bias, eps):
@@ -46,7 +55,7 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
         out = out * weight
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype), mean, rstd
+    return _as_eager_layout(out.to(x.dtype)), mean, rstd
 
 
 def _channel_shape(x) -> list:

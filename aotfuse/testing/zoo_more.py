@@ -8,7 +8,8 @@ mode for inference and train() mode for training, every dropout probability 0, b
 seed without disturbing the caller's RNG; `labels=` (or CLIP's `return_loss=True`) for training so the
 model returns its own loss; `make_inputs(seed)` gives fresh inputs of the same shapes.
 
-Entries are tiny only (`realistic` is None: the GPU benchmark reads ZOO). Attention is
+`realistic` is set for the entries in REALISTIC (full width, fewer layers: `scripts/zoo_gpu.py NAME --more`),
+None for the rest. Attention is
 `attn_implementation="sdpa"` where the model accepts it, "eager" where transformers refuses sdpa
 (Gemma 2, DeBERTa-v2, BLOOM), none for the CNNs. The set came from a probe of 41 architectures
 (2026-11-27); each entry's docstring says what it covers.
@@ -88,9 +89,9 @@ def _encoder(cls_name: str, cfg_name: str, cfg: dict, train: bool, dtype, seed: 
 
 
 def _vision(cls_name: str, cfg_name: str, cfg: dict, train: bool, dtype, seed: int, attn: str | None = "sdpa",
-            size: int = 32) -> Example:
+            size: int = 32, batch: int = 2) -> Example:
     model = _finish(_hf(cls_name, cfg_name, seed, attn=attn, **cfg), train, dtype)
-    make = _images(2, size, cfg["num_labels"], train, dtype)
+    make = _images(batch, size, cfg["num_labels"], train, dtype)
     return Example(model, *make(seed + 1), make)
 
 
@@ -267,24 +268,31 @@ def convnext(train=False, dtype=torch.float32, seed=0):
     return _vision("ConvNextForImageClassification", "ConvNextConfig", cfg, train, dtype, seed, attn=None)
 
 
+def _segformer(cfg: dict, train: bool, dtype, seed: int, batch: int = 2, size: int = 32) -> Example:
+    model = _finish(_hf("SegformerForSemanticSegmentation", "SegformerConfig", seed, **cfg), train, dtype)
+
+    def make_inputs(s: int):
+        g = _gen(s)
+        kw = {"pixel_values": torch.randn(batch, 3, size, size, generator=g).to(dtype)}
+        if train:
+            kw["labels"] = torch.randint(0, cfg["num_labels"], (batch, size, size), generator=g)
+        return (), kw
+
+    return Example(model, *make_inputs(seed + 1), make_inputs)
+
+
+_SEG_DROP = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+                 drop_path_rate=0.0)
+
+
 def segformer(train=False, dtype=torch.float32, seed=0):
     """SegformerForSemanticSegmentation: overlapping patch embeddings, spatial-reduction attention, Mix-FFN
     (depthwise conv), an all-MLP decode head that upsamples (bilinear) each stage and fuses them, BatchNorm
     in the head, per-pixel cross entropy on labels upsampled logits."""
     cfg = dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
                strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=5,
-               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
-               drop_path_rate=0.0)
-    model = _finish(_hf("SegformerForSemanticSegmentation", "SegformerConfig", seed, **cfg), train, dtype)
-
-    def make_inputs(s: int):
-        g = _gen(s)
-        kw = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g).to(dtype)}
-        if train:
-            kw["labels"] = torch.randint(0, cfg["num_labels"], (2, 32, 32), generator=g)
-        return (), kw
-
-    return Example(model, *make_inputs(seed + 1), make_inputs)
+               **_SEG_DROP)
+    return _segformer(cfg, train, dtype, seed)
 
 
 def dinov2(train=False, dtype=torch.float32, seed=0):
@@ -303,10 +311,97 @@ def mobilenet_v2(train=False, dtype=torch.float32, seed=0):
     return _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", cfg, train, dtype, seed, attn=None)
 
 
+# ---------------------------------------------------------------- realistic sizes (the GPU benchmark)
+# Full width, fewer layers than the released checkpoints where a model is deep (the per-layer work is what the
+# benchmark compares; builds stay under a minute on the GPU machine). scripts/zoo_gpu.py NAME --more.
+
+def phi3_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Phi-3-mini's width (3072, 32 heads, MLP 8192, vocab 32064), 4 layers, batch 2 x 2048."""
+    cfg = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=4,
+               num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+               original_max_position_embeddings=4096, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return _causal("Phi3ForCausalLM", "Phi3Config", cfg, train, dtype, seed, batch=2, seq=2048)
+
+
+def gemma2_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Gemma-2-2B's width (2304, 8 heads of 256, 4 key/value heads, MLP 9216, vocab 256000), 4 layers (sliding
+    window 4096 and full alternating), eager attention with soft-capping, batch 2 x 1024."""
+    cfg = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+               sliding_window=4096, query_pre_attn_scalar=256, final_logit_softcapping=30.0,
+               attn_logit_softcapping=50.0, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    return _causal("Gemma2ForCausalLM", "Gemma2Config", cfg, train, dtype, seed, attn="eager", batch=2, seq=1024)
+
+
+def gpt_neox_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Pythia-1B's width (2048, 8 heads of 256, MLP 8192, vocab 50304, rotary on a quarter), 4 layers, 4 x 2048."""
+    cfg = dict(vocab_size=50304, hidden_size=2048, num_hidden_layers=4, num_attention_heads=8,
+               intermediate_size=8192, max_position_embeddings=2048, rotary_pct=0.25, hidden_dropout=0.0,
+               attention_dropout=0.0, use_parallel_residual=True, bos_token_id=0, eos_token_id=0)
+    return _causal("GPTNeoXForCausalLM", "GPTNeoXConfig", cfg, train, dtype, seed, batch=4, seq=2048)
+
+
+def deberta_v2_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """DeBERTa-v3-base's width (768, 12 heads, 256 position buckets, vocab 128100), 6 layers, batch 16 x 512."""
+    cfg = dict(vocab_size=128100, hidden_size=768, num_hidden_layers=6, num_attention_heads=12,
+               intermediate_size=3072, max_position_embeddings=512, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, relative_attention=True, position_biased_input=False,
+               pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True,
+               max_relative_positions=-1, position_buckets=256)
+    return _encoder("DebertaV2ForMaskedLM", "DebertaV2Config", cfg, train, dtype, seed, attn="eager", batch=16,
+                    seq=512)
+
+
+def swin_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Swin-T (96, depths 2-2-6-2, heads 3-6-12-24, 7 x 7 windows), 224 x 224, batch 64."""
+    cfg = dict(image_size=224, patch_size=4, embed_dim=96, depths=[2, 2, 6, 2], num_heads=[3, 6, 12, 24],
+               window_size=7, num_labels=1000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               drop_path_rate=0.0)
+    return _vision("SwinForImageClassification", "SwinConfig", cfg, train, dtype, seed, size=224, batch=64)
+
+
+def convnext_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """ConvNeXt-T (96-192-384-768, depths 3-3-9-3), 224 x 224, batch 64."""
+    cfg = dict(hidden_sizes=[96, 192, 384, 768], depths=[3, 3, 9, 3], num_labels=1000, drop_path_rate=0.0)
+    return _vision("ConvNextForImageClassification", "ConvNextConfig", cfg, train, dtype, seed, attn=None,
+                   size=224, batch=64)
+
+
+def segformer_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """SegFormer-B0 (32-64-160-256, reduction 8-4-2-1, decoder 256, 150 classes), 512 x 512, batch 8."""
+    cfg = dict(num_encoder_blocks=4, depths=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1], hidden_sizes=[32, 64, 160, 256],
+               patch_sizes=[7, 3, 3, 3], strides=[4, 2, 2, 2], num_attention_heads=[1, 2, 5, 8],
+               mlp_ratios=[4, 4, 4, 4], decoder_hidden_size=256, num_labels=150, **_SEG_DROP)
+    return _segformer(cfg, train, dtype, seed, batch=8, size=512)
+
+
+def dinov2_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """DINOv2-B/14 (768, 12 layers, 12 heads), 224 x 224 (256 patches), batch 64."""
+    cfg = dict(image_size=224, patch_size=14, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+               mlp_ratio=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+               num_labels=1000)
+    return _vision("Dinov2ForImageClassification" if train else "Dinov2Model", "Dinov2Config", cfg, train, dtype,
+                   seed, size=224, batch=64)
+
+
+def mobilenet_v2_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """MobileNetV2 1.0 at 224 x 224, batch 64."""
+    cfg = dict(image_size=224, depth_multiplier=1.0, num_labels=1000, classifier_dropout_prob=0.0)
+    return _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", cfg, train, dtype, seed, attn=None,
+                   size=224, batch=64)
+
+
+REALISTIC = {"phi3": phi3_realistic, "gemma2": gemma2_realistic, "gpt_neox": gpt_neox_realistic,
+             "deberta_v2": deberta_v2_realistic, "swin": swin_realistic, "convnext": convnext_realistic,
+             "segformer": segformer_realistic, "dinov2": dinov2_realistic, "mobilenet_v2": mobilenet_v2_realistic}
+
+
 # ---------------------------------------------------------------- the list
 
 def _more(name: str, tiny, *classes: str, note: str = "") -> ZooEntry:
-    return ZooEntry(name, tiny, None, ("transformers",) + tuple(f"transformers.{c}" for c in classes), note=note)
+    return ZooEntry(name, tiny, REALISTIC.get(name), ("transformers",) + tuple(f"transformers.{c}" for c in classes),
+                    note=note)
 
 
 # What tests/test_zoo_more.py runs: every entry, inference and training.
