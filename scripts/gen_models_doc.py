@@ -70,13 +70,18 @@ def render() -> str:
               "64 at 224x224 channels_last; ViT-B/16 batch 64 (`ZooEntry.realistic`).", ""]
     from aotfuse.testing.zoo_more import MORE, SPARE
 
-    lines += ["## More architectures (CPU check)", "",
+    lines += ["## More architectures", "",
               "`aotfuse/testing/zoo_more.py`: tiny configs of further transformers architectures, each for what it "
               "exercises; `tests/test_zoo_more.py` checks MORE for inference and training in float32 as above; the "
-              "spare ones pass too (`python3 scripts/zoo_probe.py NAME --more --run`). Not measured on the GPU.", "",
-              "| model | exercises | in the test |", "|---|---|---|"]
+              "spare ones pass too (`python3 scripts/zoo_probe.py NAME --more --run`). The entries with a realistic "
+              "size (`zoo_more.REALISTIC`: full width, fewer layers) are measured on the GPU by `python3 "
+              "scripts/zoo_gpu.py NAME --more` (not measured: no realistic size; eager only: run with "
+              "`--no-compile`).", "",
+              "| model | exercises | in the test | GPU inference | GPU training |", "|---|---|---|---|---|"]
     for e in MORE + SPARE:
-        lines.append(f"| {e.name} | {e.note} | {'yes' if e in MORE else 'spare'} |")
+        gpu = [GPU.get((e.name, m), "not measured" if e.realistic is None else "not measured yet")
+               for m in ("infer", "train")]
+        lines.append(f"| {e.name} | {e.note} | {'yes' if e in MORE else 'spare'} | {gpu[0]} | {gpu[1]} |")
     lines += ["", "Not supported: a mixture of experts' default grouped experts (transformers' `grouped_mm`: "
               "`aten.histc` and data-dependent group sizes; `experts_implementation=\"batched_mm\"` builds), a "
               "loss that selects positions by a mask (`logits[mask]`: Electra with an attention mask) or checks "
