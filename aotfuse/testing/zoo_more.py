@@ -208,25 +208,35 @@ def bart(train=False, dtype=torch.float32, seed=0):
 
 # ---------------------------------------------------------------- multimodal
 
-def _contrastive(cls_name: str, cfg_name: str, train: bool, dtype, seed: int) -> Example:
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, pad_token_id=0, bos_token_id=1,
-                eos_token_id=127)
-    vision = dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, dropout=0.0, attention_dropout=0.0)
+def _contrastive(cls_name: str, cfg_name: str, train: bool, dtype, seed: int, realistic: bool = False) -> Example:
+    if realistic:  # CLIP ViT-B/32's towers (SigLIP's: patch 16), batch 64
+        text = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                    num_attention_heads=8, max_position_embeddings=77, dropout=0.0, attention_dropout=0.0,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=49407)
+        vision = dict(image_size=224, patch_size=32 if cls_name == "CLIPModel" else 16, hidden_size=768,
+                      intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, dropout=0.0,
+                      attention_dropout=0.0)
+        batch, seq, size, proj = 64, 77, 224, 512
+    else:
+        text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=127)
+        vision = dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, dropout=0.0, attention_dropout=0.0)
+        batch, seq, size, proj = 2, 16, 32, 32
     clip = cls_name == "CLIPModel"
-    extra = dict(projection_dim=32) if clip else {}
+    extra = dict(projection_dim=proj) if clip else {}
     model = _finish(_hf(cls_name, cfg_name, seed, text_config=text, vision_config=vision, **extra), train, dtype)
-    batch, seq = 2, 16
+    eos = text["eos_token_id"]
 
     def make_inputs(s: int):
         g = _gen(s)
-        ids = torch.randint(3, 126, (batch, seq), generator=g)
-        ids[:, -1] = 127  # eos last: CLIP pools the text at the first eos
+        ids = torch.randint(3, eos - 1, (batch, seq), generator=g)
+        ids[:, -1] = eos  # eos last: CLIP pools the text at the first eos
         kw = {"input_ids": ids}
         if clip:
             kw["attention_mask"] = torch.ones(batch, seq, dtype=torch.int64)
-        kw["pixel_values"] = torch.randn(batch, 3, 32, 32, generator=g).to(dtype)
+        kw["pixel_values"] = torch.randn(batch, 3, size, size, generator=g).to(dtype)
         if train:
             kw["return_loss"] = True  # a constant: baked into the archive, which then takes only the tensors
         return (), kw
@@ -392,9 +402,29 @@ def mobilenet_v2_realistic(train=False, dtype=torch.bfloat16, seed=0):
                    size=224, batch=64)
 
 
+def clip_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """CLIP ViT-B/32 (text 512 x 12 layers, 77 tokens; vision 768 x 12 layers at 224 x 224), batch 64."""
+    return _contrastive("CLIPModel", "CLIPConfig", train, dtype, seed, realistic=True)
+
+
+def falcon_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Falcon-7B's width (4544, 71 heads of 64, one key/value head, parallel attention + MLP), 4 layers, 2 x 2048."""
+    cfg = dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=4, num_attention_heads=71, hidden_dropout=0.0,
+               attention_dropout=0.0, bos_token_id=11, eos_token_id=11)
+    return _causal("FalconForCausalLM", "FalconConfig", cfg, train, dtype, seed, batch=2, seq=2048)
+
+
+def bloom_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """BLOOM-560M's width (1024, 16 heads, vocab 250880), 4 layers, ALiBi in eager attention, 4 x 1024."""
+    cfg = dict(vocab_size=250880, hidden_size=1024, n_layer=4, n_head=16, hidden_dropout=0.0, attention_dropout=0.0,
+               bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    return _causal("BloomForCausalLM", "BloomConfig", cfg, train, dtype, seed, attn="eager", batch=4, seq=1024)
+
+
 REALISTIC = {"phi3": phi3_realistic, "gemma2": gemma2_realistic, "gpt_neox": gpt_neox_realistic,
              "deberta_v2": deberta_v2_realistic, "swin": swin_realistic, "convnext": convnext_realistic,
-             "segformer": segformer_realistic, "dinov2": dinov2_realistic, "mobilenet_v2": mobilenet_v2_realistic}
+             "segformer": segformer_realistic, "dinov2": dinov2_realistic, "mobilenet_v2": mobilenet_v2_realistic,
+             "clip": clip_realistic, "falcon": falcon_realistic, "bloom": bloom_realistic}
 
 
 # ---------------------------------------------------------------- the list
