@@ -67,8 +67,8 @@ class _Operand:
                 code = f"tl.load({ptr}, {self.mask}, other=0)"
             else:
                 code = f"tl.load({ptr})"
-        elif isinstance(e, Const):
-            code = f"tl.full([1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
+        elif isinstance(e, Const):  # rank 2, as the tile it broadcasts to (a zero initial state h0 @ W)
+            code = f"tl.full([1, 1], {literal(e.value, e.dtype)}, {TL_DTYPE[e.dtype]})"
         elif isinstance(e, IndexValue):
             code = index_value(e.expr, self.names, e.dtype)
         elif isinstance(e, Cast):

@@ -163,6 +163,29 @@ def _var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
     return _var_parts(x, dim, correction, keepdim)
 
 
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """ELU (SELU and CELU are ELUs with other constants): x * scale above 0, else (exp(x * input_scale) - 1) *
+    alpha * scale, in fp32 for half inputs; expm1 as ATen's kernel computes it."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    neg = torch.expm1(xf * input_scale) * (alpha * scale)
+    return torch.where(xf > 0, xf * scale, neg).to(x.dtype)
+
+
+def _leaky_relu(x, negative_slope=0.01):
+    return torch.where(x > 0, x, x * negative_slope)
+
+
+def _clamp_tensor(x, min=None, max=None):
+    """clamp with tensor bounds: NaN in x stays NaN (maximum/minimum propagate it), as ATen's clamp; a NaN bound
+    gives NaN, as there."""
+    out = x
+    if min is not None:
+        out = torch.maximum(out, min.to(out.dtype) if min.dtype != out.dtype else min)
+    if max is not None:
+        out = torch.minimum(out, max.to(out.dtype) if max.dtype != out.dtype else max)
+    return out
+
+
 def _silu(x):
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     return (xf * torch.sigmoid(xf)).to(x.dtype)
@@ -261,6 +284,9 @@ OURS = {
     aten.rms_norm.default: _rms_norm,
     aten.gelu.default: _gelu,
     aten.silu.default: _silu,
+    aten.elu.default: _elu,
+    aten.leaky_relu.default: _leaky_relu,
+    aten.clamp.Tensor: _clamp_tensor,
     aten.softmax.int: _softmax_int,
     aten._softmax.default: _softmax,
     aten.log_softmax.int: _log_softmax_int,

@@ -608,6 +608,12 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
         dd = data_dependent_error(exc, "joint (forward+backward) trace")
         if dd is not None:
             raise dd from exc
+        if "backward_output_names" in msg:  # torch's aot_export_module, mapping gradients to parameters by node name
+            raise BuildError("joint (forward+backward) trace failed: two parameters get the very same gradient node in "
+                             "the backward (an LSTM's bias_ih and bias_hh), "
+                             "which torch's aot_export_module cannot map to parameters (" + msg + ")",
+                             remedy="write the LSTM step with nn.Linear layers (one bias per projection: the same model, an "
+                                    "LSTM's two biases are only ever summed); nn.GRU and nn.RNN are not affected") from exc
         if "requires gradients, and received a mutation" in msg:  # aot_autograd's words, before any signature
             raise BuildError("the training forward writes in place into a tensor that requires grad (a parameter, "
                              "or an input that requires grad)",

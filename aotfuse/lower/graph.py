@@ -11,7 +11,7 @@ import torch.fx
 from ..contract.manifest import same_layout
 from ..errors import UnsupportedOpError
 from ..export import CapturedGraph
-from ..ir.loop import LoopGraph, OutputRef
+from ..ir.loop import Extern, LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
 from ..layouts import CHANNELS_LAST, attention_perm, channels_last_perm, node_layout
@@ -196,9 +196,32 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
         elif node.op == "get_attr":
             raise UnsupportedOpError("get_attr", node.name, "unlifted module attribute")
     inputs.sort()
-    graph = LoopGraph(tuple(ctx.buffers.values()), tuple(ctx.nodes), tuple(n for _, n in inputs),
-                      tuple(weights), tuple(outputs), ctx.rng)
+    nodes, buffers = _drop_unread(ctx, outputs)
+    graph = LoopGraph(buffers, nodes, tuple(n for _, n in inputs), tuple(weights), tuple(outputs), ctx.rng)
     return graph, ctx
+
+
+def _drop_unread(ctx: LoweringCtx, outputs: list) -> tuple[tuple, tuple]:
+    """The lowered nodes without the computed values nothing reads (neither a node nor an output), and the
+    buffers without theirs. Such a value is a graph node whose reader takes only its shape: a backward's pool
+    gradient reads its input's size, and the partition recomputed that input (a `mul`) in the backward; left in,
+    it became a kernel that stored nothing, which the archive's validation refuses at load. Externs are kept (a
+    library call is never dropped here); each dropped value is a decision in the report."""
+    from ..schedule.deps import node_reads
+
+    live = {o.view.buf for o in outputs}
+    kept = []
+    for n in reversed(ctx.nodes):
+        if not isinstance(n, Extern) and n.name not in live:
+            ctx.decisions.append({"unread": n.name})
+            continue
+        kept.append(n)
+        live.update(d.buf for d in node_reads(n))
+    kept.reverse()
+    written = {n.name for n in kept}
+    gone = {n.name for n in ctx.nodes} - written
+    buffers = tuple(b for b in ctx.buffers.values() if b.name not in gone)
+    return tuple(kept), buffers
 
 
 # ops with no rule that come from a known model pattern: what to do instead

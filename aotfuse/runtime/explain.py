@@ -60,6 +60,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['uniform']}: a {d['rtype']} over {d['n']} equal values (reads no reduced index) is {how}"
     if "folded" in d:
         return f"  {d['folded']}: folded at build time into constant {d['into']}"
+    if "unread" in d:  # lower/graph.py
+        return f"  {d['unread']}: not computed (nothing reads its value: its reader takes only its shape)"
     if "matmul" in d:  # template or cuBLAS (schedule/templates.py)
         sh, c = d.get("shape", {}), d.get("config")
         shape = "x".join(str(sh.get(k)) for k in "BMNK")
