@@ -1,5 +1,5 @@
-"""ELU (and SELU, CELU), LeakyReLU and clamp with tensor bounds (export/decomp.py): inference and training against
-eager on fresh inputs, both signs and NaN (clamp keeps a NaN input NaN)."""
+"""ELU (and SELU, CELU), LeakyReLU, clamp with tensor bounds and one_hot (export/decomp.py): inference and training
+against eager on fresh inputs, both signs and NaN (clamp keeps a NaN input NaN)."""
 from __future__ import annotations
 
 import pytest
@@ -83,3 +83,21 @@ def test_clamp_with_tensor_bounds_keeps_nan_and_trains():
     model = Loss().train()
     res = aotfuse.build(model, (torch.randn(4, 16),), train=True, targets=("sm_90",))
     assert_training_matches(res.data, model, (torch.randn(4, 16),))
+
+
+def test_one_hot_in_inference():
+    """torch's one_hot decomposition checks the ids' range on the host (`_assert_async`, refused before); ours
+    compares with arange: the same one-hot rows for ids in range."""
+    import torch.nn.functional as F
+
+    class M(nn.Module):
+        def forward(self, t, x):
+            oh = F.one_hot(t, 10)
+            return oh, (oh.float() * x).sum(-1)
+
+    t, x = torch.randint(0, 10, (4, 3)), torch.randn(4, 3, 10)
+    res = aotfuse.build(M(), (t, x), targets=("sm_90",))
+    t2, x2 = torch.randint(0, 10, (4, 3)), torch.randn(4, 3, 10)
+    got, want = aotfuse.load(res.data, device="cpu")(t2, x2), M()(t2, x2)
+    assert got[0].dtype == torch.int64 and torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

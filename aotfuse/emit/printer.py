@@ -98,14 +98,17 @@ def op_source(op: str, a: list[str], dtype: str) -> str:
     is_float = dtype.startswith("float")
     simple = {
         "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
-        "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
+        # NaN propagates, as in torch (tl.maximum's default, PropagateNan.NONE, is PTX max: the non-NaN operand,
+        # so relu / clamp / torch.maximum of a NaN gave a number on the GPU while the interpreter gave NaN)
+        "maximum": "tl.maximum({0}, {1}" + (", propagate_nan=tl.PropagateNan.ALL)" if is_float else ")"),
+        "minimum": "tl.minimum({0}, {1}" + (", propagate_nan=tl.PropagateNan.ALL)" if is_float else ")"),
         "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
         "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
         "xor": "({0} ^ {1})", "neg": "(-{0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
         "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "erf": "tl.erf({0})",
         "sigmoid": "tl.sigmoid({0})", "abs": "tl.abs({0})", "sin": "tl.sin({0})", "cos": "tl.cos({0})",
         "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "not": "({0} == 0)", "reciprocal": "(1.0 / {0})",
-        "relu": "tl.maximum({0}, 0)", "isnan": "({0} != {0})",
+        "relu": "tl.maximum({0}, 0" + (", propagate_nan=tl.PropagateNan.ALL)" if is_float else ")"), "isnan": "({0} != {0})",
         "where": "tl.where({0}, {1}, {2})",
         "shr": "({0} >> {1})", "shl": "({0} << {1})", "bitand": "({0} & {1})", "bitor": "({0} | {1})",
         "rand": "tl.rand({0}, {1})",

@@ -186,6 +186,27 @@ def _clamp_tensor(x, min=None, max=None):
     return out
 
 
+def _one_hot(t, num_classes=-1):
+    """F.one_hot without torch's data checks (`_assert_async` on min >= 0 and max < C, which need the values on
+    the host): an id outside [0, C) gives an all-zero row instead of eager's error, as in training archives (the
+    joint trace never had the checks). num_classes must be given (-1 asks for max + 1: a data-dependent shape,
+    which export refuses first)."""
+    if num_classes < 0:
+        return NotImplemented
+    return (t.unsqueeze(-1) == torch.arange(num_classes, device=t.device)).to(torch.int64)
+
+
+def _adaptive_max_pool2d(x, output_size):
+    """An adaptive max pool whose input is a whole number of windows: max_pool2d with stride = kernel (the same
+    values and flat indices). Other sizes keep the op, which lowering refuses by name."""
+    from ..joint.pooling import divisible_windows, windowed_max
+
+    k = divisible_windows(x, output_size)
+    if k is None:
+        return NotImplemented
+    return windowed_max(x, k)
+
+
 def _silu(x):
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     return (xf * torch.sigmoid(xf)).to(x.dtype)
@@ -285,6 +306,8 @@ OURS = {
     aten.gelu.default: _gelu,
     aten.silu.default: _silu,
     aten.elu.default: _elu,
+    aten.one_hot.default: _one_hot,
+    aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
     aten.leaky_relu.default: _leaky_relu,
     aten.clamp.Tensor: _clamp_tensor,
     aten.softmax.int: _softmax_int,

@@ -245,29 +245,49 @@ def prod(xs) -> int:
     return n if isinstance(n, int) else (int(n) if n.is_Integer else sympy.expand(n))
 
 
-def expr_leaves(e: Expr):
+def expr_leaves(e: Expr, _seen: set | None = None):
     """The leaves of an expression DAG, depth first in argument order: Load, Gather (then the leaves
-    of its offset), IndexValue and Const; Op and Cast are walked through."""
+    of its offset), IndexValue and Const; Op and Cast are walked through. Each shared sub-DAG (the same
+    object) is walked once: a max pool's 4 x 4 window with its index nests `where`s sharing their operands,
+    and walked as a tree it took minutes (2**16 paths)."""
+    seen = set() if _seen is None else _seen
+    if id(e) in seen:
+        return
+    seen.add(id(e))
     if isinstance(e, Op):
         for a in e.args:
-            yield from expr_leaves(a)
+            yield from expr_leaves(a, seen)
     elif isinstance(e, Cast):
-        yield from expr_leaves(e.arg)
+        yield from expr_leaves(e.arg, seen)
     else:
         yield e
         if isinstance(e, Gather):
-            yield from expr_leaves(e.offset)
+            yield from expr_leaves(e.offset, seen)
 
 
 def expr_loads(e: Expr) -> list[Load]:
     """All loads in an expression DAG (with repeats removed, order of first appearance); a Gather
     reads its buffer at the opaque index INDIRECT."""
     seen: dict[Load, None] = {}
-    for x in expr_leaves(e):
-        if isinstance(x, Load):
+    visited: set[int] = set()  # each shared sub-DAG once (a 4 x 4 window's max with its index nests shared where's:
+    # walked as a tree it took minutes)
+
+    def walk(x):
+        if id(x) in visited:
+            return
+        visited.add(id(x))
+        if isinstance(x, Op):
+            for a in x.args:
+                walk(a)
+        elif isinstance(x, Cast):
+            walk(x.arg)
+        elif isinstance(x, Load):
             seen.setdefault(x, None)
         elif isinstance(x, Gather):
             seen.setdefault(Load(x.buf, INDIRECT, x.dtype), None)
+            walk(x.offset)
+
+    walk(e)
     return list(seen)
 
 

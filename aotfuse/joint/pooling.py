@@ -1,4 +1,6 @@
-"""Adaptive average pooling in the joint trace: routed to `aten._adaptive_avg_pool2d`.
+"""Adaptive pooling in the joint trace: average pools routed to `aten._adaptive_avg_pool2d`; a max pool over whole
+windows (`divisible_windows`) becomes a max pool with stride = kernel (`windowed_max`), in inference too
+(export/decomp.py), so its gradient is max_pool2d's.
 
 `aten.adaptive_avg_pool2d` is CompositeImplicitAutograd: above autograd it becomes a mean, and for a
 channels-last input to 1 x 1 an `as_strided_` that restores the memory format; its gradient is then an
@@ -37,4 +39,39 @@ class adaptive_pool_mode(TorchFunctionMode):
             x, output_size = args[0], (args[1] if len(args) > 1 else kwargs["output_size"])
             if isinstance(x, torch.Tensor) and x.dim() in (3, 4):
                 return aten._adaptive_avg_pool2d.default(x, _size(x, output_size))
+        F = torch.nn.functional
+        if func in (F.adaptive_max_pool2d, F.adaptive_max_pool2d_with_indices, F._adaptive_max_pool2d,
+                    torch._C._nn.adaptive_max_pool2d):
+            x, output_size = args[0], (args[1] if len(args) > 1 else kwargs["output_size"])
+            k = divisible_windows(x, output_size)
+            if k is not None:  # a max pool of stride = kernel: max_pool2d's gradient (lowered) instead of
+                # adaptive_max_pool2d_backward (not)
+                out = windowed_max(x, k)
+                if func in (F.adaptive_max_pool2d, F._adaptive_max_pool2d):
+                    indices = args[2] if len(args) > 2 else kwargs.get("return_indices", False)
+                    return out if indices else out[0]
+                return out
         return func(*args, **kwargs)
+
+
+def windowed_max(x: torch.Tensor, k: list[int]):
+    """(values, flat h * W + w indices) of the max over k-windows with stride k. One window over the whole plane
+    is a max over the flattened plane: torch's max_pool2d decomposition turns that case back into an adaptive
+    pool (a recursion)."""
+    h, w = int(x.shape[-2]), int(x.shape[-1])
+    if k == [h, w]:
+        vals, idx = torch.max(x.flatten(-2), -1, keepdim=True)
+        return vals.unsqueeze(-1), idx.unsqueeze(-1)
+    return aten.max_pool2d_with_indices.default(x, k, k)
+
+
+def divisible_windows(x, output_size) -> list[int] | None:
+    """The window [kh, kw] when an adaptive max pool of x [N, C, H, W] (or [C, H, W]) to output_size is a max pool
+    with stride = kernel (H and W multiples of the output's), else None (refused by name at lowering)."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
+        return None
+    out = _size(x, output_size)
+    h, w = int(x.shape[-2]), int(x.shape[-1])
+    if any(o <= 0 for o in out) or h % out[0] or w % out[1]:
+        return None
+    return [h // out[0], w // out[1]]
