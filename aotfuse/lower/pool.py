@@ -6,9 +6,12 @@ input (padding, ceil_mode's clipped last window) reads a clamped, in-bounds addr
 its position: a padded max reads -inf, a padded sum reads 0. Taps that always land inside carry no
 mask (decided from the index ranges at build time).
 
-max_pool2d_with_indices follows ATen's loop exactly: for each window, in row-major tap order, the
+max_pool2d_with_indices gives what ATen's loop gives: for each window, in row-major tap order, the
 running (max, index) is replaced when `value > max or isnan(value)`, starting from the first in-bounds
-element; so ties go to the first maximum and a NaN wins. Its backward (any kernel, stride, padding,
+element; so ties go to the first maximum and the last NaN wins. Written as chains that each refer to their
+previous link once (the max as a NaN-propagating maximum chain; the index as the first tap equal to it, or the
+last NaN tap): the running pair itself referred to the running max twice per tap, an expression of 2**taps
+paths for the passes that walk or hash it (YOLO's 5 x 5 pool hung the build). Its backward (any kernel, stride, padding,
 dilation, ceil_mode: overlapping windows included) reads the indices the forward wrote: input element
 (h, w) gets, for each window that can contain it, that window's gradient if the window's index is
 h * W + w. No scatter, no atomics: deterministic, and routed exactly as ATen routes it.
@@ -102,8 +105,6 @@ def _max_pool2d(ctx, node, args, kwargs):
     want_idx = with_idx and any(u.args[1] == 1 for u in node.users)
     pv = syms("p", len(shape))
     ranges = dict(zip(pv, shape))
-    if k[0] * k[1] > MAX_UNROLLED_TAPS and _whole_windows(x, shape, k, stride, pad, dil):
-        return _max_pool_reduced(ctx, node, x, shape, k, stride, with_idx, want_idx)
     low = Const(float("-inf"), cdt) if cdt in FLOATS else Const(-(2 ** 31), cdt)
     taps = []
     best = low
@@ -136,51 +137,6 @@ def _max_pool2d(ctx, node, args, kwargs):
                           "why": f"indices computed in {idx.buf} (ATen's order: first max, NaN wins)" if idx else
                                  "indices not computed: nothing reads them"})
     return out, idx
-
-
-# Above this many taps a max pool is a reduction over its window (_max_pool_reduced): the unrolled running
-# (max, index) references the previous running max twice per tap, so its expression, walked or hashed as a tree,
-# doubles with every tap (a 4 x 4 window: 2**16 paths, minutes of build). ResNet's 3 x 3 stays unrolled.
-MAX_UNROLLED_TAPS = 9
-
-
-def _whole_windows(x, shape, k, stride, pad, dil) -> bool:
-    """No padding, no dilation, and every window inside the input (no ceil_mode overhang)."""
-    H, W = x.shape[-2], x.shape[-1]
-    return (all(int(v) == 0 for v in pad) and all(int(v) == 1 for v in dil)
-            and (shape[-2] - 1) * stride[0] + k[0] <= H and (shape[-1] - 1) * stride[1] + k[1] <= W)
-
-
-def _max_pool_reduced(ctx, node, x, shape, k, stride, with_idx: bool, want_idx: bool):
-    """A max pool over whole windows as a reduction over [kh, kw]: the max, and (when read) the argmax's tap
-    turned into the flat input position h * W + w. Ties go to the first maximum, as ATen's; of several NaNs in
-    a window the first one's position (ATen's loop keeps the last one's): the value is NaN either way."""
-    W = x.shape[-1]
-    pv, rv = syms("p", len(shape)), syms("r", 2)
-    ranges = {**dict(zip(pv, shape)), rv[0]: k[0], rv[1]: k[1]}
-    idx = list(pv[:-2]) + [pv[-2] * stride[0] + rv[0], pv[-1] * stride[1] + rv[1]]
-    dt = x.dtype
-    acc = compute_dtype(dt) if dt != "bool" else "bool"
-    body = as_dtype(ctx.load_compute(x, idx, ranges), acc)
-    out = ctx.reduction(shape, shape, k, body, "max", acc, dt, hint="pool")
-    if not with_idx:
-        return out
-    idx_view = None
-    if want_idx:
-        tap = ctx.reduction(shape, shape, k, body, "argmax", acc, I64, hint="pool_tap")
-        oranges = dict(zip(pv, shape))
-        t = ctx.load(tap, pv, oranges)
-        row = Op("floordiv", (t, Const(k[1], I64)), I64)
-        col = Op("mod", (t, Const(k[1], I64)), I64)
-        h = Op("add", (IndexValue(pv[-2] * stride[0], I64), row), I64)
-        w = Op("add", (IndexValue(pv[-1] * stride[1], I64), col), I64)
-        flat = Op("add", (Op("mul", (h, Const(W, I64)), I64), w), I64)
-        idx_view = ctx.pointwise(shape, I64, flat, hint="pool_idx")
-    ctx.decisions.append({"pool_indices": out.buf, "node": node.name,
-                          "why": f"a {k[0]} x {k[1]} window as a reduction; " +
-                                 (f"indices computed in {idx_view.buf} (first max; the first NaN)" if idx_view else
-                                  "indices not computed: nothing reads them")})
-    return out, idx_view
 
 
 def _windows_of(pos, p: int, tap: int, s: int, n_out: int, ranges):
