@@ -57,3 +57,22 @@ def test_empty_read_elsewhere_is_refused():
     with pytest.raises(UnsupportedOpError, match=r"at node 'slice.*': its result is empty \(shape \[2, 5, 0\]\) and "
                                                  r"sum.* reads it"):
         aotfuse.build(SumOfEmpty(), (torch.randn(2, 5, 16),), targets=("sm_90",))
+
+
+def test_an_op_without_a_rule_is_named_before_its_empty_output():
+    """EmbeddingBag with offsets: `_embedding_bag` has no rule and one of its outputs is empty; the error names
+    the op as unsupported, not an "empty computation" the user never wrote."""
+    import aotfuse
+    from aotfuse.errors import UnsupportedOpError
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.EmbeddingBag(10, 4, mode="sum")
+
+        def forward(self, x, o):
+            return self.e(x, o)
+
+    with pytest.raises(UnsupportedOpError, match="_embedding_bag") as info:
+        aotfuse.build(Bag(), (torch.randint(0, 10, (8,)), torch.tensor([0, 3, 5])), targets=("sm_90",))
+    assert "empty" not in str(info.value)

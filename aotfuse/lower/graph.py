@@ -101,6 +101,11 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
                 if node.args[0] in consts:
                     consts[node] = consts[node.args[0]][node.args[1]]
                 continue
+            if rules.get(node.target) is None and isinstance(node.meta.get("val"), (tuple, list)):
+                # a multi-output op with no rule: named as such, before an empty secondary output (EmbeddingBag's
+                # offset2bag when the bags are given by offsets) could be blamed instead
+                raise UnsupportedOpError(str(node.target), node.name, _where(node),
+                                         remedy=KNOWN_REMEDIES.get(str(node.target)))
             empty = _empty_shape(node.meta.get("val"))
             if empty is not None:  # kernels index by division by sizes: an empty tensor has none to run
                 if isinstance(node.meta.get("val"), torch.Tensor):
