@@ -207,6 +207,22 @@ def _adaptive_max_pool2d(x, output_size):
     return windowed_max(x, k)
 
 
+def _baddbmm(self, batch1, batch2, beta=1, alpha=1):
+    """beta * self + alpha * (batch1 @ batch2) with the product in the operands' dtype (cuBLAS, fp32 accumulation)
+    and the scaling and add in fp32, rounded once. Torch's decomposition casts every operand to fp32 first
+    (`pw_cast_for_opmath`): BLOOM's ALiBi attention scores ran as an fp32 bmm of upcast copies."""
+    if not batch1.is_floating_point():
+        return NotImplemented
+    prod = torch.bmm(batch1, batch2)
+    half = prod.dtype in (torch.float16, torch.bfloat16)
+    out = prod.float() if half else prod
+    if alpha != 1:
+        out = out * alpha
+    if beta != 0:
+        out = out + (self.float() if half else self) * beta
+    return out.to(prod.dtype)
+
+
 def _silu(x):
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     return (xf * torch.sigmoid(xf)).to(x.dtype)
@@ -307,6 +323,7 @@ OURS = {
     aten.silu.default: _silu,
     aten.elu.default: _elu,
     aten.one_hot.default: _one_hot,
+    aten.baddbmm.default: _baddbmm,
     aten.adaptive_max_pool2d.default: _adaptive_max_pool2d,
     aten.leaky_relu.default: _leaky_relu,
     aten.clamp.Tensor: _clamp_tensor,
