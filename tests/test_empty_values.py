@@ -75,4 +75,22 @@ def test_an_op_without_a_rule_is_named_before_its_empty_output():
 
     with pytest.raises(UnsupportedOpError, match="_embedding_bag") as info:
         aotfuse.build(Bag(), (torch.randint(0, 10, (8,)), torch.tensor([0, 3, 5])), targets=("sm_90",))
-    assert "empty" not in str(info.value)
+    assert "result is empty" not in str(info.value)
+
+
+def test_a_refusal_names_the_models_line_not_torch_nn():
+    """The innermost frame outside torch and aotfuse: the model's own line, not torch.nn's module code."""
+    import aotfuse
+    from aotfuse.errors import UnsupportedOpError
+
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pool = torch.nn.AdaptiveMaxPool2d(3)
+
+        def forward(self, x):
+            return self.pool(x) * 2
+
+    with pytest.raises(UnsupportedOpError, match="adaptive_max_pool2d") as info:
+        aotfuse.build(Pool(), (torch.randn(1, 2, 8, 8),), targets=("sm_90",))
+    assert "test_empty_values.py" in str(info.value) and "torch/nn" not in str(info.value)

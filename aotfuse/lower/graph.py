@@ -274,10 +274,19 @@ def _dense(t) -> bool:
     return True
 
 
+_NOT_USER = ("/torch/", "<eval_with_key>", "/aotfuse/", "/contextlib.py")
+
+
 def _where(node) -> str:
+    """The model line an op came from: the innermost frame outside torch and aotfuse (a training graph's innermost
+    frame is the joint trace's wrapper, an inference graph's often torch.nn's module), else the innermost."""
     stack = node.meta.get("stack_trace")
     if stack:
         last = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
+        frames = [ln for ln in last if ln.startswith("File ")]
+        user = [ln for ln in frames if not any(t in ln for t in _NOT_USER)]
+        if user:
+            return f"from {user[-1]}"
         return f"from {last[-2] if len(last) > 1 else last[-1]}"
     return "no lowering registered"
 
