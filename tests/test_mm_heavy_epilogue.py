@@ -17,6 +17,7 @@ import aotfuse
 from aotfuse.archive import read_archive
 from aotfuse.knobs import override
 from aotfuse.schedule import templates
+from aotfuse.testing.train_check import assert_half_training_close
 
 
 class MLP(nn.Module):
@@ -137,18 +138,8 @@ def test_mlp_training_templates_on_gpu():
         res = aotfuse.build(model, (x,), train=True, targets=("sm_90",))
     tmpl = [d for r in (res.report, res.report.backward) for d in r.lowering if d.get("choice") == "template"]
     assert len(tmpl) == 2 and all(d["heavy_epilogue"] for d in tmpl), [d.get("why") for d in res.report.lowering]
-    mod = aotfuse.load(res.data, device="cuda").as_module()
-    ref = copy.deepcopy(model).cuda()
-    ref32 = copy.deepcopy(model).float().cuda()
     xs = torch.randn(8, 1024, 768, dtype=torch.bfloat16, device="cuda")
-    loss, want, want32 = mod(xs), ref(xs), ref32(xs.float())
-    for t in (loss, want, want32):
-        t.backward()
-    assert _rel(loss, want32) <= max(2e-2, 2 * _rel(want, want32))
-    got = dict(mod.named_parameters())
-    for (name, p), p32 in zip(ref.named_parameters(), ref32.parameters()):
-        ours, eager = _rel(got[name].grad, p32.grad), _rel(p.grad, p32.grad)
-        assert torch.isfinite(got[name].grad).all() and ours <= max(2e-2, 2 * eager), (name, ours, eager)
+    assert_half_training_close(res.data, model, (xs,), device="cuda")
 
 
 class ErfMLP(MLP):

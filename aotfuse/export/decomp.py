@@ -180,9 +180,9 @@ def _clamp_tensor(x, min=None, max=None):
     gives NaN, as there."""
     out = x
     if min is not None:
-        out = torch.maximum(out, min.to(out.dtype) if min.dtype != out.dtype else min)
+        out = torch.maximum(out, min.to(out.dtype))  # .to is no op at the same dtype
     if max is not None:
-        out = torch.minimum(out, max.to(out.dtype) if max.dtype != out.dtype else max)
+        out = torch.minimum(out, max.to(out.dtype))
     return out
 
 

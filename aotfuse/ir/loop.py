@@ -269,25 +269,11 @@ def expr_loads(e: Expr) -> list[Load]:
     """All loads in an expression DAG (with repeats removed, order of first appearance); a Gather
     reads its buffer at the opaque index INDIRECT."""
     seen: dict[Load, None] = {}
-    visited: set[int] = set()  # each shared sub-DAG once (a 4 x 4 window's max with its index nests shared where's:
-    # walked as a tree it took minutes)
-
-    def walk(x):
-        if id(x) in visited:
-            return
-        visited.add(id(x))
-        if isinstance(x, Op):
-            for a in x.args:
-                walk(a)
-        elif isinstance(x, Cast):
-            walk(x.arg)
-        elif isinstance(x, Load):
+    for x in expr_leaves(e):  # each shared sub-DAG once
+        if isinstance(x, Load):
             seen.setdefault(x, None)
         elif isinstance(x, Gather):
             seen.setdefault(Load(x.buf, INDIRECT, x.dtype), None)
-            walk(x.offset)
-
-    walk(e)
     return list(seen)
 
 

@@ -215,18 +215,16 @@ def _drop_unread(ctx: LoweringCtx, outputs: list) -> tuple[tuple, tuple]:
     from ..schedule.deps import node_reads
 
     live = {o.view.buf for o in outputs}
-    kept = []
+    kept, gone = [], set()
     for n in reversed(ctx.nodes):
         if not isinstance(n, Extern) and n.name not in live:
             ctx.decisions.append({"unread": n.name})
+            gone.add(n.name)
             continue
         kept.append(n)
         live.update(d.buf for d in node_reads(n))
-    kept.reverse()
-    written = {n.name for n in kept}
-    gone = {n.name for n in ctx.nodes} - written
     buffers = tuple(b for b in ctx.buffers.values() if b.name not in gone)
-    return tuple(kept), buffers
+    return tuple(reversed(kept)), buffers
 
 
 # ops with no rule that come from a known model pattern: what to do instead
