@@ -50,10 +50,41 @@ def test_loss_over_the_output_sequence_alone_trains(kind):
     assert_training_matches(res.data, model, (torch.randn(2, 5, 8),), grad_rtol=1e-4, grad_atol=1e-5)
 
 
-def test_lstm_with_biases_is_refused_with_a_remedy():
-    """torch's aot_export_module maps gradients to parameters by node name: an LSTM's bias_ih and bias_hh gradients
-    are one node there. A clear BuildError with what to do, not torch's internal assertion."""
-    with pytest.raises(aotfuse.errors.BuildError, match="bias_ih and bias_hh") as info:
-        aotfuse.build(Loss(nn.LSTM).train(), (torch.randn(2, 5, 8),), train=True, targets=("sm_90",))
-    assert "nn.Linear" in info.value.remedy
+class Stacked(nn.Module):
+    """Two bidirectional LSTM layers (with biases), optionally projected, the loss over both outputs."""
 
+    def __init__(self, proj_size=0):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, num_layers=2, bidirectional=True, batch_first=True, proj_size=proj_size)
+
+    def forward(self, x):
+        out, (h, c) = self.rnn(x)
+        return out.square().mean() + h.sin().sum() + c.cos().mean()
+
+
+def test_lstm_with_biases_trains():
+    """bias_ih and bias_hh: torch's fused LSTM layer gives both one gradient node, which aot_export_module cannot map
+    to parameters; the trace routes nn.LSTM through its per-op form (joint/rnn.py), each bias its own gradient."""
+    torch.manual_seed(0)
+    model = Loss(nn.LSTM).train()
+    res = aotfuse.build(model, (torch.randn(2, 5, 8),), train=True, targets=("sm_90",))
+    assert_training_matches(res.data, model, (torch.randn(2, 5, 8),), grad_rtol=1e-4, grad_atol=1e-5)
+
+
+@pytest.mark.parametrize("proj_size", [0, 4])
+def test_stacked_bidirectional_lstm_trains(proj_size):
+    torch.manual_seed(0)
+    model = Stacked(proj_size).train()
+    res = aotfuse.build(model, (torch.randn(3, 6, 8),), train=True, targets=("sm_90",))
+    assert_training_matches(res.data, model, (torch.randn(3, 6, 8),), grad_rtol=1e-4, grad_atol=1e-5)
+
+
+def test_lstm_inference_matches():
+    torch.manual_seed(0)
+    model = nn.LSTM(8, 16, num_layers=2, batch_first=True).eval()
+    res = aotfuse.build(model, (torch.randn(2, 5, 8),), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    x = torch.randn(2, 5, 8)
+    got, want = art(x), model(x)
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -36,6 +36,7 @@ from .decomp_train import sdpa_math_mode, training_decompositions
 from .layerdrop import uniform_compare_mode
 from .losses import cross_entropy_mode
 from .pooling import adaptive_pool_mode
+from .rnn import lstm_mode
 from .upsample import nearest_upsample_mode
 
 aten = torch.ops.aten
@@ -585,7 +586,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     try:
         mode, fake_model, fake_inputs = _faked(model, example_inputs, symbolic)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
-        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), \
+        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), lstm_mode(), \
                 nearest_upsample_mode(), uniform_compare_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
@@ -610,10 +611,11 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
             raise dd from exc
         if "backward_output_names" in msg:  # torch's aot_export_module, mapping gradients to parameters by node name
             raise BuildError("joint (forward+backward) trace failed: two parameters get the very same gradient node in "
-                             "the backward (an LSTM's bias_ih and bias_hh), "
-                             "which torch's aot_export_module cannot map to parameters (" + msg + ")",
-                             remedy="write the LSTM step with nn.Linear layers (one bias per projection: the same model, an "
-                                    "LSTM's two biases are only ever summed); nn.GRU and nn.RNN are not affected") from exc
+                             "the backward (a fused op's backward returning one tensor for both; nn.LSTM is routed "
+                             "around this, joint/rnn.py), which torch's aot_export_module cannot map to parameters ("
+                             + msg + ")",
+                             remedy="write the op that uses both parameters with one op per parameter (nn.Linear "
+                                    "layers, an explicit add), as joint/rnn.py does for nn.LSTM") from exc
         if "requires gradients, and received a mutation" in msg:  # aot_autograd's words, before any signature
             raise BuildError("the training forward writes in place into a tensor that requires grad (a parameter, "
                              "or an input that requires grad)",
