@@ -724,7 +724,8 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                         sizes=dims)
 
 
-_SCAN_IDENT = {"sum": "0", "prod": "1"}
+_SCAN_IDENT = {"sum": "0", "prod": "1", "logsumexp": 'float("-inf")'}
+_SCAN_COMBINE = {"prod": "_prod_combine", "logsumexp": "_logaddexp_combine"}
 
 
 def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSource:
@@ -765,14 +766,15 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     em.ctx = "xr"
     v = em.emit(knode.body)
     v = em.tmp(f"tl.where(xmask & rmask, {v}, tl.full([1], {ident}, {acc}))")
-    scanned = em.tmp(f"tl.cumsum({v}, 1)" if node.stype == "sum" else f"tl.associative_scan({v}, 1, _prod_combine)")
+    comb = _SCAN_COMBINE.get(node.stype)
+    scanned = em.tmp(f"tl.cumsum({v}, 1)" if comb is None else f"tl.associative_scan({v}, 1, {comb})")
     if looped:
-        scanned = em.tmp(f"{scanned} + carry" if node.stype == "sum" else f"{scanned} * carry")
+        scanned = em.tmp(f"{scanned} + carry" if comb is None else f"{comb}({scanned}, carry)")
     idx = print_index(st, {SX: "xindex", SR: "rindex"})
     em.line(f"tl.store(out_ptr0 + {idx}, {scanned}.to({TL_DTYPE[graph.buffer(node.name).dtype]}), xmask & rmask)")
     if looped:
-        em.line("carry = " + (f"carry + tl.sum({v}, 1)[:, None]" if node.stype == "sum"
-                              else f"carry * tl.reduce({v}, 1, _prod_combine)[:, None]"))
+        em.line("carry = " + (f"carry + tl.sum({v}, 1)[:, None]" if comb is None
+                              else f"{comb}(carry, tl.reduce({v}, 1, {comb})[:, None])"))
         em.scopes.pop()
         em.depth -= 1
     body = "\n".join(em.lines)

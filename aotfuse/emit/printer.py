@@ -200,6 +200,18 @@ def _prod_combine(a, b):
     return a * b
 """
 
+# logaddexp, the combine of a logcumsumexp scan: max + log1p(exp(min - max)), exact for infinities (both -inf:
+# -inf; an inf: inf) and NaN-propagating
+_LOGADDEXP_COMBINE = """
+
+@triton.jit
+def _logaddexp_combine(a, b):
+    m = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    d = tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL) - m
+    r = m + libdevice.log1p(tl.exp(d))
+    return tl.where((m == float("-inf")) | (m == float("inf")), m, r)
+"""
+
 # tanh(x) = sign(x) (1 - 2 / (1 + e^(2|x|))) with ex2.approx and a fast divide: two MUFU instructions instead of
 # libdevice's tanhf (some 25 instructions with a branch). Absolute error about 1e-7 over the whole range
 # (overflow gives +-1), so 1 + tanh(u) in a GELU keeps its relative accuracy where tanh is near -1. Below
@@ -222,4 +234,5 @@ def _tanh_fast(x):
 def header(body: str) -> str:
     """The kernel module's imports and the helpers `body` calls."""
     return _HEADER + (_PROD_COMBINE if "_prod_combine" in body else "") + \
+        (_LOGADDEXP_COMBINE if "_logaddexp_combine" in body else "") + \
         (_TANH_FAST if "_tanh_fast(" in body else "")

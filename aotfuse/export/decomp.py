@@ -315,6 +315,24 @@ def _linalg_vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     return r.to(out_dtype)
 
 
+def _cdist_forward(x1, x2, p, compute_mode=None):
+    """torch.cdist's direct form (what eager runs below 25 rows; above, torch.cdist itself picks the matmul form
+    before this op): the p-norm of every row difference, one fused reduction, no [P, R, M] tensor stored."""
+    return _linalg_vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+
+
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """aten._trilinear (nn.Bilinear's x1^T W x2): the three operands unsqueezed at their expand dims, multiplied
+    and summed over sumdim, one fused reduction (no tensor cores: nn.Bilinear layers are small)."""
+    def grow(t, dims):
+        for d in sorted(dims):
+            t = t.unsqueeze(d)
+        return t
+
+    prod = grow(i1, expand1) * grow(i2, expand2) * grow(i3, expand3)
+    return prod.sum(list(sumdim)) if sumdim else prod
+
+
 OURS = {
     aten.layer_norm.default: _layer_norm,
     aten.native_layer_norm.default: _native_layer_norm,
@@ -337,6 +355,8 @@ OURS = {
     aten.full_like.default: _full_like,
     aten.constant_pad_nd.default: _constant_pad_nd,
     aten.linalg_vector_norm.default: _linalg_vector_norm,
+    aten._cdist_forward.default: _cdist_forward,
+    aten._trilinear.default: _trilinear,
     aten.var.correction: _var_correction,
     aten.var_mean.correction: _var_mean_correction,
 }

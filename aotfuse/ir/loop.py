@@ -151,7 +151,7 @@ class Reduction(_OuterLoops):
         return prod(self.rranges)
 
 
-SCANS = ("sum", "prod")
+SCANS = ("sum", "prod", "logsumexp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ class Scan(_OuterLoops):
     ranges: tuple[int, ...]
     dim: int
     body: Expr
-    stype: str  # "sum" | "prod"
+    stype: str  # "sum" | "prod" | "logsumexp" (log(cumsum(exp(x))), combined pairwise as logaddexp)
     acc_dtype: str
 
     def __post_init__(self):

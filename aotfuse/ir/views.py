@@ -131,6 +131,22 @@ class View:
         shape[dim] = length
         return self._remap(shape, old_idx)
 
+    def unfold(self, dim: int, size: int, step: int) -> "View":
+        """Tensor.unfold: windows of `size` every `step` along dim; dim becomes the window count and a last dim
+        of `size` is appended (element j of window w reads dim index w * step + j)."""
+        nd = len(self.shape)
+        dim = dim % nd if nd else 0
+        n = self.shape[dim] if nd else 1
+        windows = (int(n) - size) // step + 1
+        nv = syms("v", nd + 1)
+        old_idx = list(nv[:nd])
+        if nd:
+            old_idx[dim] = step * nv[dim] + nv[nd]
+        shape = list(self.shape)
+        if nd:
+            shape[dim] = windows
+        return self._remap(shape + [size], old_idx)
+
     def flip(self, dims: Sequence[int]) -> "View":
         nd = len(self.shape)
         flipped = {d % nd for d in dims}

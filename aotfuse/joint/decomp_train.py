@@ -485,6 +485,66 @@ def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
     return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
 
 
+def _unfold_backward(grad, input_size, dimension, size, step):
+    """Tensor.unfold's gradient: each input element sums the window elements that read it. Element i of dim is
+    read by window i // step - k at offset i % step + k * step, for k < ceil(size / step): with the window dim
+    padded to a multiple of step, term k is grad's [W, step] block k flattened and shifted k * step along dim.
+    Pads, slices and adds only (one pointwise kernel), no scatter; overlapping (step < size), tiling and gapped
+    (step > size) windows alike."""
+    nd = len(input_size)
+    if nd == 0:
+        return grad.squeeze(0)
+    dim = dimension % nd
+    length, windows = int(input_size[dim]), int(grad.shape[dim])
+    g = grad.movedim(-1, dim + 1)  # [..., W, size, ...]
+    k_max = -(-size // step)
+    if k_max * step > size:
+        g = _pad_dim(g, dim + 1, 0, k_max * step - size)
+    out = None
+    for k in range(k_max):
+        n = min(windows * step, length - k * step)
+        if n <= 0:
+            break
+        flat = aten.slice.Tensor(g, dim + 1, k * step, (k + 1) * step).flatten(dim, dim + 1)
+        term = _pad_dim(aten.slice.Tensor(flat, dim, 0, n), dim, k * step, length - k * step - n)
+        out = term if out is None else out + term
+    return out
+
+
+def _pad_dim(x, dim: int, before: int, after: int):
+    """x with `before` / `after` zeros along dim."""
+    if not before and not after:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [before, after]
+    return aten.constant_pad_nd.default(x, pad, 0.0)
+
+
+def _cdist_backward(grad, x1, x2, p, dist):
+    """_cdist_forward's gradient for x1 (autograd calls it with the operands swapped for x2), ATen's formulas per
+    p: 0 where the distance is 0 (and for p < 1 where a coordinate difference is), a tie of the inf-norm
+    passing the whole gradient to every tied coordinate."""
+    diff = x1.unsqueeze(-2) - x2.unsqueeze(-3)  # [..., P, R, M]
+    g, d = grad.unsqueeze(-1), dist.unsqueeze(-1)
+    if p == 0:
+        return torch.zeros_like(x1)
+    if p == 1:
+        term = g * torch.sign(diff)
+    elif p == math.inf:
+        term = g * torch.sign(diff) * (diff.abs() == d).to(diff.dtype)
+    else:
+        if p == 2:
+            raw = g * diff / d
+        elif p < 2:
+            raw = torch.sign(diff) * diff.abs().pow(p - 1) * g / d.pow(p - 1)
+        else:
+            raw = diff * diff.abs().pow(p - 2) * g / d.pow(p - 1)
+        zero = d == 0
+        if p < 1:
+            zero = zero | (diff == 0)
+        term = torch.where(zero, 0.0, raw)
+    return term.sum(-2).to(x1.dtype)
+
+
 # ---------------------------------------------------------------- the table
 
 TRAIN: dict = {
@@ -508,6 +568,8 @@ TRAIN: dict = {
     aten.scaled_dot_product_attention.default: sdpa_math,
     aten.max_pool2d_with_indices_backward.default: _max_pool2d_with_indices_backward,
     aten.slice_scatter.default: _slice_scatter,
+    aten.unfold_backward.default: _unfold_backward,
+    aten._cdist_backward.default: _cdist_backward,
 }
 
 # Kept whole in training graphs: the inference externs (minus sdpa, which training decomposes)

@@ -1,4 +1,5 @@
-"""Scan lowerings: cumsum / cumprod along any dim, as one Scan node (emit/kernel_src.py writes its kernel)."""
+"""Scan lowerings: cumsum / cumprod / logcumsumexp along any dim, as one Scan node (emit/kernel_src.py writes its
+kernel)."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +38,17 @@ def _cumsum(ctx, node, args, kwargs):
 @rule(aten.cumprod.default, category="reduction", note="as cumsum")
 def _cumprod(ctx, node, args, kwargs):
     return _scan(ctx, node, args, kwargs, "prod")
+
+
+@rule(aten.logcumsumexp.default, category="reduction",
+      note="a scan combining by logaddexp (no running-max rescale: exact where early terms are far below later ones); "
+           "floating point only; half inputs in fp32")
+def _logcumsumexp(ctx, node, args, kwargs):
+    if out_dtype(node) not in FLOATS:
+        from ..errors import UnsupportedOpError
+
+        raise UnsupportedOpError(str(node.target), node.name, f"logcumsumexp of {out_dtype(node)}")
+    return _scan(ctx, node, args, kwargs, "logsumexp")
 
 
 def register_all(register) -> None:

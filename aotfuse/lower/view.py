@@ -35,6 +35,18 @@ rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, category="view")
     lambda v, node, dims=None: v.squeeze(None if dims is None else ([dims] if isinstance(dims, int) else dims))))
 rule(aten.slice.Tensor, category="view")(_view_op(
     lambda v, node, dim=0, start=None, end=None, step=1: v.slice(dim, start, end, step)))
+@rule(aten.unfold.default, category="view", note="index math: window w's element j reads w * step + j")
+def _unfold(ctx, node, args, kwargs):
+    v, dim, size, step = args[0], args[1], int(args[2]), int(args[3])
+    if not isinstance(v, View):
+        raise UnsupportedOpError(str(node.target), node.name, "unfold of a non-tensor")
+    n = v.shape[dim % len(v.shape)] if v.shape else 1
+    if not isinstance(n, int) and not getattr(n, "is_Integer", False):
+        raise UnsupportedOpError(str(node.target), node.name, "unfold along a dynamic dim",
+                                 remedy="keep the unfolded dim static")
+    return v.unfold(dim, size, step)
+
+
 rule(aten.flip.default, category="view", note="index math; copied when an extern needs it")(
     _view_op(lambda v, node, dims: v.flip(dims)))
 rule(aten.select.int, category="view")(_view_op(lambda v, node, dim, i: v.select(dim, i)))

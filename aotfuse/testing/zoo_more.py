@@ -1,4 +1,5 @@
-"""More of the zoo: transformers architectures that each exercise something the main zoo does not.
+"""More of the zoo: architectures (transformers', and a plain-torch LSTM) that each exercise something the main
+zoo does not.
 
 A second list, `MORE`, read by tests/test_zoo_more.py (CPU path, tiny configs) and
 `scripts/zoo_probe.py --more`, which also runs `SPARE` (entries that pass but that the test tier leaves
@@ -421,10 +422,53 @@ def bloom_realistic(train=False, dtype=torch.bfloat16, seed=0):
     return _causal("BloomForCausalLM", "BloomConfig", cfg, train, dtype, seed, attn="eager", batch=4, seq=1024)
 
 
+class _LSTMLanguageModel(torch.nn.Module):
+    """Embedding -> nn.LSTM (stacked, with its default biases) -> tied-size output projection; with `labels`, the
+    next-token cross-entropy (the call returns the loss), else the logits."""
+
+    def __init__(self, vocab: int, width: int, layers: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.rnn = torch.nn.LSTM(width, width, num_layers=layers, batch_first=True)
+        self.out = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels=None):
+        h, _ = self.rnn(self.embed(input_ids))
+        logits = self.out(h)
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+
+def _lstm_lm(vocab: int, width: int, layers: int, batch: int, seq: int, train: bool, dtype, seed: int) -> Example:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _finish(_LSTMLanguageModel(vocab, width, layers), train, dtype)
+
+    def make_inputs(s: int):
+        ids = torch.randint(0, vocab, (batch, seq), generator=_gen(s))
+        return (), ({"input_ids": ids, "labels": ids.clone()} if train else {"input_ids": ids})
+
+    args, kwargs = make_inputs(seed)
+    return Example(model, args, kwargs, make_inputs)
+
+
+def lstm_lm(train=False, dtype=torch.float32, seed=0):
+    """A plain-torch LSTM language model: nn.LSTM with biases, two layers, unrolled over the sequence; training
+    routes the LSTM through its per-op form (joint/rnn.py)."""
+    return _lstm_lm(64, 16, 2, 2, 6, train, dtype, seed)
+
+
+def lstm_lm_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """An LSTM language model of PTB/WikiText size: vocab 10000, width 1024, 2 layers, batch 32 x 64 tokens."""
+    return _lstm_lm(10000, 1024, 2, 32, 64, train, dtype, seed)
+
+
 REALISTIC = {"phi3": phi3_realistic, "gemma2": gemma2_realistic, "gpt_neox": gpt_neox_realistic,
              "deberta_v2": deberta_v2_realistic, "swin": swin_realistic, "convnext": convnext_realistic,
              "segformer": segformer_realistic, "dinov2": dinov2_realistic, "mobilenet_v2": mobilenet_v2_realistic,
-             "clip": clip_realistic, "falcon": falcon_realistic, "bloom": bloom_realistic}
+             "clip": clip_realistic, "falcon": falcon_realistic, "bloom": bloom_realistic,
+             "lstm_lm": lstm_lm_realistic}
 
 
 # ---------------------------------------------------------------- the list
@@ -456,6 +500,7 @@ MORE: tuple[ZooEntry, ...] = (
           note="depthwise, ReLU6, train-mode BatchNorm"),
     _more("siglip", siglip, "SiglipConfig", "SiglipModel", note='padding="valid" conv'),
     _more("mixtral", mixtral, "MixtralConfig", "MixtralForCausalLM", note="MoE top-k routing (batched_mm experts)"),
+    ZooEntry("lstm_lm", lstm_lm, lstm_lm_realistic, note="nn.LSTM with biases, stacked, unrolled"),
 )
 
 # Built and matching eager too (2026-11-27), but left out of the test tier to keep it near 6 minutes on 2
