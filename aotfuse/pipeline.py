@@ -230,6 +230,7 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
     if train:
         # the joint trace's attention choices (fused or math, and why) go with the partition's record
         part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions],
+                    "product_sums": [dict(d) for d in joint.product_sums],
                     "step": {"mode": mode, "why": mode_why}}
         if stage_why is not None:
             part_rec["stages"] = {"programs": list(train_info.programs[1:]), "why": stage_why}

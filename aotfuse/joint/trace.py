@@ -36,6 +36,7 @@ from .decomp_train import sdpa_math_mode, training_decompositions
 from .layerdrop import uniform_compare_mode
 from .losses import cross_entropy_mode
 from .pooling import adaptive_pool_mode
+from .product_sums import merge_product_sums
 from .rnn import lstm_mode
 from .upsample import nearest_upsample_mode
 
@@ -65,6 +66,7 @@ class JointGraph:
     outputs_tree: dict | None = None
     loss_leaf: int = 0
     decisions: tuple = ()  # per attention call: fused or math, and why (decomp_train.sdpa_math_mode)
+    product_sums: tuple = ()  # per sum of matmul products: merged into one matmul or kept, and why (product_sums.py)
     # fqn of the buffer each buffer-update output writes (gm outputs after the user outputs), in order;
     # a subset of buffer_names
     mutated_buffers: tuple[str, ...] = ()
@@ -682,6 +684,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     _simplify_masks(gm, placeholders, weights, set(mutated))
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)
+    sums = merge_product_sums(gm)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -695,4 +698,5 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
                       seconds=time.perf_counter() - t0,
                       call={"positional": len(args), "keywords": list(kw_tensors)},
                       outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf,
-                      decisions=tuple(attention.decisions), mutated_buffers=tuple(mutated))
+                      decisions=tuple(attention.decisions), mutated_buffers=tuple(mutated),
+                      product_sums=tuple(sums))

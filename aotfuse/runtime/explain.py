@@ -151,6 +151,9 @@ def _partition_lines(part: dict) -> list[str]:
         out.append(f"  buffer update {u.get('buffer')}: {u.get('node')} ({u.get('note')})")
     for a in part.get("attention", []):
         out.append(f"  attention {a.get('attention')} {a.get('query')}: {a.get('kernel')} ({a.get('why')})")
+    for a in part.get("product_sums", []):
+        out.append(f"  sum of {a.get('terms')} matmul products {a.get('product_sum')} {a.get('shape')}: "
+                   f"{'one matmul' if a.get('merged') else 'kept as a chain'} ({a.get('why')})")
     rec = part.get("recomputed", [])
     names = [f"{r['name']} ({r['op']})" for r in rec]
     out.append(f"  recomputed in the backward ({len(rec)}): {', '.join(names)}")
