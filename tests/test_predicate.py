@@ -75,3 +75,32 @@ def test_selects_without_clamps_are_not_predicated():
     assert "xmask & " not in src  # the load keeps its plain mask: one vector, not split by the triangle
     xs = torch.randn(32, 32)
     torch.testing.assert_close(art(xs), _Causal()(xs))
+
+
+class ShiftMask(torch.nn.Module):
+    """torchvision's shifted-window attention mask: a zero [8, 8] grid filled slice by slice with region ids (3 x 3
+    slices). In the joint graph a branch of the fill read one constant element under a block mask, which Triton
+    refuses (a scalar pointer with a block mask); the pointer is now a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        m = x.new_zeros((8, 8))
+        sl = ((0, -4), (-4, -2), (-2, None))
+        c = 0
+        for h in sl:
+            for w in sl:
+                m[h[0]:h[1], w[0]:w[1]] = c
+                c += 1
+        return (x * self.w + m).square().mean()
+
+
+def test_constant_element_under_a_branch_mask_trains():
+    from aotfuse.testing.train_check import assert_training_matches
+
+    torch.manual_seed(0)
+    model = ShiftMask().train()
+    res = aotfuse.build(model, (torch.randn(8, 8),), train=True, targets=("sm_90",))
+    assert_training_matches(res.data, model, (torch.randn(8, 8),))

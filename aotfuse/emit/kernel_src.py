@@ -243,7 +243,12 @@ class _Emitter:
                 return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0{self.policy(e.buf)})"
             if self.preds:  # a branch of a structural select: masked by its predicates, clamps resolved
                 bounds = self.preds[-1][1]
-                idx = print_index(resolve_clamps(e.index, bounds, self._extents()), {SX: "xindex", SR: "rindex"})
+                resolved = resolve_clamps(e.index, bounds, self._extents())
+                idx = print_index(resolved, {SX: "xindex", SR: "rindex"})
+                if not sympy.sympify(resolved).free_symbols:
+                    # the branch reads one element (torchvision's Swin mask: a constant filled into a slice):
+                    # the pointer is made a block so that it takes the block mask
+                    idx = f"{idx} + 0 * xindex" + (" + 0 * rindex" if self.ctx == "xr" else "")
                 mask = " & ".join([self.mask()] + [p[0] for p in self.preds])
                 return f"tl.load({self.args[e.buf]} + {idx}, {mask}, other=0{self.policy(e.buf)})"
             return f"tl.load({self.args[e.buf]} + {idx}, {self.mask()}, other=0{self.policy(e.buf)})"
