@@ -35,9 +35,10 @@ def test_conv_bias_is_split_into_the_consumer_and_matches_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_conv_layout_auto_matches_keep_and_eager(dtype):
-    """AOTFUSE_CONV_LAYOUT=auto on the zoo's UNet: bf16 values around the convs and their filters are stored
-    channels-last (one record), fp32 is left alone; the outputs stay row-major and match eager as `keep` does."""
+def test_conv_layout_channels_last_matches_keep_and_eager(dtype):
+    """AOTFUSE_CONV_LAYOUT=channels_last on the zoo's UNet: bf16 values around the convs and their filters are
+    stored channels-last (one record), fp32 is left alone; the outputs stay row-major and match eager as `keep`
+    does. `auto` (the default) keeps eager's layout there: the UNet's GroupNorms read rows of channel groups."""
     from aotfuse.knobs import override
     from aotfuse.runtime.explain import explain_report
     from aotfuse.testing.zoo import entry
@@ -46,13 +47,45 @@ def test_conv_layout_auto_matches_keep_and_eager(dtype):
     a, k = ex.make_inputs(5)
     want = ex.model(*a, **k).double()
     errs = {}
-    for lay in ("auto", "keep"):
+    for lay in ("channels_last", "keep", "auto"):
         with override(conv_layout=lay):
             res = aotfuse.build(ex.model, ex.args, targets=("sm_90",))
-        lines = [ln for ln in explain_report(res.report).splitlines() if "stored channels-last" in ln]
-        assert len(lines) == (1 if lay == "auto" and dtype == torch.bfloat16 else 0), lines
+        text = explain_report(res.report)
+        lines = [ln for ln in text.splitlines() if "stored channels-last" in ln]
+        assert len(lines) == (1 if lay == "channels_last" and dtype == torch.bfloat16 else 0), lines
+        if lay == "auto" and dtype == torch.bfloat16:
+            assert "eager's layout kept: a group norm" in text, text
         got = aotfuse.load(res.data, device="cpu")(*a, **k)
         assert got.is_contiguous()
         errs[lay] = float((got.double() - want).norm() / want.norm())
     tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
-    assert errs["auto"] < tol and errs["keep"] < tol, errs
+    assert all(e < tol for e in errs.values()), errs
+
+
+class Inverted(torch.nn.Module):
+    """MobileNetV2's inverted residual: 1x1 expand, 3x3 depthwise, 1x1 project, BatchNorm, ReLU6, a residual."""
+
+    def __init__(self, c=8, e=4):
+        super().__init__()
+        n = torch.nn
+        self.block = n.Sequential(n.Conv2d(c, c * e, 1, bias=False), n.BatchNorm2d(c * e), n.ReLU6(),
+                                  n.Conv2d(c * e, c * e, 3, padding=1, groups=c * e, bias=False), n.BatchNorm2d(c * e),
+                                  n.ReLU6(), n.Conv2d(c * e, c, 1, bias=False), n.BatchNorm2d(c))
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
+def test_conv_layout_auto_stores_a_batchnorm_cnn_channels_last():
+    from aotfuse.runtime.explain import explain_report
+
+    torch.manual_seed(0)
+    model = Inverted().eval().to(torch.bfloat16)
+    x = torch.randn(2, 8, 12, 12, dtype=torch.bfloat16)
+    res = aotfuse.build(model, (x,), targets=("sm_90",))
+    assert "stored channels-last" in explain_report(res.report)
+    x = torch.randn(2, 8, 12, 12, dtype=torch.bfloat16)
+    got = aotfuse.load(res.data, device="cpu")(x)
+    assert got.is_contiguous()
+    want = model.float()(x.float())
+    assert float((got.float() - want).norm() / want.norm()) < 1e-2
