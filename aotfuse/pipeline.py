@@ -34,6 +34,7 @@ from .ir.sizes import current_dims, dims_scope, foreign_symbols, hint, spelled
 from .schedule.fusion import fuse
 from .schedule.inline import inline_pointwise
 from .schedule.trivial import trivial_reductions
+from .schedule.reorder import reorder_reductions
 from .schedule.split import split_reductions
 from .lower import lower
 from .schedule.memplan import plan_memory
@@ -130,6 +131,9 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     # after inlining (a reduction's body holds its real loads), before fusion (the partial fuses)
     graph, splits = st.run("split" + sfx, split_reductions, graph)
     sched = st.run("fuse" + sfx, fuse, graph)
+    # a group of reductions walks the reduced index in its largest input's storage order (channels-last GroupNorm rows)
+    graph, reordered = st.run("reorder" + sfx, reorder_reductions, graph, sched)
+    lctx.decisions.extend(reordered)
     plan = st.run("memory_plan" + sfx, plan_memory, graph, sched)
     kernels = st.run("codegen" + sfx, lambda: {g.name: generate(g, graph, sched.stored)
                                                for g in sched.groups if g.kind != "extern"})

@@ -51,6 +51,9 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['attention']}: attention kept whole ({d.get('kernel', 'fused')}: {d.get('why', '')})"
     if "embedding_backward" in d:  # lower/embedding.py
         return f"  {d['embedding_backward']}: embedding weight gradient -> {d['kernel']} ({d['why']})"
+    if "reorder" in d:  # schedule/reorder.py
+        return (f"  {d['reorder']}: reduced index walked in {d['buffer']}'s storage order (digits {d['digits']}, "
+                f"strides {d['strides']}, fastest first {d['order']})")
     if "onehot" in d:  # schedule/trivial.py
         return f"  {d['onehot']}: a one-hot sum over {d['n']} (where(r == t, v, 0)) is v at r = t: one indirect load"
     if "duplicate" in d:  # schedule/trivial.py
