@@ -35,7 +35,7 @@ def _build(layout, dtype=torch.bfloat16, model=None, shape=(2, 16, 12, 12)):
 
 @pytest.mark.parametrize("groups", [4, 2])
 def test_channels_last_group_statistics_walk_channels_first(groups):
-    model, res = _build("channels_last", model=ConvNorm(16, groups))
+    model, res = _build("auto", model=ConvNorm(16, groups))
     text = explain_report(res.report)
     lines = [ln for ln in text.splitlines() if "storage order" in ln]
     assert len(lines) == 2, text  # the mean and the variance, one group
@@ -65,7 +65,7 @@ def test_order_sensitive_reductions_keep_their_order():
     torch.manual_seed(0)
     model = M().eval().to(torch.bfloat16)
     x = torch.randn(2, 4, 6, 6, dtype=torch.bfloat16)
-    with override(conv_layout="channels_last"):
+    with override(conv_layout="auto"):
         res = aotfuse.build(model, (x,), targets=("sm_90",))
     got = aotfuse.load(res.data, device="cpu")(x)
     want = model(x)

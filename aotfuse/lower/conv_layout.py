@@ -15,13 +15,11 @@ layout: aotfuse/layouts.py), this pass picks, before lowering, the values to sto
 The first convolution then reads the NCHW input with an NHWC filter (cuDNN converts the input once) and
 writes NHWC; the rest run NHWC end to end. Values only: the program computes the same numbers in either order.
 
-Default `auto`: channels-last unless a GroupNorm (1 < groups < C) reads the convolutions' activations, whose
-row statistics ([N, groups, C / groups * HW]) would then load elements C apart: on the diffusion UNet the
-conversions went (376 us) but its GroupNorms made the call slower (1514 us against 1430 in eager's layout,
-H100, 2026-11-26; 1.64 against 1.47 ms at its zoo size, 2026-11-27), so a model with one keeps eager's layout
-(a record says which view decided). Without GroupNorm it pays: MobileNetV2 at 64 x 224^2 bf16, 3.26 -> 1.60 ms
-(torch.compile reduce-overhead 2.05), ResNets, ConvNeXt and SegFormer unchanged (H100, 2026-11-27).
-`channels_last` forces it, `keep` never.
+Default `auto`. A GroupNorm's row statistics ([N, groups, C / groups * HW]) then walk their rows in storage
+order (schedule/reorder.py: contiguous channel chunks first), not elements C apart as they did at first (the
+diffusion UNet was slower channels-last until then: 1.64 against 1.47 ms). H100, 2026-11-27, zoo sizes, bf16:
+MobileNetV2 at 64 x 224^2 3.26 -> 1.60 ms (torch.compile reduce-overhead 2.05), the UNet 1.48 -> 1.11 ms (1.40),
+ResNets, ConvNeXt and SegFormer unchanged. `keep` leaves eager's layout.
 """
 from __future__ import annotations
 
@@ -41,28 +39,9 @@ def _static(v) -> bool:
     return isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape)
 
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-
-def _group_rows(gm: torch.fx.GraphModule, shapes: set) -> str | None:
-    """The first GroupNorm-style view of a convolution-shaped value, x [N, C, *spatial] seen as
-    [N, G, C / G * spatial] with 1 < G < C (export/decomp._native_group_norm writes it so), named, else None."""
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _VIEWS or not isinstance(n.args[0], torch.fx.Node):
-            continue
-        src, out = value(n.args[0]), value(n)
-        if not _static(src) or not _static(out) or tuple(src.shape) not in shapes or out.dim() != 3:
-            continue
-        c = int(src.shape[1])
-        g = int(out.shape[1])
-        if out.shape[0] == src.shape[0] and 1 < g < c and c % g == 0 and out.numel() == src.numel():
-            return f"a group norm ({n.name}: {list(src.shape)} as {list(out.shape)})"
-    return None
-
-
 def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict, set, dict | None]:
     """(node -> storage permutation, weight refs to store permuted, a decision record or None)."""
-    if knobs.conv_layout not in ("auto", "channels_last"):
+    if knobs.conv_layout != "auto":
         return {}, set(), None
     convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.convolution.default]
     convs = [n for n in convs if _static(value(n)) and value(n).dim() in CHANNELS_LAST and value(n).dtype in _HALF]
@@ -81,13 +60,6 @@ def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict,
             v = value(x)
             if _static(v) and v.dim() in CHANNELS_LAST:
                 shapes.add(tuple(v.shape))
-    if knobs.conv_layout == "auto":
-        grouped = _group_rows(gm, shapes)
-        if grouped is not None:
-            return {}, set(), {"conv_layout": f"{len(convs)} half-precision convolutions",
-                               "why": f"eager's layout kept: {grouped} reads rows of channel groups, which "
-                                      "channels-last storage would scatter C elements apart "
-                                      "(AOTFUSE_CONV_LAYOUT=channels_last forces it)"}
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outputs: set = set()
     torch.fx.node.map_arg(out_node.args, outputs.add)
@@ -108,5 +80,5 @@ def choose(gm: torch.fx.GraphModule, weights: dict, placeholders) -> tuple[dict,
                 wrefs.add(ref)
     rec = {"conv_layout": f"{len(convs)} half-precision convolutions",
            "why": f"{len(chosen)} values and {len(wrefs)} filters stored channels-last (cuDNN's NHWC: no layout "
-                  f"conversion around each call; AOTFUSE_CONV_LAYOUT={knobs.conv_layout})"}
+                  f"conversion around each call; AOTFUSE_CONV_LAYOUT=auto)"}
     return chosen, wrefs, rec
