@@ -1,5 +1,6 @@
 """topk and sort as externs (torch's kernels, two results each), against eager on the CPU path; training through
-topk stops at its gradient's scatter, named."""
+topk (a few indices per row: compares and wheres) and through sort or a large-k topk (their gradient's scatter as
+torch's kernel, an extern)."""
 from __future__ import annotations
 
 import pytest
@@ -56,6 +57,27 @@ def test_training_through_topk():
     assert_training_matches(res.data, model, (torch.randn(4, 8),), loss_atol=1e-5, grad_rtol=1e-5, grad_atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["sort", "topk40"])
+def test_training_through_sort_and_large_topk(op):
+    """sort's gradient scatters every element of a row back (64 indices per row), a top-40's 40: more than
+    lower/gather.py writes as compares, so torch's scatter kernel runs as an extern."""
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.lin(x)
+            v = torch.sort(h, -1)[0] if op == "sort" else torch.topk(h, 40, dim=-1)[0]
+            return (v * torch.linspace(-1, 1, v.shape[-1])).sum()
+
+    torch.manual_seed(0)
+    model = Loss()
+    res = aotfuse.build(model, (torch.randn(4, 64),), train=True, targets=("sm_90",))
+    assert "aten.scatter.src" in _extern_targets(res.data)
+    assert_training_matches(res.data, model, (torch.randn(4, 64),), loss_atol=1e-5, grad_rtol=1e-5, grad_atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_topk_sort_and_scatter_add_on_cuda_with_graphs():
     class M(nn.Module):
@@ -74,3 +96,11 @@ def test_topk_sort_and_scatter_add_on_cuda_with_graphs():
                 assert torch.equal(got.cpu(), want)
             else:
                 torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def _extern_targets(data: bytes) -> set:
+    from aotfuse.archive import read_archive
+    from aotfuse.runtime.payload import read_payload
+
+    progs = read_payload(read_archive(data)).programs
+    return {i.target for p in progs.values() for i in p.instructions if hasattr(i, "target")}

@@ -256,6 +256,17 @@ def _scatter_add(ctx, node, args, kwargs):
     return ctx.extern("aten.scatter_add.default", (tx, int(dim), ti, ts), {}, out_shape(node), out_dtype(node), False)
 
 
+def scatter_extern(ctx, node, x, dim, index, val) -> View:
+    """aten.scatter (src or value) by torch's kernel, its result bound as the buffer: what lower/gather.py's
+    compare-and-where form does not cover (more than SCATTER_PER_ROW_MAX indices per row, an index smaller than
+    self). Duplicate indices along a row leave one of their values, as torch's kernel does."""
+    tx, ti = _targ(ctx, x, node, "self"), _targ(ctx, index, node, "index")
+    if isinstance(val, View):
+        return ctx.extern("aten.scatter.src", (tx, int(dim), ti, _targ(ctx, val, node, "src")), {}, out_shape(node),
+                          out_dtype(node), False)
+    return ctx.extern("aten.scatter.value", (tx, int(dim), ti, val), {}, out_shape(node), out_dtype(node), False)
+
+
 @rule(aten.topk.default, aten.sort.default, category="extern",
       note="torch's kernel, two results: the values and their int64 indices (MoE routing, top-k sampling, argsort)")
 def _topk_sort(ctx, node, args, kwargs):

@@ -135,7 +135,7 @@ SCATTER_PER_ROW_MAX = 16  # indices per row along a scatter's dim: one compare a
 
 @rule(aten.scatter.value, aten.scatter.src, category="pointwise",
       note=f"k <= {SCATTER_PER_ROW_MAX} indices per row along dim (index of self's size elsewhere): k compares "
-           "and wheres")
+           "and wheres; otherwise torch's kernel as an extern (sort's gradient)")
 def _scatter(ctx, node, args, kwargs):
     """out = self with out[..., index[..., j, ...], ...] = value (or src[..., j, ...]) along `dim`, for an index
     of k <= SCATTER_PER_ROW_MAX along dim and self's size elsewhere: each element compares its position along dim
@@ -151,10 +151,11 @@ def _scatter(ctx, node, args, kwargs):
     k = idx.shape[dim] if len(idx.shape) == nd else None
     if k is None or type(k) is not int or not 1 <= k <= SCATTER_PER_ROW_MAX \
             or any(idx.shape[d] != x.shape[d] for d in range(nd) if d != dim):
-        raise UnsupportedOpError(str(node.target), node.name,
-                                 f"scatter with index {list(idx.shape)} into {list(x.shape)} along dim {dim}: only "
-                                 f"1 to {SCATTER_PER_ROW_MAX} indices per row (along dim; the tensor's size "
-                                 "elsewhere) are lowered")
+        # more indices per row (the gradient of sort, of topk with a large k), or an index smaller than self:
+        # torch's kernel, as an extern
+        from .extern import scatter_extern
+
+        return scatter_extern(ctx, node, x, dim, idx, val)
     shape = out_shape(node)
     dt = out_dtype(node)
     pv = syms("p", nd)

@@ -298,7 +298,12 @@ def _max_window(n_in: int, n_out: int) -> int:
     return max(-(-((o + 1) * n_in) // n_out) - (o * n_in) // n_out for o in range(n_out))
 
 
-@rule(aten._adaptive_avg_pool2d.default, category="pointwise", note="ATen's variable windows, masked taps")
+POOL_TAPS_MAX = 16  # an adaptive average pool over larger whole windows is a reduction, not a sum of taps
+
+
+@rule(aten._adaptive_avg_pool2d.default, category="pointwise",
+      note=f"ATen's variable windows, masked taps; whole windows of more than {POOL_TAPS_MAX} taps (a global pool) "
+           "as a mean reduction")
 def _adaptive_avg_pool2d(ctx, node, args, kwargs):
     x = args[0]
     shape = out_shape(node)
@@ -308,6 +313,26 @@ def _adaptive_avg_pool2d(ctx, node, args, kwargs):
     pv = syms("p", len(shape))
     ranges = dict(zip(pv, shape))
     (sh, eh), (sw, ew) = _adaptive_bounds(pv[-2], H, Ho), _adaptive_bounds(pv[-1], W, Wo)
+    size = simplify((eh - sh) * (ew - sw), ranges)
+    d = Const(float(size), cdt) if size.is_Integer else as_dtype(IndexValue(size, I64), cdt)
+    mh, mw = _max_window(H, Ho), _max_window(W, Wo)
+    if mh * mw > POOL_TAPS_MAX:
+        # a squeeze-excitation's or a classifier's global pool over 56 x 56: one reduction over the (largest) window,
+        # taps past a shorter window masked (the sum of taps below was one expression of 3135 nested adds, which
+        # overflowed the expression walks' recursion)
+        rv = syms("r", 2)
+        full = {**ranges, rv[0]: mh, rv[1]: mw}
+        h, w = sh + rv[0], sw + rv[1]
+        v = ctx.load_compute(x, list(pv[:-2]) + [_clamp(h, H, full), _clamp(w, W, full)], full)
+        valid = None
+        if H % Ho:
+            valid = Op("lt", (IndexValue(h, I64), IndexValue(eh, I64)), "bool")
+        if W % Wo:
+            valid = _and(valid, Op("lt", (IndexValue(w, I64), IndexValue(ew, I64)), "bool"))
+        body = as_dtype(v, cdt) if valid is None else Op("where", (valid, as_dtype(v, cdt), Const(0.0, cdt)), cdt)
+        red = ctx.reduction(shape, list(shape), [mh, mw], body, "sum", cdt, cdt)
+        total = ctx.load_compute(red, list(pv), ranges)
+        return ctx.pointwise(shape, x.dtype, Op("div", (total, d), cdt), hint="pool")
     acc = None
     for i in range(_max_window(H, Ho)):
         for j in range(_max_window(W, Wo)):
@@ -321,8 +346,6 @@ def _adaptive_avg_pool2d(ctx, node, args, kwargs):
             if valid is not None:
                 v = Op("where", (valid, v, Const(0.0, cdt)), cdt)
             acc = v if acc is None else Op("add", (acc, v), cdt)
-    size = simplify((eh - sh) * (ew - sw), ranges)
-    d = Const(float(size), cdt) if size.is_Integer else as_dtype(IndexValue(size, I64), cdt)
     return ctx.pointwise(shape, x.dtype, Op("div", (acc, d), cdt), hint="pool")
 
 

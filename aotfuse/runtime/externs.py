@@ -61,6 +61,9 @@ EXTERNS: tuple[ExternOp, ...] = (
     ExternOp(aten.index_put.default, (aten.index_put.default,)),
     # a scatter-add along a dim (segment sums); its gradient is a gather, which lowers
     ExternOp(aten.scatter_add.default, (aten.scatter_add.default,)),
+    # a scatter along a dim with more indices per row than lower/gather.py writes as compares (sort's gradient)
+    ExternOp(aten.scatter.src, (aten.scatter.src,)),
+    ExternOp(aten.scatter.value, (aten.scatter.value,)),
     # (values, int64 indices): torch's kernels (top-k routing and sampling, argsort); their gradient is a scatter
     ExternOp(aten.topk.default, (aten.topk.default,)),
     ExternOp(aten.sort.default, (aten.sort.default,)),

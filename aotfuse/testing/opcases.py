@@ -411,6 +411,10 @@ fn_case("topk_sort", lambda x: (torch.topk(x, 3)[0] * 2, torch.topk(x, 2, dim=0,
                                  torch.sort(x, dim=0, descending=True)[0] + 1, torch.argsort(x, dim=-1)),
         lambda dt: ((torch.randperm(35).reshape(5, 7) - 17).to(dt),),  # distinct values: no ties to order
         ["aten.topk.default", "aten.sort.default"], HALF)
+# an index over fewer rows than self, and more indices per row than compares cover: torch's kernel as an extern
+fn_case("scatter_extern", lambda x, src: (x.scatter(1, torch.tensor([[4, 0], [1, 1]]), 1.5),
+                                          x.scatter(1, torch.arange(20).flip(0).repeat(3, 1), src)),
+        lambda dt: (randn(3, 20, dtype=dt), randn(3, 20, dtype=dt)), ["aten.scatter.value", "aten.scatter.src"], HALF)
 fn_case("scatter_add", lambda x, src: x.scatter_add(0, torch.tensor([[1, 0], [4, 1], [1, 1]]), src) * 2,
         lambda dt: (randn(5, 2, dtype=dt), randn(3, 2, dtype=dt)), ["aten.scatter_add.default"], HALF)
 
@@ -679,9 +683,6 @@ UNSUPPORTED = [  # ops with no lowering (a sample: anything missing from the reg
 REFUSED = [  # registered ops that refuse one form of themselves
     Unsupported("as_strided_of_slice", lambda x: x[:, :3].as_strided((2, 2), (1, 6)), "aten.as_strided.default",
                 "as_strided", "as_strided of a dense, non-overlapping tensor (a contiguous copy first)"),
-    Unsupported("scatter_fewer_rows", lambda x: x.scatter(1, torch.zeros(2, 2, dtype=torch.int64), 1.0),
-                "aten.scatter.value", "scatter", "1 to 16 indices per row along the dim (the tensor's size "
-                "elsewhere) lower"),
     Unsupported("sdpa_dropout", lambda x: F.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None],
                                                                          dropout_p=0.5),
                 "aten.scaled_dot_product_attention.default", "scaled_dot_product_attention", "dropout_p=0"),

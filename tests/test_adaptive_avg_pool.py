@@ -1,0 +1,47 @@
+"""Adaptive average pools over large windows in training (the joint trace routes them to aten._adaptive_avg_pool2d):
+a window of more than lower/pool.POOL_TAPS_MAX taps is one reduction (taps past a shorter window masked), not an
+expression of nested adds, which overflowed the expression walks' recursion from about 20 x 20 (EfficientNet's
+squeeze-excitation pools); small windows keep the sum of taps. Training and inference against eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse.testing.train_check import assert_training_matches
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, c=4, out=1):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(c, 1, 1))
+        self.out = out
+
+    def forward(self, x):
+        h = x * self.w
+        s = nn.functional.adaptive_avg_pool2d(h, self.out)
+        return (h * s.mean((2, 3), keepdim=True).sigmoid()).square().mean() + s.square().sum()
+
+
+# (input H, W, output): a global pool over 32 x 32 and 56 x 56 (a RecursionError before), whole 15 x 15 windows,
+# ATen's variable windows (31 x 29 -> 2 x 3: windows of 16 and 15 rows, 10 and 11 columns), small 2 x 2 windows
+CASES = [(32, 32, 1), (56, 56, 1), (30, 30, 2), (31, 29, (2, 3)), (8, 8, 4)]
+
+
+@pytest.mark.parametrize("h,w,out", CASES)
+def test_adaptive_avg_pool_trains(h, w, out):
+    torch.manual_seed(0)
+    model = SqueezeExcite(out=out).train()
+    res = aotfuse.build(model, (torch.randn(2, 4, h, w),), train=True, targets=("sm_90",))
+    assert_training_matches(res.data, model, (torch.randn(2, 4, h, w),), grad_rtol=1e-4, grad_atol=1e-5)
+
+
+@pytest.mark.parametrize("h,w,out", CASES[2:4])
+def test_adaptive_avg_pool_inference(h, w, out):
+    pool = nn.AdaptiveAvgPool2d(out)
+    res = aotfuse.build(pool, (torch.randn(2, 3, h, w),), targets=("sm_90",))
+    x = torch.randn(2, 3, h, w)
+    torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(x), pool(x), rtol=1e-5, atol=1e-6)
