@@ -70,6 +70,12 @@ class _Stages:
         t0 = time.perf_counter()
         try:
             out = fn(*args, **kwargs)
+        except RecursionError as exc:
+            # an expression nested deeper than Python's walks allow: a typed error naming the stage, not a crash
+            raise BuildError(f"stage {name}: an expression of this model is nested too deeply for the build's "
+                             "recursive walks (a long chain of ops fused into one value)",
+                             remedy="report the model (the op making the chain: rewrite it as a reduction); raising "
+                                    "sys.setrecursionlimit may get the build through") from exc
         except (TypeError, ValueError) as exc:
             if not current_dims() or isinstance(exc, AotfuseError):
                 raise

@@ -45,3 +45,26 @@ def test_adaptive_avg_pool_inference(h, w, out):
     res = aotfuse.build(pool, (torch.randn(2, 3, h, w),), targets=("sm_90",))
     x = torch.randn(2, 3, h, w)
     torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(x), pool(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_too_deep_expression_is_a_build_error():
+    """Whatever nests deeper than the build's recursive walks allow is a BuildError naming the stage, not a
+    RecursionError (simulated with a lowered recursion limit and a 300-op chain)."""
+    import inspect
+    import sys
+
+    from aotfuse.errors import BuildError
+
+    class Chain(nn.Module):
+        def forward(self, x):
+            for _ in range(300):
+                x = x * 1.01 + 0.1
+            return x
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 220)
+    try:
+        with pytest.raises(BuildError, match="nested too deeply"):
+            aotfuse.build(Chain(), (torch.randn(4),), targets=("sm_90",))
+    finally:
+        sys.setrecursionlimit(limit)
