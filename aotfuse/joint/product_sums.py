@@ -50,12 +50,12 @@ def _term(n) -> tuple | None:
     return n.args[0], n.args[1], flips % 2 == 1, nodes + [n]
 
 
-def _leaves(root) -> list | None:
+def _leaves(root) -> list:
     """The terms of an add tree rooted at root (adds of alpha 1 whose inner nodes are read only by the tree)."""
     out, stack = [], [root]
     while stack:
         n = stack.pop()
-        if isinstance(n, torch.fx.Node) and n.target is aten.add.Tensor and not n.kwargs.get("alpha", 1) != 1 \
+        if isinstance(n, torch.fx.Node) and n.target is aten.add.Tensor and n.kwargs.get("alpha", 1) == 1 \
                 and (n is root or len(n.users) == 1) and all(isinstance(a, torch.fx.Node) for a in n.args[:2]):
             stack.extend(reversed(n.args[:2]))
         else:
@@ -79,8 +79,9 @@ def merge_product_sums(gm: torch.fx.GraphModule) -> list[dict]:
             continue
         terms = [_term(t) for t in leaves]
         out = _val(root)
-        if any(t is None for t in terms) or out is None or out.dim() != 2:
-            continue
+        if any(t is None for t in terms) or out is None or out.dim() != 2 or \
+                any(_val(t) is None or tuple(_val(t).shape) != tuple(out.shape) for t in leaves):
+            continue  # (a broadcast add of a row, say: not a sum of equal-shaped products)
         m, n = int(out.shape[0]), int(out.shape[1])
         xs, ys = [], []
         for x, y, transposed, _ in terms:
