@@ -64,7 +64,6 @@ def test_a_too_deep_expression_is_a_build_error():
 def test_global_pool_and_sort_gradients_on_cuda():
     """The pool's reduction kernel and sort's gradient scatter (torch's kernel, an extern) compiled and run by the
     runtime on this GPU: a training step against eager on CUDA."""
-    import copy
 
     class Net(nn.Module):
         def __init__(self):
@@ -80,13 +79,5 @@ def test_global_pool_and_sort_gradients_on_cuda():
     model = Net().train()
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
     res = aotfuse.build(model, (torch.randn(2, 8, 56, 56), torch.randn(4, 64)), train=True, targets=(arch,))
-    mod = aotfuse.load(res.data, device="cuda").as_module()
-    ref = copy.deepcopy(model).cuda()
-    x, y = torch.randn(2, 8, 56, 56, device="cuda"), torch.randn(4, 64, device="cuda")
-    loss, want = mod(x, y), ref(x, y)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-3, atol=1e-4, msg=name)
+    assert_training_matches(res.data, model, (torch.randn(2, 8, 56, 56), torch.randn(4, 64)), loss_rtol=1e-4,
+                            loss_atol=1e-5, grad_rtol=1e-3, grad_atol=1e-4, device="cuda")

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import aotfuse
+from aotfuse.testing.train_check import assert_training_matches
 
 pytestmark = pytest.mark.gpu
 
@@ -63,13 +64,5 @@ def test_window_ops_train():
     model = Loss().train()
     x, y = torch.randn(2, 12, 16), torch.randn(2, 17, 16)
     res = aotfuse.build(model, (x, y), train=True, targets=(_arch(),))
-    mod = aotfuse.load(res.data, device="cuda").as_module()
-    ref = copy.deepcopy(model).cuda()
-    x, y = torch.randn(2, 12, 16).cuda(), torch.randn(2, 17, 16).cuda()
-    loss, want = mod(x, y), ref(x, y)
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
-    got = dict(mod.named_parameters())
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-3, atol=1e-4, msg=name)
+    assert_training_matches(res.data, model, (torch.randn(2, 12, 16), torch.randn(2, 17, 16)), loss_rtol=1e-4,
+                            loss_atol=1e-5, grad_rtol=1e-3, grad_atol=1e-4, device="cuda")

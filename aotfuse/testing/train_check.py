@@ -14,14 +14,17 @@ def _rel(a, b) -> float:
 
 
 def assert_training_matches(data: bytes, model: torch.nn.Module, inputs: tuple, *, loss_atol: float = 1e-6,
-                            grad_rtol: float = 1e-4, grad_atol: float = 1e-6) -> None:
-    """fp32: the archive's loss within rtol 1e-5 of eager's, each gradient within the given tolerances."""
-    mod = aotfuse.load(data, device="cpu").as_module()
-    ref = copy.deepcopy(model)
+                            grad_rtol: float = 1e-4, grad_atol: float = 1e-6, loss_rtol: float = 1e-5,
+                            device: str = "cpu") -> None:
+    """fp32: the archive's loss within loss_rtol of eager's, each gradient within the given tolerances; the archive
+    loaded on `device`, eager run there on a copy of the model and the inputs."""
+    mod = aotfuse.load(data, device=device).as_module()
+    ref = copy.deepcopy(model).to(device)
+    inputs = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     loss, want = mod(*inputs), ref(*inputs)
     loss.backward()
     want.backward()
-    torch.testing.assert_close(loss, want, rtol=1e-5, atol=loss_atol)
+    torch.testing.assert_close(loss, want, rtol=loss_rtol, atol=loss_atol)
     got = dict(mod.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name].grad, p.grad, rtol=grad_rtol, atol=grad_atol, msg=name)
