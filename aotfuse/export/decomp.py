@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch._decomp
 
 from ..runtime.externs import keep_whole
 from .upsample import UPSAMPLE
@@ -361,6 +362,10 @@ OURS = {
     aten.var_mean.correction: _var_mean_correction,
 }
 
+
+# F.grid_sample: torch's own decomposition (its taps as index loads, every mode and padding); its gradient in training
+# comes from routing F.grid_sample to the same function above autograd (joint/sampling.py)
+OURS[aten.grid_sampler_2d.default] = torch._decomp.decomposition_table[aten.grid_sampler_2d.default]
 
 OURS.update(UPSAMPLE)  # export/upsample.py: nearest by an integer factor as views, the other modes torch's
 

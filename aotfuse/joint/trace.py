@@ -38,6 +38,7 @@ from .losses import cross_entropy_mode
 from .pooling import adaptive_pool_mode
 from .product_sums import merge_product_sums
 from .rnn import lstm_mode
+from .sampling import grid_sample_mode
 from .upsample import nearest_upsample_mode
 
 aten = torch.ops.aten
@@ -588,7 +589,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     try:
         mode, fake_model, fake_inputs = _faked(model, example_inputs, symbolic)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
-        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), lstm_mode(), \
+        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), lstm_mode(), grid_sample_mode(), \
                 nearest_upsample_mode(), uniform_compare_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
