@@ -1,4 +1,4 @@
-"""F.grid_sample (RAFT, spatial transformers, deformable sampling): torch's decomposition of aten.grid_sampler_2d,
+"""F.grid_sample (RAFT, spatial transformers, deformable sampling) and F.max_pool3d: torch's decomposition of aten.grid_sampler_2d,
 every mode, padding and corner alignment in inference; bilinear and bicubic in training (routed above autograd,
 joint/sampling.py), the grid's gradient included; nearest training refused by name. Against eager, fp32."""
 from __future__ import annotations
@@ -67,3 +67,34 @@ def test_nearest_grid_sample_training_is_refused_by_name():
     with pytest.raises(UnsupportedOpError, match="grid_sampler_2d_backward"):
         aotfuse.build(Transformer("nearest", "zeros").train(), (torch.randn(2, 3, 7, 9), torch.randn(2, 4)),
                       train=True, targets=("sm_90",))
+
+
+class Pool3d(nn.Module):
+    def forward(self, x):
+        a = F.max_pool3d(x, (1, 3, 3), (1, 2, 2), (0, 1, 1))
+        b, idx = F.max_pool3d(x, 3, 2, 1, return_indices=True)
+        return a, b, idx
+
+
+def test_max_pool3d_inference_matches_eager_with_nan():
+    """F.max_pool3d (MViT, video models) by torch's decomposition: values and indices as eager's, NaN included."""
+    res = aotfuse.build(Pool3d(), (torch.randn(2, 4, 3, 9, 9),), targets=("sm_90",))
+    x = torch.randn(2, 4, 3, 9, 9)
+    x[0, 0, 1, 2, 2] = float("nan")
+    got, want = aotfuse.load(res.data, device="cpu")(x), Pool3d()(x)
+    torch.testing.assert_close(got[0], want[0], equal_nan=True)
+    torch.testing.assert_close(got[1], want[1], equal_nan=True)
+    assert torch.equal(got[2], want[2])
+
+
+def test_max_pool3d_training_is_refused_by_name():
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = nn.Conv3d(4, 4, 1)
+
+        def forward(self, x):
+            return F.max_pool3d(self.c(x), 3, 2, 1).square().mean()
+
+    with pytest.raises(UnsupportedOpError, match="max_pool3d_with_indices_backward"):
+        aotfuse.build(Loss().train(), (torch.randn(2, 4, 3, 9, 9),), train=True, targets=("sm_90",))

@@ -366,6 +366,9 @@ OURS = {
 # F.grid_sample: torch's own decomposition (its taps as index loads, every mode and padding); its gradient in training
 # comes from routing F.grid_sample to the same function above autograd (joint/sampling.py)
 OURS[aten.grid_sampler_2d.default] = torch._decomp.decomposition_table[aten.grid_sampler_2d.default]
+# F.max_pool3d (MViT's pooled attention, video models): torch's decomposition (values and flat indices as ATen's,
+# NaN included); its backward (max_pool3d_with_indices_backward) has no lowering: training is refused by name
+OURS[aten.max_pool3d_with_indices.default] = torch._decomp.decomposition_table[aten.max_pool3d_with_indices.default]
 
 OURS.update(UPSAMPLE)  # export/upsample.py: nearest by an integer factor as views, the other modes torch's
 
