@@ -38,6 +38,7 @@ VIEW_OPS = {
     aten.permute_copy.default, aten.unsqueeze_copy.default, aten.expand_copy.default, aten.t_copy.default,
     aten.transpose_copy.int, aten.slice_copy.Tensor, aten.select_copy.int, aten.alias_copy.default,
     aten.repeat.default,  # a copy to torch, index math to lowering (each tiled dim read mod its size): free to recompute
+    aten.unfold.default,  # windows as index math
 }
 CONSTANT_OPS = {
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default, aten.full_like.default,
@@ -71,7 +72,7 @@ REDUCTION_OPS = {
     aten.var.correction, aten.var_mean.correction, aten.logsumexp.default, aten.max_pool2d_with_indices.default,
     aten.max_pool2d.default, aten.avg_pool2d.default, aten.cumsum.default, aten.cumprod.default,
     aten.norm.ScalarOpt_dim, aten.max_pool2d_with_indices_backward.default, aten.avg_pool2d_backward.default,
-    aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default,
+    aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default, aten.logcumsumexp.default,
 }
 TRANSCENDENTAL = {
     aten.exp.default, aten.exp2.default, aten.expm1.default, aten.log.default, aten.log1p.default,

@@ -59,11 +59,10 @@ EXTERNS: tuple[ExternOp, ...] = (
     # a scatter by index tensors: x[idx] = v written functionally, and (accumulate) the gradient of x[idx] (CLIP's
     # pooling at the end-of-text token, Whisper's decoder); torch's kernel, its result bound as the buffer
     ExternOp(aten.index_put.default, (aten.index_put.default,)),
-    # a scatter-add along a dim (segment sums); its gradient is a gather, which lowers
-    ExternOp(aten.scatter_add.default, (aten.scatter_add.default,)),
-    # a scatter along a dim with more indices per row than lower/gather.py writes as compares (sort's gradient)
-    ExternOp(aten.scatter.src, (aten.scatter.src,)),
-    ExternOp(aten.scatter.value, (aten.scatter.value,)),
+    # a scatter-add along a dim (segment sums); its gradient is a gather, which lowers. Its kernel family also runs
+    # an aten.scatter (src or value) that lower/gather.py does not write as compares (more indices per row: sort's
+    # gradient), which is otherwise lowered, not kept whole
+    ExternOp(aten.scatter_add.default, (aten.scatter_add.default, aten.scatter.src, aten.scatter.value)),
     # (values, int64 indices): torch's kernels (top-k routing and sampling, argsort); their gradient is a scatter
     ExternOp(aten.topk.default, (aten.topk.default,)),
     ExternOp(aten.sort.default, (aten.sort.default,)),

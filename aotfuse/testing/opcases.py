@@ -411,6 +411,11 @@ fn_case("topk_sort", lambda x: (torch.topk(x, 3)[0] * 2, torch.topk(x, 2, dim=0,
                                  torch.sort(x, dim=0, descending=True)[0] + 1, torch.argsort(x, dim=-1)),
         lambda dt: ((torch.randperm(35).reshape(5, 7) - 17).to(dt),),  # distinct values: no ties to order
         ["aten.topk.default", "aten.sort.default"], HALF)
+# windows (overlapping, tiling and gapped) and a log-domain scan
+fn_case("unfold_windows", lambda x: (x.unfold(1, 4, 2) * 2, x.unfold(2, 3, 3) + 1, x.unfold(1, 2, 3).sum(-1)),
+        _x(2, 9, 6), ["aten.unfold.default"], HALF)
+fn_case("logcumsumexp", lambda x: (torch.logcumsumexp(x * 20, 1), torch.logcumsumexp(x, -1)),
+        _x(3, 7, 5), ["aten.logcumsumexp.default"])
 # an index over fewer rows than self, and more indices per row than compares cover: torch's kernel as an extern
 fn_case("scatter_extern", lambda x, src: (x.scatter(1, torch.tensor([[4, 0], [1, 1]]), 1.5),
                                           x.scatter(1, torch.arange(20).flip(0).repeat(3, 1), src)),
