@@ -75,7 +75,7 @@ def merge_product_sums(gm: torch.fx.GraphModule) -> list[dict]:
         if any(u.target is aten.add.Tensor and len(root.users) == 1 for u in root.users):
             continue  # not the root of its tree
         leaves = _leaves(root)
-        if leaves is None or len(leaves) < MIN_TERMS:
+        if len(leaves) < MIN_TERMS:
             continue
         terms = [_term(t) for t in leaves]
         out = _val(root)

@@ -70,7 +70,7 @@ def _strides(index, r, pts: list[int], ranges: dict) -> list | None:
     return out
 
 
-def _permuted(r, rp, pts: list[int], order: list[int]):
+def _permuted(rp, pts: list[int], order: list[int]):
     """r as a function of r', whose digits are r's digits `order`-ed (order[0] the fastest of r')."""
     extents = [pts[i + 1] // pts[i] for i in range(len(pts) - 1)]
     expr, step = sympy.Integer(0), 1
@@ -128,7 +128,7 @@ def _reorder(n: Reduction, bufs):
     order = sorted(range(len(mags)), key=lambda i: (mags[i] == 0, mags[i], i))
     rp = r  # r' takes r's place: the kernel walks it as before
     tmp = sympy.Symbol("_rtmp", integer=True, nonnegative=True)
-    mapping = _permuted(r, tmp, pts, order)
+    mapping = _permuted(tmp, pts, order)
 
     def index(e):
         e = sympy.sympify(e)
@@ -143,6 +143,6 @@ def _reorder(n: Reduction, bufs):
     if step is None or sympy.simplify(step) != 1:
         return None  # the rewrite did not make the walk contiguous: keep the original
     extents = [pts[i + 1] // pts[i] for i in range(len(pts) - 1)]
-    rec = {"reorder": n.name, "buffer": big.buf, "digits": [extents[i] for i in range(len(extents))],
+    rec = {"reorder": n.name, "buffer": big.buf, "digits": extents,
            "strides": mags, "order": order}
     return dataclasses.replace(n, body=body), rec
