@@ -77,7 +77,7 @@ class Pool3d(nn.Module):
 
 
 def test_max_pool3d_inference_matches_eager_with_nan():
-    """F.max_pool3d (MViT, video models) by torch's decomposition: values and indices as eager's, NaN included."""
+    """F.max_pool3d (MViT, video models) by export/maxpool3d.py: values and indices as eager's, NaN included."""
     res = aotfuse.build(Pool3d(), (torch.randn(2, 4, 3, 9, 9),), targets=("sm_90",))
     x = torch.randn(2, 4, 3, 9, 9)
     x[0, 0, 1, 2, 2] = float("nan")
@@ -98,3 +98,25 @@ def test_max_pool3d_training_is_refused_by_name():
 
     with pytest.raises(UnsupportedOpError, match="max_pool3d_with_indices_backward"):
         aotfuse.build(Loss().train(), (torch.randn(2, 4, 3, 9, 9),), train=True, targets=("sm_90",))
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,ceil", [
+    ((2, 3, 3), (1, 2, 2), (1, 1, 0), 1, False),
+    (3, 2, 1, (1, 2, 1), True),
+    ((1, 2, 2), None, 0, 1, True),
+    (2, 3, 0, 2, False),
+])
+def test_max_pool3d_windows_match_eager(kernel, stride, padding, dilation, ceil):
+    """aotfuse's own decomposition (export/maxpool3d.py) across strides, padding, dilation and ceil_mode, batched and
+    unbatched: values and ATen's flat indices."""
+    class P(nn.Module):
+        def forward(self, x, y):
+            a = F.max_pool3d(x, kernel, stride, padding, dilation, ceil, return_indices=True)
+            b = F.max_pool3d(y, kernel, stride, padding, dilation, ceil, return_indices=True)
+            return (*a, *b)
+
+    res = aotfuse.build(P(), (torch.randn(2, 3, 5, 9, 8), torch.randn(3, 6, 7, 7)), targets=("sm_90",))
+    x, y = torch.randn(2, 3, 5, 9, 8), torch.randn(3, 6, 7, 7)
+    for got, want in zip(aotfuse.load(res.data, device="cpu")(x, y), P()(x, y)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got, want)

@@ -13,6 +13,7 @@ import torch
 import torch._decomp
 
 from ..runtime.externs import keep_whole
+from .maxpool3d import max_pool3d_with_indices
 from .upsample import UPSAMPLE
 
 aten = torch.ops.aten
@@ -366,9 +367,8 @@ OURS = {
 # F.grid_sample: torch's own decomposition (its taps as index loads, every mode and padding); its gradient in training
 # comes from routing F.grid_sample to the same function above autograd (joint/sampling.py)
 OURS[aten.grid_sampler_2d.default] = torch._decomp.decomposition_table[aten.grid_sampler_2d.default]
-# F.max_pool3d (MViT's pooled attention, video models): torch's decomposition (values and flat indices as ATen's,
-# NaN included); its backward (max_pool3d_with_indices_backward) has no lowering: training is refused by name
-OURS[aten.max_pool3d_with_indices.default] = torch._decomp.decomposition_table[aten.max_pool3d_with_indices.default]
+# F.max_pool3d (MViT's pooled attention, video models): export/maxpool3d.py (torch 2.11 has no decomposition of it)
+OURS[aten.max_pool3d_with_indices.default] = max_pool3d_with_indices
 
 OURS.update(UPSAMPLE)  # export/upsample.py: nearest by an integer factor as views, the other modes torch's
 
