@@ -138,3 +138,72 @@ def test_padded_matmuls_on_cuda_in_training_and_graphs():
         grads = dict(mod.named_parameters())
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+class WindowAttention(nn.Module):
+    """Swin's window attention as HF writes it: explicit q @ k^T with a learned bias, softmax, @ v, over 49-token
+    windows (the batched matmuls' rows and reductions are 49 long: not 16-byte multiples)."""
+
+    def __init__(self, dim=64, heads=2, tokens=49):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(heads, tokens, tokens) * 0.1)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        s = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5 + self.bias
+        return self.proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class WindowLoss(WindowAttention):
+    def forward(self, x):
+        return super().forward(x).square().mean()
+
+
+def test_batched_matmuls_padded():
+    """torch.bmm over 49 x 49 x 32 fp32 matrices: computed as 52 x 52 x 32 (operands zero-padded, the result a slice of a
+    padded buffer, batch strides 16-byte multiples); numbers as eager's."""
+    class Bmm(nn.Module):
+        def forward(self, a, b, c):
+            s = torch.bmm(a, b)
+            return s, torch.bmm(s.relu(), c)
+
+    a, b, c = torch.randn(96, 49, 32), torch.randn(96, 32, 49), torch.randn(96, 49, 32)
+    res = aotfuse.build(Bmm(), (a, b, c))
+    shapes = [st["out_view"]["shape"] for st in _mm_externs(res.data)]
+    assert shapes == [[96, 52, 52], [96, 52, 32]], shapes
+    pads = [d["pad"] for d in res.report.lowering if "pad" in d]  # each decision explained
+    assert pads == ["96 x 49x49x32 computed as 96 x 52x52x32, the result its [49, 49] slice (sizes of 16-byte "
+                    "multiples: cuBLAS's TMA kernels; unpadded it runs an sm_75 align1 kernel)",
+                    "96 x 49x32x49 computed as 96 x 52x32x52, the result its [49, 32] slice (sizes of 16-byte "
+                    "multiples: cuBLAS's TMA kernels; unpadded it runs an sm_75 align1 kernel)"], pads
+    a, b, c = torch.randn(96, 49, 32), torch.randn(96, 32, 49), torch.randn(96, 49, 32)
+    for got, want in zip(aotfuse.load(res.data, device="cpu")(a, b, c), Bmm()(a, b, c)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_training_window_attention_pads_every_batched_matmul():
+    torch.manual_seed(0)
+    model = WindowLoss().train()
+    x = torch.randn(64, 49, 64)
+    res = aotfuse.build(model, (x,), train=True)
+    bmms = [st for st in _mm_externs(res.data) if st["target"] == "aten.bmm.out"]
+    assert bmms and all(49 not in st["out_view"]["shape"][1:] for st in bmms), [st["out_view"] for st in bmms]
+    _train_check(model, (x,), (torch.randn(64, 49, 64) * 2,))
+
+
+@pytest.mark.gpu
+def test_padded_batched_matmuls_on_cuda():
+    """bf16 window attention trained on the GPU (cuBLAS bmm over padded sizes in CUDA graphs) against eager."""
+    from aotfuse.testing.train_check import assert_half_training_close
+
+    major, minor = torch.cuda.get_device_capability()
+    torch.manual_seed(0)
+    model = WindowLoss().to(torch.bfloat16).train()
+    x = torch.randn(64, 49, 64, dtype=torch.bfloat16)
+    res = aotfuse.build(model, (x,), train=True, targets=(f"sm_{major}{minor}",))
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        assert_half_training_close(res.data, model.cuda(), (torch.randn(64, 49, 64, generator=g).to(torch.bfloat16)
+                                                             .cuda(),), device="cuda")
