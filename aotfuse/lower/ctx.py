@@ -138,22 +138,20 @@ class LoweringCtx:
                storage_perm: Sequence[int] | None = None, padded: tuple[int, int] | None = None) -> View:
         """An extern writing a fresh buffer. storage_perm: the buffer holds the result permuted
         (result.permute(storage_perm) is contiguous), so the logical view is the inverse permute. padded (a 2-D
-        .out result, or a batch of them, computed over padded sizes): the buffer's matrices are [rows, cols] and the
-        result their leading slice."""
+        .out result computed over padded sizes): the buffer is [rows, cols] and the result its leading slice."""
         if target not in ALLOWED:  # a program the runtime would refuse must not get built
             raise BuildError(f"lowering emitted extern {target!r}, which is not on the runtime's allow-list "
                              f"(aotfuse/runtime/externs.py)")
         name = self.fresh("ext")
         out_shape = sizes(out_shape)
-        if padded is not None and storage_perm is None and out_variant and len(out_shape) in (2, 3):
-            r, c = out_shape[-2:]
-            full = (*out_shape[:-2], *padded)
-            self.add_buffer(name, full, dtype, "extern")
-            view = View.of_buffer(name, full, dtype)
+        if padded is not None and storage_perm is None and out_variant and len(out_shape) == 2:
+            r, c = out_shape
+            self.add_buffer(name, padded, dtype, "extern")
+            view = View.of_buffer(name, padded, dtype)
             # the call writes all of it
             self.nodes.append(Extern(name, target, tuple(args), tuple(sorted(kwargs.items())), out_variant,
                                      view.as_strided()))
-            return view.slice(-2, 0, r).slice(-1, 0, c)
+            return view.slice(0, 0, r).slice(1, 0, c)
         if storage_perm is None:
             self.add_buffer(name, out_shape, dtype, "extern")
             view = View.of_buffer(name, out_shape, dtype)
@@ -187,39 +185,35 @@ class LoweringCtx:
         return tuple(views)
 
     def pad_matrix(self, view: View, rows: int, cols: int, why: str) -> View:
-        """A 2-D view, or a batch of them ([B, r, c]: a bmm's operand), as [rows, cols] matrices (each at least the
-        view's) whose extra rows and columns are zeros, for a matmul computed over padded sizes
-        (lower/extern._padded_mm). The view itself when no size grows and its leading dimension (and batch stride)
-        are 16-byte multiples; else a copy stored along the view's contiguous dim (a transposed weight is padded as
-        its transpose: the copy reads and writes whole rows), loads clamped in bounds. Copied once per (view,
-        sizes)."""
-        lead = tuple(int(x) for x in view.shape[:-2])
-        r, c = (int(x) for x in view.shape[-2:])
+        """A 2-D view as a [rows, cols] matrix (each at least the view's) whose extra rows and columns are zeros,
+        for a matmul computed over padded sizes (lower/extern._padded_mm). The view itself when no size grows and
+        its leading dimension is a 16-byte multiple; else a copy stored along the view's contiguous dim (a
+        transposed weight is padded as its transpose: the copy reads and writes whole rows), loads clamped in
+        bounds. Copied once per (view, sizes)."""
+        r, c = (int(x) for x in view.shape)
         t = view.as_strided()
         if (rows, cols) == (r, c) and t is not None and not misaligned_ld(t, view.dtype):
             return view
-        colmajor = t is not None and int(t.stride[-2]) == 1 and int(t.stride[-1]) != 1
+        colmajor = t is not None and len(t.stride) == 2 and int(t.stride[0]) == 1 and int(t.stride[1]) != 1
         if colmajor:  # copy the transpose, row-major, and read it back transposed
-            swap = list(range(len(lead))) + [len(lead) + 1, len(lead)]
-            return self.pad_matrix(view.permute(swap), cols, rows, why).permute(swap)
+            return self.pad_matrix(view.permute([1, 0]), cols, rows, why).permute([1, 0])
         key = (view, "pad", rows, cols)
         out = self.realized.get(key)
         if out is None:
-            pv = syms("p", len(lead) + 2)
-            idx = (*pv[:-2], sympy.Min(pv[-2], r - 1), sympy.Min(pv[-1], c - 1))
-            shape = (*lead, rows, cols)
-            val = self.load_compute(view, idx, dict(zip(pv, shape)))
+            pv = syms("p", 2)
+            idx = (sympy.Min(pv[0], r - 1), sympy.Min(pv[1], c - 1))
+            val = self.load_compute(view, idx, {pv[0]: rows, pv[1]: cols})
             conds = [Op("lt", (IndexValue(v, "int64"), Const(n, "int64")), "bool")
-                     for v, n, m in ((pv[-2], r, rows), (pv[-1], c, cols)) if m != n]
+                     for v, n, m in ((pv[0], r, rows), (pv[1], c, cols)) if m != n]
             cdt = compute_dtype(view.dtype)
             body = val
             if conds:
                 keep = conds[0] if len(conds) == 1 else Op("and", tuple(conds), "bool")
                 body = Op("where", (keep, val, Const(0, cdt)), cdt)
-            out = self.pointwise(shape, view.dtype, body, hint="pad")
+            out = self.pointwise((rows, cols), view.dtype, body, hint="pad")
             self.realized[key] = out
             self.decisions.append({"realize": out.buf, "of": view.buf, "why": why,
-                                   "order": f"{list(lead) + [r, c]} padded to {list(shape)} with zeros"})
+                                   "order": f"[{r}, {c}] padded to [{rows}, {cols}] with zeros"})
         return out
 
     def realize(self, view: View, why: str, transposable: bool = False, storage=None) -> View:
@@ -290,14 +284,9 @@ def pad_row(n: int, dtype: str) -> int:
 
 
 def misaligned_ld(t: TensorArg, dtype: str) -> bool:
-    """Is a strided matrix's leading dimension (its larger stride; the other is 1), or a batch of them's batch
-    stride ([B, r, c]), not a 16-byte multiple?"""
-    if len(t.shape) not in (2, 3) or not all(static(x) for x in (*t.shape, *t.stride)) or 1 in t.shape[-2:]:
+    """Is a 2-D strided matrix's leading dimension (its larger stride; the other is 1) not a 16-byte multiple?"""
+    if len(t.shape) != 2 or not all(static(x) for x in (*t.shape, *t.stride)) or 1 in t.shape:
         return False
-    s0, s1 = (int(x) for x in t.stride[-2:])
+    s0, s1 = (int(x) for x in t.stride)
     ld = s0 if s1 == 1 else (s1 if s0 == 1 else None)
-    if ld is None:
-        return False
-    item = ITEMSIZE[dtype]
-    batch = len(t.shape) == 3 and int(t.shape[0]) > 1 and (int(t.stride[0]) * item) % ROW_ALIGN_BYTES != 0
-    return (ld * item) % ROW_ALIGN_BYTES != 0 or batch
+    return ld is not None and (ld * ITEMSIZE[dtype]) % ROW_ALIGN_BYTES != 0

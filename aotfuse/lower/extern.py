@@ -51,45 +51,34 @@ def _operands(ctx, node, a, b, names=("lhs", "rhs")):
 _PAD_DTYPES = ("bfloat16", "float16", "float32")
 
 
-PAD_MAX_GROWTH = 1.5  # padded work at most this multiple of the matmul's own (49 -> 56: 1.14 per padded dim)
-PAD_MIN_WORK = 1 << 22  # multiply-adds (batch included) below which an align1 kernel costs microseconds
-
-
 def _padded_mm(ctx, node, a, b, bias=None) -> View | None:
-    """A matmul (2-D, or a bmm's batch of them) with a size that is not a multiple of 16 bytes' worth of elements
-    (a vocabulary of 50257, Swin's 49-token windows), computed over sizes padded to one (AOTFUSE_MM_PAD): operands
-    copied into zero-padded matrices where they grow (LoweringCtx.pad_matrix; a producer fuses into the copy),
-    the result written into a padded buffer and used as its leading slice. cuBLAS otherwise runs an sm_75 `align1`
-    kernel (GPT-2's LM head on an H100: 6.6 ms against 0.9 padded; Swin-T's window attention in training, three
-    such kernels 3.1 ms of a 19.9 ms step). bias: addmm's (1-D over N or 2-D), padded alike. None when it does not
-    apply (recorded when it does)."""
+    """A 2-D matmul with a size that is not a multiple of 16 bytes' worth of elements (a vocabulary of 50257),
+    computed over sizes padded to one (AOTFUSE_MM_PAD): operands copied into zero-padded matrices where they
+    grow (LoweringCtx.pad_matrix; a producer fuses into the copy), the result written into a padded buffer and
+    used as its leading slice. cuBLAS otherwise runs an sm_75 `align1` kernel (GPT-2's LM head on an H100: 6.6 ms
+    against 0.9 padded). bias: addmm's (1-D over N or 2-D), padded alike. None when it does not apply (recorded
+    when it does)."""
     if not knobs.mm_pad or not (isinstance(a, View) and isinstance(b, View)):
         return None
     if bias is not None and (not isinstance(bias, View) or bias.dtype != out_dtype(node) or len(bias.shape) > 2):
         return None
     shape = out_shape(node)
     dt = out_dtype(node)
-    if dt not in _PAD_DTYPES or a.dtype != dt or b.dtype != dt or len(shape) not in (2, 3) \
-            or len(a.shape) != len(shape) or len(b.shape) != len(shape) or (bias is not None and len(shape) != 2):
+    if dt not in _PAD_DTYPES or a.dtype != dt or b.dtype != dt or len(shape) != 2 or len(a.shape) != 2:
         return None
-    if not all(static(x) for x in (*shape, *a.shape, *b.shape, *(() if bias is None else bias.shape))):
+    if not all(static(x) for x in (*shape, *a.shape, *(() if bias is None else bias.shape))):
         return None
-    batch = int(shape[0]) if len(shape) == 3 else 1
-    (m, k), n = (int(x) for x in a.shape[-2:]), int(shape[-1])
+    (m, k), n = (int(x) for x in a.shape), int(shape[1])
     mp, np_, kp = pad_row(m, dt), pad_row(n, dt), pad_row(k, dt)
-    work = batch * m * n * k
-    if (mp, np_, kp) == (m, n, k) or work < PAD_MIN_WORK or batch * mp * np_ * kp > PAD_MAX_GROWTH * work:
+    if (mp, np_, kp) == (m, n, k) or min(m, n, k) < 64 or m * n * k < 1 << 24:
         return None
-    dims = f"{batch} x " if len(shape) == 3 else ""
-    why = f"{node.name}: {dims}{m}x{n}x{k} computed as {dims}{mp}x{np_}x{kp}"
+    why = f"{node.name}: {m}x{n}x{k} computed as {mp}x{np_}x{kp}"
     pa = ctx.pad_matrix(a, mp, kp, f"lhs of {why}")
     pb = ctx.pad_matrix(b, kp, np_, f"rhs of {why}")
     ta, tb = _operands(ctx, node, pa, pb)
-    ctx.decisions.append({"matmul": node.name, "pad": f"{dims}{m}x{n}x{k} computed as {dims}{mp}x{np_}x{kp}, the "
-                          f"result its [{m}, {n}] slice (sizes of 16-byte multiples: cuBLAS's TMA kernels; unpadded "
-                          "it runs an sm_75 align1 kernel)"})
-    if len(shape) == 3:
-        return ctx.extern("aten.bmm.out", (ta, tb), {}, shape, dt, True, padded=(mp, np_))
+    ctx.decisions.append({"matmul": node.name, "pad": f"{m}x{n}x{k} computed as {mp}x{np_}x{kp}, the result its "
+                          f"[{m}, {n}] slice (sizes of 16-byte multiples: cuBLAS's TMA kernels; unpadded it runs an "
+                          "sm_75 align1 kernel)"})
     if bias is None:
         return ctx.extern("aten.mm.out", (ta, tb), {}, shape, dt, True, padded=(mp, np_))
     if len(bias.shape) == 2:  # [M, N], or broadcast [1, N] / [M, 1]
@@ -116,8 +105,6 @@ def _mm(ctx, node, args, kwargs):
 def _bmm(ctx, node, args, kwargs):
     if (t := try_template(ctx, node, args[0], args[1], "bmm")) is not None:  # matmul template
         return t
-    if (p := _padded_mm(ctx, node, args[0], args[1])) is not None:
-        return p
     a, b = _operands(ctx, node, args[0], args[1])
     return ctx.extern("aten.bmm.out", (a, b), {}, out_shape(node), out_dtype(node), True)
 
