@@ -81,3 +81,46 @@ def test_global_pool_and_sort_gradients_on_cuda():
     res = aotfuse.build(model, (torch.randn(2, 8, 56, 56), torch.randn(4, 64)), train=True, targets=(arch,))
     assert_training_matches(res.data, model, (torch.randn(2, 8, 56, 56), torch.randn(4, 64)), loss_rtol=1e-4,
                             loss_atol=1e-5, grad_rtol=1e-3, grad_atol=1e-4, device="cuda")
+
+
+class AvgPool(nn.Module):
+    """nn.AvgPool2d with a large kernel after a learned scale. EfficientNet's head pools with a kernel of its channel
+    count (1280 for B0, ceil_mode) over a map of a few pixels: nearly every tap of every window lies in padding."""
+
+    def __init__(self, k, stride=None, pad=0, ceil=False, include_pad=True):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 1, 1))
+        self.pool = nn.AvgPool2d(k, stride, pad, ceil_mode=ceil, count_include_pad=include_pad)
+
+    def forward(self, x):
+        return self.pool(x * self.w)
+
+
+# (H, W, kernel, stride, padding, ceil_mode, count_include_pad): EfficientNet's head (a kernel of 64 over 2 x 2,
+# ceil_mode), a global 32 x 32 window, 20 x 20 windows with stride 6 and padding (masked taps, excluded from the
+# divisor), 3 x 3 windows (a sum of taps)
+AVG_CASES = [(2, 2, 64, None, 0, True, True), (32, 32, 32, None, 0, False, True), (45, 41, 20, 6, 10, True, False),
+             (9, 9, 3, 2, 1, False, True)]
+
+
+@pytest.mark.parametrize("h,w,k,stride,pad,ceil,include_pad", AVG_CASES)
+def test_avg_pool_large_windows(h, w, k, stride, pad, ceil, include_pad):
+    """Inference and training against eager: only taps that land on the input are visited, and more than
+    POOL_TAPS_MAX of them are one reduction (the kernel of 64 was 4096 nested adds: a RecursionError)."""
+    torch.manual_seed(0)
+    model = AvgPool(k, stride, pad, ceil, include_pad)
+    res = aotfuse.build(model.eval(), (torch.randn(2, 4, h, w),), targets=("sm_90",))
+    x = torch.randn(2, 4, h, w)
+    torch.testing.assert_close(aotfuse.load(res.data, device="cpu")(x), model(x), rtol=1e-5, atol=1e-6)
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x).square().mean()
+
+    loss = Loss().train()
+    res = aotfuse.build(loss, (torch.randn(2, 4, h, w),), train=True, targets=("sm_90",))
+    assert_training_matches(res.data, loss, (torch.randn(2, 4, h, w),), grad_rtol=1e-4, grad_atol=1e-5)

@@ -34,6 +34,44 @@ def test_floordiv_and_mod_use_ranges():
     assert simplify(FloorDiv(a + b, 16), {a: 100, b: 100}) != a
 
 
+def _c_eval(e, env):
+    """An index expression evaluated as a kernel does: `//` and `%` truncate toward zero (C, Triton)."""
+    import math
+
+    if e.is_Integer:
+        return int(e)
+    if e.is_Symbol:
+        return env[e]
+    if e.is_Add:
+        return sum(_c_eval(a, env) for a in e.args)
+    if e.is_Mul:
+        return math.prod(_c_eval(a, env) for a in e.args)
+    a, d = (_c_eval(x, env) for x in e.args)
+    if isinstance(e, FloorDiv):
+        return int(a / d)
+    if isinstance(e, ModIdx):
+        return int(math.fmod(a, d))
+    raise AssertionError(e)
+
+
+def test_mod_of_a_term_that_can_be_negative_stays_non_negative():
+    """(8*o + w - 9) % 8 with o, w >= 1: dropping 8*o leaves w - 9, which is negative for w < 9; a kernel's `%` is
+    C's remainder, so the simplified form must be non-negative where it is evaluated (an average pool's gradient over
+    large windows read a neighbour's window otherwise)."""
+    import itertools
+
+    o, w = sym("a", 0), sym("b", 1)
+    rng = {o: 9, w: 9}
+    for arg, d in ((8 * o + w - 9, 8), (3 * o + w - 5, 6), (16 * o + 2 * w - 3, 4)):
+        for e in (ModIdx(arg, d), d * FloorDiv(arg, d) + ModIdx(arg, d)):
+            got = simplify(e, rng)
+            for vo, vw in itertools.product(range(9), range(9)):
+                if arg.subs({o: vo, w: vw}) < 0:
+                    continue  # an index argument is never negative where a kernel evaluates it
+                want = int(e.subs({o: vo, w: vw}))  # sympy's own evaluation: Python's floor semantics
+                assert _c_eval(got, {o: vo, w: vw}) == want, (e, got, vo, vw)
+
+
 def test_views_are_index_math():
     v = View.of_buffer("buf", (2, 64, 384), "float32")
     q = v.slice(2, 128, 256).reshape((2, 64, 4, 32)).permute((0, 2, 1, 3))

@@ -197,6 +197,13 @@ def _simplify_mod(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
     if split is not None:
         g, big, small = split
         return g * _simplify_mod(_join((c // g, r) for c, r in big), d // g, ranges) + _join(small)
+    if lo < 0:
+        # Dropping multiples of d left a term that can be negative (8*o + w - 9 -> w - 9): equal modulo d, but a
+        # kernel's `%` takes the sign of its dividend (C's remainder, Triton's and its interpreter's), not Python's.
+        # Shift it by a multiple of d into [0, ...) when its bound is known, else keep the argument as it was.
+        if lo <= -_INF_GUARD:
+            return ModIdx(a, sympy.Integer(d))
+        rest = rest + (-(lo // d)) * d
     return ModIdx(rest, sympy.Integer(d))
 
 
@@ -372,7 +379,11 @@ def _mod_sym(a: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     if not rest:
         return sympy.Integer(0)
     r = sympy.Add(*rest, 0)
-    return r if _below(r, d, ranges) else ModIdx(r, d)
+    if _below(r, d, ranges):
+        return r
+    # a dropped multiple of d may leave a term that can be negative: a kernel's `%` is C's remainder, so the
+    # argument is kept whole unless every term of the rest is non-negative
+    return ModIdx(r, d) if all(t.as_coeff_Mul()[0] >= 0 for t in sympy.Add.make_args(r)) else ModIdx(a, d)
 
 
 def _recombine_sym(e: sympy.Expr) -> sympy.Expr:

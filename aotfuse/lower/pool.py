@@ -21,11 +21,13 @@ from __future__ import annotations
 import sympy
 import torch
 
-from ..ir.sizes import sizes
+from ..ir.sizes import sizes, static
 from ..ir.indexing import FloorDiv, ModIdx, bounds, simplify, syms
 from ..ir.loop import FLOATS, Const, IndexValue, Op, compute_dtype
 from .ctx import as_dtype, meta, out_dtype, out_shape
 from .rules import collector
+
+POOL_TAPS_MAX = 16  # an average pool over larger windows is a reduction, not a sum of taps
 
 aten = torch.ops.aten
 RULES: list = []
@@ -229,8 +231,18 @@ def _avg_divisor(oh, ow, H, W, k, stride, pad, count_include_pad, divisor, cdt, 
     return as_dtype(IndexValue(size, I64), cdt)
 
 
+def _live_taps(k: int, s: int, pad: int, n_in, n_out) -> range:
+    """The kernel taps that land inside the input for some output position: i with 0 <= o*s - pad + i < n_in for
+    an o < n_out. EfficientNet's head pools with a kernel of 1280 (its channel count, ceil_mode) over a map of
+    a few pixels: nearly every tap lands in padding for every window."""
+    if not (static(n_in) and static(n_out)):
+        return range(k)
+    return range(max(0, pad - (int(n_out) - 1) * s), min(k, pad + int(n_in)))
+
+
 @rule(aten.avg_pool2d.default, category="pointwise",
-      note="padding, ceil_mode, count_include_pad, divisor_override (ATen's divisors)")
+      note="padding, ceil_mode, count_include_pad, divisor_override (ATen's divisors); windows of more than "
+           f"{POOL_TAPS_MAX} live taps as a sum reduction")
 def _avg_pool2d(ctx, node, args, kwargs):
     x = args[0]
     k, stride, pad, _ceil, cip, divisor = _avg_params(args, kwargs)
@@ -239,9 +251,25 @@ def _avg_pool2d(ctx, node, args, kwargs):
     H, W = x.shape[-2], x.shape[-1]
     pv = syms("p", len(shape))
     ranges = dict(zip(pv, shape))
+    d = _avg_divisor(pv[-2], pv[-1], H, W, k, stride, pad, cip, divisor, cdt, ranges)
+    ti, tj = _live_taps(k[0], stride[0], pad[0], H, shape[-2]), _live_taps(k[1], stride[1], pad[1], W, shape[-1])
+    if len(ti) * len(tj) > POOL_TAPS_MAX:
+        # a large window: one reduction over its live taps, those off the input masked (a sum of taps is one
+        # expression of nested adds per tap, which overflows the expression walks' recursion past some thousand)
+        rv = syms("r", 2)
+        full = {**ranges, rv[0]: len(ti), rv[1]: len(tj)}
+        h = pv[-2] * stride[0] - pad[0] + ti.start + rv[0]
+        w = pv[-1] * stride[1] - pad[1] + tj.start + rv[1]
+        v = as_dtype(ctx.load_compute(x, list(pv[:-2]) + [_clamp(h, H, full), _clamp(w, W, full)], full), cdt)
+        valid = _and(_in_range(h, 0, H, full), _in_range(w, 0, W, full))
+        body = v if valid is None else Op("where", (valid, v, Const(0.0, cdt)), cdt)
+        red = ctx.reduction(shape, list(shape), [len(ti), len(tj)], body, "sum", cdt, cdt)
+        ctx.decisions.append({"pool": node.name, "taps": f"{k[0]}x{k[1]} window, {len(ti)}x{len(tj)} taps on the "
+                              f"input: one reduction (more than {POOL_TAPS_MAX} taps)"})
+        return ctx.pointwise(shape, x.dtype, Op("div", (ctx.load_compute(red, list(pv), ranges), d), cdt), hint="pool")
     acc = None
-    for i in range(k[0]):
-        for j in range(k[1]):
+    for i in ti:
+        for j in tj:
             h = pv[-2] * stride[0] - pad[0] + i
             w = pv[-1] * stride[1] - pad[1] + j
             valid = _and(_in_range(h, 0, H, ranges), _in_range(w, 0, W, ranges))
@@ -249,7 +277,6 @@ def _avg_pool2d(ctx, node, args, kwargs):
             if valid is not None:
                 v = Op("where", (valid, v, Const(0.0, cdt)), cdt)
             acc = v if acc is None else Op("add", (acc, v), cdt)
-    d = _avg_divisor(pv[-2], pv[-1], H, W, k, stride, pad, cip, divisor, cdt, ranges)
     return ctx.pointwise(shape, x.dtype, Op("div", (acc, d), cdt), hint="pool")
 
 
@@ -268,12 +295,15 @@ def _avg_pool2d_backward(ctx, node, args, kwargs):
     g = args[0]
     k, stride, pad, _ceil, cip, divisor = _avg_params(args[1:], {})
     shape, dt, cdt, (H, W), (Ho, Wo), pv, ranges = _grad_space(node, g)
+    if len(_live_taps(k[0], stride[0], pad[0], H, Ho)) * len(_live_taps(k[1], stride[1], pad[1], W, Wo)) \
+            > POOL_TAPS_MAX:
+        return _avg_pool2d_backward_by_windows(ctx, node, g, k, stride, pad, cip, divisor)
     acc = None
-    for i in range(k[0]):
+    for i in _live_taps(k[0], stride[0], pad[0], H, Ho):
         oh, vh = _windows_of(pv[-2], pad[0], i, stride[0], Ho, ranges)
         if vh == "never":
             continue
-        for j in range(k[1]):
+        for j in _live_taps(k[1], stride[1], pad[1], W, Wo):
             ow, vw = _windows_of(pv[-1], pad[1], j, stride[1], Wo, ranges)
             if vw == "never":
                 continue
@@ -287,6 +317,42 @@ def _avg_pool2d_backward(ctx, node, args, kwargs):
     return ctx.pointwise(shape, dt, acc if acc is not None else Const(0.0, cdt), hint="pool_bwd")
 
 
+def _avg_pool2d_backward_by_windows(ctx, node, g, k, stride, pad, cip, divisor):
+    """A large window's gradient (more than POOL_TAPS_MAX live taps): each input element sums grad / divisor over
+    the windows that contain it, at most ceil(k / s) per dim: window floor((h + pad) / s) - a for a < ceil(k / s),
+    kept when it exists and h lies within its k taps. Those are a sum of terms, or one reduction over (a, b) when
+    there are more than POOL_TAPS_MAX of them (a stride-1 window of 20 x 20)."""
+    shape, dt, cdt, (H, W), (Ho, Wo), pv, ranges = _grad_space(node, g)
+    nh, nw = -(-k[0] // stride[0]), -(-k[1] // stride[1])
+    reduce = nh * nw > POOL_TAPS_MAX
+    av = syms("r", 2) if reduce else None
+    full = {**ranges, av[0]: nh, av[1]: nw} if reduce else ranges
+
+    def term(a, b):
+        idx, valid = [], None
+        for pos, t, n_out, p, s, kk in ((pv[-2], a, Ho, pad[0], stride[0], k[0]),
+                                        (pv[-1], b, Wo, pad[1], stride[1], k[1])):
+            o = FloorDiv(pos + p, s) - t
+            valid = _and(valid, _and(_in_range(o, 0, n_out, full), _in_range(pos + p - o * s, 0, kk, full)))
+            lo, hi = bounds(simplify(o, full), full)
+            idx.append(sympy.Min(sympy.Max(o, 0), n_out - 1) if (lo < 0 or hi >= n_out) else o)
+        d = _avg_divisor(idx[0], idx[1], H, W, k, stride, pad, cip, divisor, cdt, full)
+        v = Op("div", (as_dtype(ctx.load_compute(g, list(pv[:-2]) + idx, full), cdt), d), cdt)
+        return v if valid is None else Op("where", (valid, v, Const(0.0, cdt)), cdt)
+
+    ctx.decisions.append({"pool": node.name, "taps": f"{k[0]}x{k[1]} window's gradient: {nh}x{nw} windows per "
+                          "input element" + (" as one reduction" if reduce else "")})
+    if reduce:
+        red = ctx.reduction(shape, list(shape), [nh, nw], term(av[0], av[1]), "sum", cdt, cdt)
+        return ctx.pointwise(shape, dt, ctx.load_compute(red, list(pv), ranges), hint="pool_bwd")
+    acc = None
+    for a in range(nh):
+        for b in range(nw):
+            t = term(a, b)
+            acc = t if acc is None else Op("add", (acc, t), cdt)
+    return ctx.pointwise(shape, dt, acc, hint="pool_bwd")
+
+
 # ---------------------------------------------------------------- adaptive average pool
 
 def _adaptive_bounds(o, n_in: int, n_out: int):
@@ -297,8 +363,6 @@ def _adaptive_bounds(o, n_in: int, n_out: int):
 def _max_window(n_in: int, n_out: int) -> int:
     return max(-(-((o + 1) * n_in) // n_out) - (o * n_in) // n_out for o in range(n_out))
 
-
-POOL_TAPS_MAX = 16  # an adaptive average pool over larger whole windows is a reduction, not a sum of taps
 
 
 @rule(aten._adaptive_avg_pool2d.default, category="pointwise",
