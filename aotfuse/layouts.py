@@ -53,6 +53,7 @@ BTHE = (0, 2, 1, 3)  # a [B, H, T, E] attention operand stored [B, T, H, E]
 # FX targets of fused attention and the argument positions whose tensors are [B, H, T, E] (q, k, v; the
 # backward's grad_out and out as well)
 _ATTENTION_ARGS = {"aotfuse.attention.default": (0, 1, 2), "aotfuse.attention_backward.default": (0, 1, 2, 3, 5),
+                   "aotfuse.attention_backward_bias.default": (0, 1, 2, 3, 5),
                    "aten.scaled_dot_product_attention.default": (0, 1, 2)}
 
 

@@ -172,3 +172,47 @@ def test_masked_and_gqa_training_through_the_archive_in_bf16(kw):
     assert not bad, bad[:3]
     assert set(A.chosen_kernels().values()) == {A.CUDNN if _cudnn_expected() else
                                                 A.EFFICIENT if kw.get("masked") else A.FLASH}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mshape", [(1, 4, 49, 49), (8, 1, 49, 49), (49, 49)], ids=["1H", "B1", "TS"])
+def test_bias_gradient_op_matches_float64_sdpa(dtype, mshape):
+    """aotfuse::attention_backward_bias on CUDA (the efficient kernel's bias gradient, summed to the mask's shape;
+    T = S = 49, Swin's window, not a multiple of 8): dq, dk, dv and the mask's gradient against float64 sdpa, no
+    further than twice eager's own error in `dtype` (plus a floor)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(8, 4, 49, 32, device="cuda", generator=g) for _ in range(3))
+    m = torch.randn(*mshape, device="cuda", generator=g)
+    go = torch.randn(8, 4, 49, 32, device="cuda", generator=g)
+
+    def grads(dt, fn):
+        ts = [t.to(dt).requires_grad_() for t in (q, k, v, m)]
+        out = fn(*ts)
+        out.backward(go.to(dt))
+        return [t.grad.double() for t in ts]
+
+    ref = grads(torch.float64, lambda a, b, c, d: F.scaled_dot_product_attention(a, b, c, attn_mask=d))
+    eager = grads(dtype, lambda a, b, c, d: F.scaled_dot_product_attention(a, b, c, attn_mask=d))
+    qd, kd, vd, md = (t.to(dtype) for t in (q, k, v, m))
+    out, lse = A.attention(qd, kd, vd, md, False, 32 ** -0.5, False)
+    ours = A.attention_backward_bias(go.to(dtype), qd, kd, vd, md, out, lse, False, 32 ** -0.5, False)
+    for name, o, e, r in zip(("dq", "dk", "dv", "dmask"), ours, eager, ref):
+        assert o.shape == r.shape and o.dtype == dtype, name
+        err, eager_err = float((o.double() - r).norm() / r.norm()), float((e - r).norm() / r.norm())
+        assert err <= max(2 * eager_err, 1e-5 if dtype == torch.float32 else 1e-2), (name, err, eager_err)
+
+
+def test_learned_bias_training_through_the_archive():
+    """Swin-style window attention with a learned relative position bias trained through the archive on CUDA
+    (tests/test_train_attention.py's WindowBias): loss and every gradient against eager, fp32."""
+    import aotfuse
+    from aotfuse.testing.train_check import assert_training_matches
+    from test_train_attention import WindowBias
+
+    torch.manual_seed(0)
+    model = WindowBias()
+    x = torch.randn(4, 49, 16)
+    major, minor = torch.cuda.get_device_capability()
+    res = aotfuse.build(model, (x,), train=True, targets=(f"sm_{major}{minor}",))
+    assert_training_matches(res.data, model, (torch.randn(4, 49, 16),), loss_rtol=1e-4, loss_atol=1e-5,
+                            grad_rtol=1e-3, grad_atol=1e-5, device="cuda")

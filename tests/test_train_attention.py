@@ -112,7 +112,75 @@ def test_no_b_h_t_t_tensor_and_the_partition_saves_q_k_v_out_lse(built, name):
     assert "attention 0" in explain(res.data) and "kept whole" in explain(res.data)
 
 
-def test_mask_that_requires_grad_falls_back_to_the_math_form_with_a_recorded_reason():
+class WindowBias(nn.Module):
+    """Swin's window attention as transformers calls sdpa: the learned relative position bias [1, H, T, T] (gathered
+    from a table by index, as Swin does) plus a constant shifted-window mask over windows [nW, 1, T, T], as one float
+    attn_mask that requires grad. T = 49 (7 x 7 windows): not a multiple of 8."""
+
+    def __init__(self, heads=2, t=49, dim=16, windows=2, shifted=True):
+        super().__init__()
+        self.heads, self.windows = heads, windows
+        self.table = nn.Parameter(torch.randn(2 * t, heads) * 0.5)
+        self.register_buffer("index", torch.randint(0, 2 * t, (t, t)))
+        mask = torch.zeros(windows, t, t)
+        if shifted:
+            mask[1, : t // 2, t // 2:] = -100.0  # Swin's shifted-window mask: -100 between regions
+        self.register_buffer("mask", mask)
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        bw, t, d = x.shape
+        q, k, v = self.qkv(x).view(bw, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index].permute(2, 0, 1).unsqueeze(0)  # [1, H, T, T]
+        m = (bias.unsqueeze(1) + self.mask[None, :, None]).reshape(-1, self.heads, t, t)  # [nW, H, T, T]
+        m = m.repeat(bw // self.windows, 1, 1, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return out.square().mean()
+
+
+def test_learned_bias_is_fused_with_its_gradient():
+    """A float mask that requires grad (a learned bias) keeps attention fused: the backward is
+    aotfuse::attention_backward_bias, which returns the bias's gradient too; loss and every gradient (the bias table
+    included) match eager, and no [B, H, T, T] probabilities are saved."""
+    torch.manual_seed(0)
+    model = WindowBias()
+    x = torch.randn(4, 49, 16)
+    joint = trace_joint(model, (x,))
+    assert [d["kernel"] for d in joint.decisions] == ["fused"]
+    res = aotfuse.build(model, (x,), train=True, targets=("sm_90",))
+    targets = [i.target for prog in _all_shapes(res.data).values() for i in prog[1].instructions
+               if i.op == "extern" and "attention" in i.target]
+    assert sorted(targets) == ["aotfuse.attention.default", "aotfuse.attention_backward_bias.default"], targets
+    with read_archive(res.data) as ar:
+        acts = [s for s in read_report(ar).partition["saved"] if s["kind"] == "activation"]
+    assert not [s for s in acts if s["shape"][-2:] == [49, 49] and len(s["shape"]) == 4 and s["shape"][0] == 4], acts
+    assert_training_matches(res.data, model, (torch.randn(4, 49, 16),), grad_rtol=1e-4, grad_atol=1e-6)
+
+
+def test_bias_gradient_op_matches_autograd_with_gqa_and_broadcast_masks():
+    """aotfuse::attention_backward_bias against autograd through sdpa's math: masks [T, S], [1, H, T, S] and
+    [B, 1, T, S] (the gradient summed to each), grouped heads, fp32 and fp64 on the CPU."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for mshape, kv in (((7, 9), 4), ((1, 4, 7, 9), 2), ((2, 1, 7, 9), 4)):
+            q = torch.randn(2, 4, 7, 8, dtype=dtype, requires_grad=True)
+            k = torch.randn(2, kv, 9, 8, dtype=dtype, requires_grad=True)
+            v = torch.randn(2, kv, 9, 8, dtype=dtype, requires_grad=True)
+            m = torch.randn(*mshape, dtype=dtype, requires_grad=True)
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=kv != 4)
+            g = torch.randn_like(want)
+            want.backward(g)
+            out, lse = attention(q, k, v, m, False, 8 ** -0.5, kv != 4)
+            from aotfuse.runtime.attention import attention_backward_bias
+
+            got = attention_backward_bias(g, q, k, v, m, out, lse, False, 8 ** -0.5, kv != 4)
+            tol = 1e-5 if dtype == torch.float32 else 1e-6  # the logsumexp is fp32 (the contract) for fp64 too
+            for a, b in zip(got, (q.grad, k.grad, v.grad, m.grad)):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_learned_mask_with_a_large_head_dim_takes_the_math_form_with_a_recorded_reason():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -121,10 +189,10 @@ def test_mask_that_requires_grad_falls_back_to_the_math_form_with_a_recorded_rea
         def forward(self, q, k, v):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).sum()
 
-    q = torch.randn(1, 2, 8, 4)
+    q = torch.randn(1, 2, 8, 160)
     joint = trace_joint(M(), (q, q, q))
     assert [d["kernel"] for d in joint.decisions] == ["math"]
-    assert "requires grad" in joint.decisions[0]["why"]
+    assert "requires grad with a head dim of 160" in joint.decisions[0]["why"]
     assert not [n for n in joint.gm.graph.nodes if "aotfuse" in str(n.target)]
 
 

@@ -351,8 +351,11 @@ def fused_attention_refusal(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fa
     if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
         return f"query, key, value of dtypes {q.dtype}, {k.dtype}, {v.dtype}"
     if attn_mask is not None:
-        if attn_mask.requires_grad:
-            return "the attention mask requires grad (the fused backward computes no mask gradient)"
+        if attn_mask.requires_grad and (attn_mask.dtype == torch.bool or q.shape[-1] > 128):
+            # a learned bias's gradient comes from the efficient kernel (aotfuse::attention_backward_bias),
+            # whose backward takes head dims up to 128
+            return f"the attention mask requires grad with a head dim of {q.shape[-1]} (the fused backward's " \
+                   "bias gradient takes head dims up to 128)"
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
             return f"attention mask of dtype {attn_mask.dtype}"
         if is_causal:
@@ -364,7 +367,7 @@ class sdpa_math_mode(TorchFunctionMode):
     """Routes F.scaled_dot_product_attention while the joint graph is traced: to the fused op
     `aotfuse::attention` (runtime/attention.py; its autograd formula puts `aotfuse::attention_backward`
     in the backward, and the partition saves q, k, v, out and the fp32 logsumexp), or, where the fused
-    ops cannot apply (`fused_attention_refusal`: a mask that requires grad, 3-d inputs, a value head
+    ops cannot apply (`fused_attention_refusal`: a learned mask with a head dim above 128, 3-d inputs, a value head
     dim other than the query's, ...), to its math form `sdpa_math`. Attention dropout is refused either way.
 
     sdpa's CompositeImplicitAutograd kernel picks a flash kernel above autograd, so a decomposition

@@ -467,6 +467,22 @@ def _attention_backward(ctx, node, args, kwargs):
                               tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD) for x in vals))
 
 
+@rule(torch.ops.aotfuse.attention_backward_bias.default, category="extern",
+      note="training's fused attention backward with a learned bias (runtime/attention.py): (dq, dk, dv) stored "
+           "[B,T,H,E] and the bias's gradient in its own shape")
+def _attention_backward_bias(ctx, node, args, kwargs):
+    g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
+    tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
+    tm = _targ(ctx, mask, node, "attn_mask")
+    (to,) = _bthe(ctx, node, (out,), ("out",))
+    tl = _targ(ctx, lse, node, "lse")
+    vals = node.meta["val"]
+    return ctx.extern_results("aotfuse.attention_backward_bias.default",
+                              (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},
+                              tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD if i < 3 else None)
+                                    for i, x in enumerate(vals)))
+
+
 @rule(aten.embedding_dense_backward.default, category="extern",
       note="atomic adds into an fp32 accumulator (aotfuse::embedding_backward); aten's sorted kernel for "
            "scale_grad_by_freq")

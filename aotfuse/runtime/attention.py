@@ -9,6 +9,8 @@ in the backward. The partition saves q, k, v, out and the fp32 logsumexp `lse` [
               is_causal, scale, enable_gqa) -> (out [B,H,T,E], lse float32 [B,H,T])
     attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa)
               -> (grad_query, grad_key, grad_value)
+    attention_backward_bias(<the same>) -> (grad_query, grad_key, grad_value, grad_mask)
+              (a float mask that requires grad: a learned bias; the mask's gradient summed to its shape)
 
 Both are externs (runtime/externs.py); the implementation picks a kernel per device at call time,
 so one archive runs on either:
@@ -58,6 +60,10 @@ _LIB.define("attention_backward(Tensor grad_out, Tensor query, Tensor key, Tenso
             "Tensor out, Tensor lse, bool is_causal, float scale, bool enable_gqa) "
             "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)")
 
+_LIB.define("attention_backward_bias(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor attn_mask, "
+            "Tensor out, Tensor lse, bool is_causal, float scale, bool enable_gqa) "
+            "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_mask)")
+
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -101,6 +107,12 @@ def _attention_meta(query, key, value, attn_mask, is_causal, scale, enable_gqa):
 def _attention_backward_meta(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa):
     _check(query, key, value, attn_mask, enable_gqa)
     return tuple(_bthd(x.shape, x.dtype, x.device) for x in (query, key, value))
+
+
+def _attention_backward_bias_meta(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa):
+    _check(query, key, value, attn_mask, enable_gqa)
+    grads = tuple(_bthd(x.shape, x.dtype, x.device) for x in (query, key, value))
+    return (*grads, torch.empty(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device))
 
 
 # ---------------------------------------------------------------- kernels
@@ -313,16 +325,63 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
     return _as_bthd(dq), _as_bthd(_narrow(dk, rep)), _as_bthd(_narrow(dv, rep))
 
 
+def _sum_to(g, shape, dtype):
+    """A [B, H, T, S] gradient summed (in fp32) over the dims a mask of `shape` broadcasts along."""
+    g = g.float()
+    lead = g.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1]
+    if dims:
+        g = g.sum(dims, keepdim=True)
+    return g.reshape(shape).to(dtype)
+
+
+def _attention_backward_bias(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa):
+    """The backward of an attention whose float mask requires grad (Swin's relative position bias, T5's and
+    DeBERTa-style learned biases): (dq, dk, dv, d mask), the mask's gradient summed to its own shape.
+    CUDA: the efficient kernel, the only one of torch's that computes the bias gradient (dS, [B, H, T, S]).
+    CPU: dq, dk, dv from the CPU kernel; dS = P * (dP - rowsum(dO * O)) in fp32 from recomputed probabilities."""
+    rep = query.shape[1] // key.shape[1]
+    bias = _bias(attn_mask, query.dtype)
+    grad_out = grad_out.to(query.dtype)
+    t, s = query.shape[2], key.shape[2]
+    k, v = _widen(key, rep), _widen(value, rep)
+    if query.device.type == "cuda":
+        dev = query.device
+        b = _expand_bias(bias, query, k)
+        pad = -(-t // 32) * 32
+        lse_p = torch.nn.functional.pad(lse, (0, pad - t)) if pad != t else lse
+        seed = torch.zeros((), dtype=torch.int64, device=dev)
+        offset = torch.zeros((), dtype=torch.int64, device=dev)
+        dq, dk, dv, db = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, query, k, v, b, out, lse_p.contiguous(), seed, offset, 0.0, [True, True, True, True],
+            is_causal, scale=scale)
+        dmask = _sum_to(db[..., :s], tuple(attn_mask.shape), attn_mask.dtype)
+        return _as_bthd(dq), _as_bthd(_narrow(dk, rep)), _as_bthd(_narrow(dv, rep)), dmask
+    dq, dk, dv = _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa)
+    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale + bias.float()
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(t, s, dtype=torch.bool, device=query.device).tril().logical_not(),
+                                    float("-inf"))
+    p = torch.softmax(scores, -1)
+    go = grad_out.float()
+    dp = torch.matmul(go, v.float().transpose(-1, -2))
+    ds = p * (dp - (go * out.float()).sum(-1, keepdim=True))
+    return dq, dk, dv, _sum_to(ds, tuple(attn_mask.shape), attn_mask.dtype)
+
+
 # Registered per backend (not CompositeExplicitAutograd, which fake tensors would trace through, giving
 # the aten kernels' layouts instead of the contract's): fake tensors use the Meta kernels below.
 for _key in ("CPU", "CUDA"):
     _LIB.impl("attention", _attention, _key)
     _LIB.impl("attention_backward", _attention_backward, _key)
+    _LIB.impl("attention_backward_bias", _attention_backward_bias, _key)
 _LIB.impl("attention", _attention_meta, "Meta")
 _LIB.impl("attention_backward", _attention_backward_meta, "Meta")
+_LIB.impl("attention_backward_bias", _attention_backward_bias_meta, "Meta")
 
 attention = torch.ops.aotfuse.attention.default
 attention_backward = torch.ops.aotfuse.attention_backward.default
+attention_backward_bias = torch.ops.aotfuse.attention_backward_bias.default
 
 
 # ---------------------------------------------------------------- autograd (for the joint trace)
@@ -338,6 +397,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, _grad_lse):
     q, k, v, mask, out, lse = ctx.saved_tensors
     is_causal, scale, gqa = ctx.args
+    if mask is not None and ctx.needs_input_grad[3]:  # a learned bias: its gradient too (the efficient kernel)
+        dq, dk, dv, dmask = attention_backward_bias(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa)
+        return dq, dk, dv, dmask, None, None, None
     dq, dk, dv = attention_backward(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa)
     return dq, dk, dv, None, None, None, None
 

@@ -79,6 +79,8 @@ EXTERNS: tuple[ExternOp, ...] = (
     # training's fused attention (runtime/attention.py): multi-output externs, (out, lse) and (dq, dk, dv)
     ExternOp(_attention.attention, (_attention.attention,), inference=False),
     ExternOp(_attention.attention_backward, (_attention.attention_backward,), inference=False),
+    # ... and its backward with a learned bias's gradient (a float mask that requires grad: Swin's position bias)
+    ExternOp(_attention.attention_backward_bias, (_attention.attention_backward_bias,), inference=False),
 )
 
 ALLOWED = {_name(c): c for e in EXTERNS for c in e.calls + e.legacy}

@@ -26,7 +26,7 @@ from ..dtypes import TORCH
 from ..knobs import knobs
 
 MiB = 2 ** 20
-_LIBRARY = ("attention", "attention_backward")  # externs whose kernels allocate workspace of their own
+_LIBRARY = ("attention", "attention_backward", "attention_backward_bias")  # externs whose kernels allocate workspace of their own
 
 
 def nbytes(shape, dtype: str) -> int:

@@ -159,6 +159,18 @@ def _attention_backward_results(args: list, kwargs: dict, where: str) -> list:
     return [(q.dtype, q.shape), (k.dtype, k.shape), (v.dtype, v.shape)]
 
 
+def _attention_backward_bias_results(args: list, kwargs: dict, where: str) -> list:
+    # attention_backward_bias(<attention_backward's arguments>) -> (grad_query, grad_key, grad_value, grad_mask):
+    # the mask is a float tensor (a learned bias) and its gradient has its shape and dtype
+    if len(args) != 10 or kwargs:
+        _fail(where, f"aotfuse::attention_backward_bias takes 10 positional arguments; got {len(args)} and "
+                     f"{sorted(kwargs)}")
+    mask = _tensor(args[4], "attn_mask", where)
+    if mask.dtype == "bool":
+        _fail(where, "attention backward with a mask gradient: the mask is bool (it has no gradient)")
+    return _attention_backward_results(args, kwargs, where) + [(mask.dtype, mask.shape)]
+
+
 def _ints(a, n: int | None, what: str, where: str) -> list:
     if type(a) is not list or not all(map(_is_int, a)) or (n is not None and len(a) != n):
         _fail(where, f"convolution backward: {what} must be a list of {n or ''} ints, got {_short(a)}")
@@ -228,6 +240,7 @@ def _sort_results(args: list, kwargs: dict, where: str) -> list:
 
 
 _RESULT_RULES = {"aotfuse::attention": _attention_results, "aotfuse::attention_backward": _attention_backward_results,
+                 "aotfuse::attention_backward_bias": _attention_backward_bias_results,
                  "aten::convolution_backward": _convolution_backward_results, "aten::topk": _topk_results,
                  "aten::sort": _sort_results}
 

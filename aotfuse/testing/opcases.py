@@ -509,6 +509,18 @@ class _AttentionLoss(nn.Module):
         return (a * b).sum()
 
 
+class _BiasAttentionLoss(nn.Module):
+    """Fused attention with a learned bias (a float mask that requires grad: Swin's relative position bias):
+    its backward returns the bias's gradient (aotfuse::attention_backward_bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, 2, 6, 6) * 0.3)
+
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=self.bias.to(x.dtype)).square().sum()
+
+
 class _SetItemLoss(nn.Module):
     """`y[:, 0] = 1.0` on an activation: a lifted constant in the joint graph (joint/trace.py _lift_constants) and
     aten.new_empty_strided in its backward (zeros before the scatter of the gradient)."""
@@ -539,6 +551,8 @@ TRAIN_CASES: list[OpCase] = [
     OpCase("attention_train", lambda dt: (_AttentionLoss().to(dt), (randn(2, 4, 6, 8, dtype=dt),
                                                                     (torch.rand(2, 1, 6, 6) > 0.3) | torch.eye(6, dtype=torch.bool))),
            ("aotfuse.attention.default", "aotfuse.attention_backward.default")),
+    OpCase("attention_bias_train", lambda dt: (_BiasAttentionLoss().to(dt), (randn(2, 2, 6, 8, dtype=dt),)),
+           ("aotfuse.attention.default", "aotfuse.attention_backward_bias.default")),
 ]
 
 
@@ -639,6 +653,7 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aten.embedding_dense_backward.default": (BACKWARD, "the gradient of aten.embedding"),
     "aotfuse.attention.default": (TRAIN, "training's fused attention (tests/test_train_attention.py)"),
     "aotfuse.attention_backward.default": (TRAIN, "the gradient of aotfuse.attention"),
+    "aotfuse.attention_backward_bias.default": (TRAIN, "the gradient of aotfuse.attention with a learned bias"),
     "aten.max_pool2d_with_indices_backward.default": (BACKWARD, "the gradient of max-pool with overlapping "
                                                       "windows (tests/test_train_ops_cpu.py)"),
     "aten.convolution_backward.default": (BACKWARD, "the gradient of aten.convolution (tests/test_train_ops_cpu.py, "
