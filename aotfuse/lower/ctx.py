@@ -216,6 +216,25 @@ class LoweringCtx:
                                    "order": f"[{r}, {c}] padded to [{rows}, {cols}] with zeros"})
         return out
 
+    def pad_rows(self, view: View, cols: int, why: str) -> View:
+        """A copy of `view` whose last dim is `cols` long (at least the view's), the extra columns zeros; the caller
+        reads its leading slice, a view whose rows start at multiples of `cols` (an attention bias the kernels read
+        without a copy of their own). Copied once per (view, cols)."""
+        n = int(view.shape[-1])
+        key = (view, "pad_rows", cols)
+        out = self.realized.get(key)
+        if out is None:
+            pv = syms("p", len(view.shape))
+            shape = (*view.shape[:-1], cols)
+            val = self.load_compute(view, (*pv[:-1], sympy.Min(pv[-1], n - 1)), dict(zip(pv, shape)))
+            cdt = compute_dtype(view.dtype)
+            keep = Op("lt", (IndexValue(pv[-1], "int64"), Const(n, "int64")), "bool")
+            out = self.pointwise(shape, view.dtype, Op("where", (keep, val, Const(0, cdt)), cdt), hint="pad")
+            self.realized[key] = out
+            self.decisions.append({"realize": out.buf, "of": view.buf, "why": why,
+                                   "order": f"rows of {n} padded to {cols}"})
+        return out
+
     def realize(self, view: View, why: str, transposable: bool = False, storage=None) -> View:
         """A copy of a view that is not strided (e.g. reshape of a permute), contiguous in the view's order, or
         (transposable: a matmul operand, which cuBLAS reads transposed as well) in the order of its last two

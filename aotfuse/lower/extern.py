@@ -436,6 +436,32 @@ def _mask_decision(ctx, node) -> None:
 
 
 _BTHD = [0, 2, 1, 3]  # [B, H, T, E] results stored [B, T, H, E], as the flash kernels write them
+_BIAS_ALIGN = 8  # elements: the strides (but the last) the attention kernels read a bias with (runtime/attention.py)
+
+
+def _mask_arg(ctx, mask, node):
+    """A training attention's (aotfuse::attention*) mask argument. A float bias over a key length off a multiple of 8 (Swin's 49-token windows) is
+    stored with its rows padded to 8 elements, so the kernels read it as it is: otherwise the runtime copies it into
+    padded rows in every forward and backward (torch's sdpa does the same). A dim the mask is broadcast along stays
+    broadcast (its one row block is what gets padded)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, View) or mask.dtype == "bool" or not all(static(x) for x in mask.shape) \
+            or int(mask.shape[-1]) % _BIAS_ALIGN == 0:
+        return _targ(ctx, mask, node, "attn_mask")
+    t = mask.as_strided()
+    if t is not None and int(t.stride[-1]) == 1 and all(int(x) % _BIAS_ALIGN == 0 for x in (*t.stride[:-1], t.offset)):
+        return t
+    full = [int(x) for x in mask.shape]
+    bcast = [d for d in range(len(full) - 1) if t is not None and int(t.stride[d]) == 0 and full[d] > 1]
+    base = mask
+    for d in bcast:
+        base = base.slice(d, 0, 1)
+    s = full[-1]
+    padded = ctx.pad_rows(base, -(-s // _BIAS_ALIGN) * _BIAS_ALIGN, f"the attention bias of {node.name}: rows of {s} "
+                          f"padded to a multiple of {_BIAS_ALIGN}, read by the kernels as they are")
+    view = padded.slice(-1, 0, s)
+    return _targ(ctx, view.expand(full) if bcast else view, node, "attn_mask")
 
 
 @rule(torch.ops.aotfuse.attention.default, category="extern",
@@ -443,7 +469,7 @@ _BTHD = [0, 2, 1, 3]  # [B, H, T, E] results stored [B, T, H, E], as the flash k
 def _attention(ctx, node, args, kwargs):
     q, k, v, mask, causal, scale, gqa = args[:7]
     tq, tk, tv = _bthe(ctx, node, (q, k, v), ("query", "key", "value"))
-    tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    tm = _mask_arg(ctx, mask, node)
     _mask_decision(ctx, node)
     out, lse = (node.meta["val"][i] for i in range(2))
     ctx.decisions.append({"attention": node.name, "kernel": "fused", "why": "aotfuse::attention extern: out and "
@@ -458,7 +484,7 @@ def _attention(ctx, node, args, kwargs):
 def _attention_backward(ctx, node, args, kwargs):
     g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
     tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
-    tm = None if mask is None else _targ(ctx, mask, node, "attn_mask")
+    tm = _mask_arg(ctx, mask, node)
     (to,) = _bthe(ctx, node, (out,), ("out",))
     tl = _targ(ctx, lse, node, "lse")
     vals = node.meta["val"]
@@ -473,7 +499,7 @@ def _attention_backward(ctx, node, args, kwargs):
 def _attention_backward_bias(ctx, node, args, kwargs):
     g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
     tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
-    tm = _targ(ctx, mask, node, "attn_mask")
+    tm = _mask_arg(ctx, mask, node)
     (to,) = _bthe(ctx, node, (out,), ("out",))
     tl = _targ(ctx, lse, node, "lse")
     vals = node.meta["val"]
