@@ -177,6 +177,12 @@ def _simplify_floordiv(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
         return _join(exact) + _simplify_floordiv(_join((c // g, r) for c, r in big), d // g, ranges)
     if exact and lo >= 0:
         return _join(exact) + FloorDiv(_join(rest), d)
+    alo, _ = bounds(a, ranges)
+    if -_INF_GUARD < alo < 0:
+        # a dividend that can be negative (a window index o*s - pad + i): a kernel's `//` truncates toward zero
+        # (C, Triton), the simplifier's floors; shifted by a multiple of d both agree: (a + m*d) // d - m
+        m = -(alo // d)
+        return FloorDiv(a + m * d, sympy.Integer(d)) - m
     return FloorDiv(a, sympy.Integer(d))
 
 
