@@ -479,34 +479,29 @@ def _attention(ctx, node, args, kwargs):
                                (tuple(lse.shape), dtype_name(lse.dtype, node.name), None)))
 
 
-@rule(torch.ops.aotfuse.attention_backward.default, category="extern",
-      note="training's fused attention backward (runtime/attention.py): (dq, dk, dv), stored [B,T,H,E]")
-def _attention_backward(ctx, node, args, kwargs):
+def _attention_grads(ctx, node, args, target: str):
+    """An attention backward extern: (dq, dk, dv) stored [B,T,H,E]; a fourth result (the mask's gradient) as is."""
     g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
     tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
     tm = _mask_arg(ctx, mask, node)
     (to,) = _bthe(ctx, node, (out,), ("out",))
     tl = _targ(ctx, lse, node, "lse")
-    vals = node.meta["val"]
-    return ctx.extern_results("aotfuse.attention_backward.default",
-                              (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},
-                              tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD) for x in vals))
+    return ctx.extern_results(target, (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},
+                              tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD if i < 3 else None)
+                                    for i, x in enumerate(node.meta["val"])))
+
+
+@rule(torch.ops.aotfuse.attention_backward.default, category="extern",
+      note="training's fused attention backward (runtime/attention.py): (dq, dk, dv), stored [B,T,H,E]")
+def _attention_backward(ctx, node, args, kwargs):
+    return _attention_grads(ctx, node, args, "aotfuse.attention_backward.default")
 
 
 @rule(torch.ops.aotfuse.attention_backward_bias.default, category="extern",
       note="training's fused attention backward with a learned bias (runtime/attention.py): (dq, dk, dv) stored "
            "[B,T,H,E] and the bias's gradient in its own shape")
 def _attention_backward_bias(ctx, node, args, kwargs):
-    g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
-    tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
-    tm = _mask_arg(ctx, mask, node)
-    (to,) = _bthe(ctx, node, (out,), ("out",))
-    tl = _targ(ctx, lse, node, "lse")
-    vals = node.meta["val"]
-    return ctx.extern_results("aotfuse.attention_backward_bias.default",
-                              (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},
-                              tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD if i < 3 else None)
-                                    for i, x in enumerate(vals)))
+    return _attention_grads(ctx, node, args, "aotfuse.attention_backward_bias.default")
 
 
 @rule(aten.embedding_dense_backward.default, category="extern",
