@@ -322,6 +322,21 @@ def mobilenet_v2(train=False, dtype=torch.float32, seed=0):
     return _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", cfg, train, dtype, seed, attn=None)
 
 
+def efficientnet(train=False, dtype=torch.float32, seed=0):
+    """EfficientNetForImageClassification: MBConv blocks (depthwise convs, squeeze-excitation), swish, train-mode
+    BatchNorm, and a head that pools with nn.AvgPool2d(hidden_dim, ceil_mode=True): a kernel of 320 over a 1 x 1
+    map (lower/pool.py visits only the taps on the input). transformers' initialization makes the logits exactly 0,
+    so every parameter is moved off it (0.05 N(0, 1)): otherwise the comparison would hold no numbers."""
+    cfg = dict(image_size=32, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320, dropout_rate=0.0,
+               drop_connect_rate=0.0, num_labels=10)
+    ex = _vision("EfficientNetForImageClassification", "EfficientNetConfig", cfg, train, dtype, seed, attn=None)
+    g = torch.Generator().manual_seed(seed + 1234)
+    with torch.no_grad():
+        for p in ex.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+    return ex
+
+
 # ---------------------------------------------------------------- realistic sizes (the GPU benchmark)
 # Full width, fewer layers than the released checkpoints where a model is deep (the per-layer work is what the
 # benchmark compares; builds stay under a minute on the GPU machine). scripts/zoo_gpu.py NAME --more.
@@ -500,6 +515,8 @@ MORE: tuple[ZooEntry, ...] = (
           note="depthwise, ReLU6, train-mode BatchNorm"),
     _more("siglip", siglip, "SiglipConfig", "SiglipModel", note='padding="valid" conv'),
     _more("mixtral", mixtral, "MixtralConfig", "MixtralForCausalLM", note="MoE top-k routing (batched_mm experts)"),
+    _more("efficientnet", efficientnet, "EfficientNetConfig", "EfficientNetForImageClassification",
+          note="squeeze-excitation, a pooling kernel wider than its map"),
     ZooEntry("lstm_lm", lstm_lm, lstm_lm_realistic, note="nn.LSTM with biases, stacked, unrolled"),
 )
 
