@@ -35,6 +35,7 @@ from .batchnorm import cumulative_average_batchnorm
 from .decomp_train import sdpa_math_mode, training_decompositions
 from .layerdrop import uniform_compare_mode
 from .losses import cross_entropy_mode
+from .origins import attribute, call_sites
 from .pooling import adaptive_pool_mode
 from .product_sums import merge_product_sums
 from .rnn import lstm_mode
@@ -589,8 +590,8 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     try:
         mode, fake_model, fake_inputs = _faked(model, example_inputs, symbolic)
         wrapped = _TupleOut(fake_model, len(args), tuple(kw_tensors), kw_consts, loss_index)
-        with _compiling(), mode, sdpa_math_mode() as attention, cross_entropy_mode(), adaptive_pool_mode(), lstm_mode(), grid_sample_mode(), \
-                nearest_upsample_mode(), uniform_compare_mode(), \
+        with _compiling(), mode, call_sites() as sites, sdpa_math_mode() as attention, cross_entropy_mode(), \
+                adaptive_pool_mode(), lstm_mode(), grid_sample_mode(), nearest_upsample_mode(), uniform_compare_mode(), \
                 cumulative_average_batchnorm(fake_model):
             wrapped.register_forward_pre_hook(lambda *_: attention.new_run())
             try:
@@ -605,6 +606,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
                 _freeze_unused(wrapped, fake_inputs, input_names=_input_names(model, len(args)) + list(kw_tensors))
                 gm, sig = aot_export_module(wrapped, fake_inputs, trace_joint=True, output_loss_index=0,
                                             decompositions=training_decompositions())
+        attribute(gm, sites.sites)  # the model lines refusals name (aot_autograd's stack traces end in its own code)
     except AotfuseError:
         raise
     except Exception as exc:

@@ -276,8 +276,9 @@ _NOT_USER = ("/torch/", "<eval_with_key>", "/aotfuse/", "/contextlib.py")
 
 
 def _where(node) -> str:
-    """The model line an op came from: the innermost frame outside torch and aotfuse (a training graph's innermost
-    frame is the joint trace's wrapper, an inference graph's often torch.nn's module), else the innermost."""
+    """The model line an op came from: the innermost frame outside torch and aotfuse (an inference graph's innermost
+    is often torch.nn's module); a training graph's stack traces end in aot_autograd's own code, so there the model
+    line of the call its op's name descends from (joint/origins.py); else the innermost frame."""
     stack = node.meta.get("stack_trace")
     if stack:
         last = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
@@ -285,6 +286,11 @@ def _where(node) -> str:
         user = [ln for ln in frames if not any(t in ln for t in _NOT_USER)]
         if user:
             return f"from {user[-1]}"
+    site = node.meta.get("aotfuse_call_site")  # a training graph's op: the model's call it descends from (joint/origins)
+    if site:
+        fn, lines = site
+        return f"from {lines[0]} (the model's call of {fn}, matched by the op's name)"
+    if stack:
         return f"from {last[-2] if len(last) > 1 else last[-1]}"
     return "no lowering registered"
 
