@@ -176,16 +176,18 @@ def test_masked_and_gqa_training_through_the_archive_in_bf16(kw):
                                                 A.EFFICIENT if kw.get("masked") else A.FLASH}
 
 
+@pytest.mark.parametrize("t", [49, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("mshape", [(1, 4, 49, 49), (8, 1, 49, 49), (49, 49)], ids=["1H", "B1", "TS"])
-def test_bias_gradient_op_matches_float64_sdpa(dtype, mshape):
-    """aotfuse::attention_backward_bias on CUDA (the efficient kernel's bias gradient, summed to the mask's shape;
-    T = S = 49, Swin's window, not a multiple of 8): dq, dk, dv and the mask's gradient against float64 sdpa, no
-    further than twice eager's own error in `dtype` (plus a floor)."""
+@pytest.mark.parametrize("mshape", [(1, 4), (8, 1), ()], ids=["1H", "B1", "TS"])
+def test_bias_gradient_op_matches_float64_sdpa(dtype, mshape, t):
+    """aotfuse::attention_backward_bias on CUDA (the efficient kernel's bias gradient, summed to the mask's shape):
+    T = S = 49 (Swin's window; the forward on the efficient kernel too) and 64 (the forward on cuDNN where torch
+    prefers it, its logsumexp read by the efficient backward); dq, dk, dv and the mask's gradient against float64
+    sdpa, no further than twice eager's own error in `dtype` (plus a floor)."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(8, 4, 49, 32, device="cuda", generator=g) for _ in range(3))
-    m = torch.randn(*mshape, device="cuda", generator=g)
-    go = torch.randn(8, 4, 49, 32, device="cuda", generator=g)
+    q, k, v = (torch.randn(8, 4, t, 32, device="cuda", generator=g) for _ in range(3))
+    m = torch.randn(*mshape, t, t, device="cuda", generator=g)
+    go = torch.randn(8, 4, t, 32, device="cuda", generator=g)
 
     def grads(dt, fn):
         ts = [t.to(dt).requires_grad_() for t in (q, k, v, m)]
