@@ -194,6 +194,10 @@ def test_learned_mask_with_a_large_head_dim_takes_the_math_form_with_a_recorded_
     assert [d["kernel"] for d in joint.decisions] == ["math"]
     assert "requires grad with a head dim of 160" in joint.decisions[0]["why"]
     assert not [n for n in joint.gm.graph.nodes if "aotfuse" in str(n.target)]
+    q = torch.randn(1, 2, 8, 16)  # a key length of 8: kept in the math form until the cuDNN pairing runs on a GPU
+    joint = trace_joint(M(), (q, q, q))
+    assert [d["kernel"] for d in joint.decisions] == ["math"]
+    assert "over a key length of 8, a multiple of 8" in joint.decisions[0]["why"]
 
 
 def test_attention_ops_match_sdpa_with_gqa_and_masks():
