@@ -11,6 +11,21 @@ def value(n):
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
 
 
+NOT_MODEL_CODE = ("/torch/", "/aotfuse/", "/contextlib.py", "/functools.py", "<eval_with_key>")  # path fragments
+
+
+def is_model_code(path_or_frame: str) -> bool:
+    """Is a source path (or a traceback's `File "..."` line) the model's own code: not torch, aotfuse, the standard
+    wrappers or FX's generated code?"""
+    return not any(t in path_or_frame for t in NOT_MODEL_CODE)
+
+
+def model_frames(stack_trace: str | None) -> list[str]:
+    """The `File "..."` lines of a node's stack trace that are the model's own code, innermost last."""
+    return [ln.strip() for ln in (stack_trace or "").splitlines()
+            if ln.strip().startswith("File ") and is_model_code(ln)]
+
+
 def module_path(node: torch.fx.Node) -> str:
     """The qualified name of the innermost module that made `node` (nn_module_stack), or "" when unknown."""
     stack = node.meta.get("nn_module_stack") or {}

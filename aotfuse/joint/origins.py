@@ -18,7 +18,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-_NOT_MODEL = ("/torch/", "/aotfuse/", "/contextlib.py", "<eval_with_key>", "/functools.py")
+from ..fxgraph import is_model_code, model_frames
+
 SITES_PER_FUNCTION = 3  # model lines kept per torch function: enough to point at the call, cheap to record
 
 
@@ -27,7 +28,7 @@ def _model_frame() -> str | None:
     f = sys._getframe(2)
     while f is not None:
         path = f.f_code.co_filename
-        if not any(t in path for t in _NOT_MODEL):
+        if is_model_code(path):
             return f'File "{path}", line {f.f_lineno}, in {f.f_code.co_name}'
         f = f.f_back
     return None
@@ -63,9 +64,7 @@ def attribute(gm: torch.fx.GraphModule, sites: dict[str, list[str]]) -> None:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        stack = node.meta.get("stack_trace") or ""
-        if any(ln.strip().startswith("File ") and not any(t in ln for t in _NOT_MODEL)
-               for ln in stack.splitlines()):
+        if model_frames(node.meta.get("stack_trace")):
             continue
         base = _op_base(node.target)
         match = next((n for n in names if base.startswith(n)), None)

@@ -11,6 +11,7 @@ import torch.fx
 from ..contract.manifest import same_layout
 from ..errors import UnsupportedOpError
 from ..export import CapturedGraph
+from ..fxgraph import model_frames
 from ..ir.loop import Extern, LoopGraph, OutputRef
 from ..ir.views import View
 from .ctx import LoweringCtx, dtype_name, out_shape
@@ -272,9 +273,6 @@ def _dense(t) -> bool:
     return True
 
 
-_NOT_USER = ("/torch/", "<eval_with_key>", "/aotfuse/", "/contextlib.py")
-
-
 def _where(node) -> str:
     """The model line an op came from: the innermost frame outside torch and aotfuse (an inference graph's innermost
     is often torch.nn's module); a training graph's stack traces end in aot_autograd's own code, so there the model
@@ -282,8 +280,7 @@ def _where(node) -> str:
     stack = node.meta.get("stack_trace")
     if stack:
         last = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
-        frames = [ln for ln in last if ln.startswith("File ")]
-        user = [ln for ln in frames if not any(t in ln for t in _NOT_USER)]
+        user = model_frames(stack)
         if user:
             return f"from {user[-1]}"
     site = node.meta.get("aotfuse_call_site")  # a training graph's op: the model's call it descends from (joint/origins)

@@ -295,15 +295,15 @@ def _avg_pool2d_backward(ctx, node, args, kwargs):
     g = args[0]
     k, stride, pad, _ceil, cip, divisor = _avg_params(args[1:], {})
     shape, dt, cdt, (H, W), (Ho, Wo), pv, ranges = _grad_space(node, g)
-    if len(_live_taps(k[0], stride[0], pad[0], H, Ho)) * len(_live_taps(k[1], stride[1], pad[1], W, Wo)) \
-            > POOL_TAPS_MAX:
+    ti, tj = _live_taps(k[0], stride[0], pad[0], H, Ho), _live_taps(k[1], stride[1], pad[1], W, Wo)
+    if len(ti) * len(tj) > POOL_TAPS_MAX:
         return _avg_pool2d_backward_by_windows(ctx, node, g, k, stride, pad, cip, divisor)
     acc = None
-    for i in _live_taps(k[0], stride[0], pad[0], H, Ho):
+    for i in ti:
         oh, vh = _windows_of(pv[-2], pad[0], i, stride[0], Ho, ranges)
         if vh == "never":
             continue
-        for j in _live_taps(k[1], stride[1], pad[1], W, Wo):
+        for j in tj:
             ow, vw = _windows_of(pv[-1], pad[1], j, stride[1], Wo, ranges)
             if vw == "never":
                 continue
@@ -362,7 +362,6 @@ def _adaptive_bounds(o, n_in: int, n_out: int):
 
 def _max_window(n_in: int, n_out: int) -> int:
     return max(-(-((o + 1) * n_in) // n_out) - (o * n_in) // n_out for o in range(n_out))
-
 
 
 @rule(aten._adaptive_avg_pool2d.default, category="pointwise",

@@ -316,16 +316,7 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
                 grad_out, query, k, v, out, lse, None, None, t, s, 0.0, is_causal, seed, offset, scale=scale)
         else:
-            if bias is not None:
-                bias = _expand_bias(bias, query, k)
-            pad = -(-t // 32) * 32
-            if pad != t:
-                lse = torch.nn.functional.pad(lse, (0, pad - t))
-            seed = torch.zeros((), dtype=torch.int64, device=dev)
-            offset = torch.zeros((), dtype=torch.int64, device=dev)
-            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                grad_out, query, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False],
-                is_causal, scale=scale)
+            dq, dk, dv, _ = _efficient_backward(grad_out, query, k, v, bias, out, lse, is_causal, scale, False)
     else:
         k, v = _widen(key, rep), _widen(value, rep)
         if query.dtype == torch.float64:
@@ -333,6 +324,23 @@ def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_cau
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale)
     return _as_bthd(dq), _as_bthd(_narrow(dk, rep)), _as_bthd(_narrow(dv, rep))
+
+
+def _efficient_backward(grad_out, query, k, v, bias, out, lse, is_causal, scale, bias_grad: bool):
+    """The efficient kernel's backward: (dq, dk, dv, d bias or None). Its logsumexp is padded along T to a multiple
+    of 32 (as its forward returns it; the padded rows are never read); no dropout, so the Philox state is a
+    placeholder."""
+    dev, t = query.device, query.shape[2]
+    if bias is not None:
+        bias = _expand_bias(bias, query, k)
+    pad = -(-t // 32) * 32
+    if pad != t:
+        lse = torch.nn.functional.pad(lse, (0, pad - t))
+    seed = torch.zeros((), dtype=torch.int64, device=dev)
+    offset = torch.zeros((), dtype=torch.int64, device=dev)
+    return aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, query, k, v, bias, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, bias_grad],
+        is_causal, scale=scale)
 
 
 def _sum_to(g, shape, dtype):
@@ -356,15 +364,7 @@ def _attention_backward_bias(grad_out, query, key, value, attn_mask, out, lse, i
     t, s = query.shape[2], key.shape[2]
     k, v = _widen(key, rep), _widen(value, rep)
     if query.device.type == "cuda":
-        dev = query.device
-        b = _expand_bias(bias, query, k)
-        pad = -(-t // 32) * 32
-        lse_p = torch.nn.functional.pad(lse, (0, pad - t)) if pad != t else lse
-        seed = torch.zeros((), dtype=torch.int64, device=dev)
-        offset = torch.zeros((), dtype=torch.int64, device=dev)
-        dq, dk, dv, db = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, query, k, v, b, out, lse_p.contiguous(), seed, offset, 0.0, [True, True, True, True],
-            is_causal, scale=scale)
+        dq, dk, dv, db = _efficient_backward(grad_out, query, k, v, bias, out, lse, is_causal, scale, True)
         dmask = _sum_to(db[..., :s], tuple(attn_mask.shape), attn_mask.dtype)
         return _as_bthd(dq), _as_bthd(_narrow(dk, rep)), _as_bthd(_narrow(dv, rep)), dmask
     dq, dk, dv = _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa)
