@@ -19,8 +19,8 @@ import torch
 from . import __version__
 from .archive import write_archive
 from .archive.format import write_atomically
-from .contract.kernels import has_target_tiles
-from .contract.program import TILES_VERSION
+from .contract.kernels import has_pdl, has_target_tiles
+from .contract.program import PDL_VERSION, TILES_VERSION
 from .contract import (Binary, FusionSummary, GroupRecord, InlineRecord, KernelArg, KernelEntry,
                        Manifest, MemorySummary, OutputSpec, Report, kernels_to_dict)
 from .dtypes import TORCH
@@ -312,7 +312,7 @@ def _kernel_entries(kernels, binaries) -> dict[str, KernelEntry]:
         args = tuple(KernelArg(a.name, a.dtype, a.role, min((x.args[i].numel for x in ks), key=_at_example))
                      for i, a in enumerate(k.args))
         bins = {arch: Binary(b.cubin, b.name, b.num_warps, b.shared, b.global_scratch, b.profile_scratch,
-                             b.grid, b.persistent)
+                             b.grid, b.persistent, b.pdl)
                 for arch, b in binaries[name].items()}
         out[name] = KernelEntry(k.kind, tuple(k.nodes), tuple(k.grid), k.num_warps, k.xblock, k.rblock, k.xnumel,
                                 k.rnumel, args, bins, launches=len(ks), size_args=tuple(k.sizes),
@@ -360,9 +360,10 @@ def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train
                                           for d in fwd.cg.dims)} if fwd.cg.dims else {}))
     pack = lambda v: msgpack.packb(v, use_bin_type=True, default=_report_size)  # noqa: E731
     parts = {"kernels": pack(kernels_to_dict(kernels)), "sources": pack(sources), "report": pack(report.to_dict())}
-    tiles = has_target_tiles(kernels)
+    # a binary with its own tiles, or compiled with the PDL wait: an older reader must refuse
+    least = PDL_VERSION if has_pdl(kernels) else TILES_VERSION if has_target_tiles(kernels) else 0
     for name, prog in programs.items():
-        if tiles and prog.version < TILES_VERSION:  # a binary with its own tiles: an older reader must refuse
-            prog = dataclasses.replace(prog, version=TILES_VERSION)
+        if prog.version < least:
+            prog = dataclasses.replace(prog, version=least)
         parts[f"program.{name}"] = pack(prog.to_dict())  # no timings in the archive: reproducible bytes
     return manifest, parts, weights

@@ -27,6 +27,7 @@ import aotfuse
 from aotfuse import bench
 from aotfuse.cli import BuildProgress, app
 from aotfuse.contract import PROGRAM_VERSION
+from aotfuse.contract.program import PDL_VERSION
 from aotfuse.errors import AotfuseError, BuildError
 from aotfuse.knobs import knobs
 from aotfuse.specs import default_artifact_name, load_spec, parse_spec, random_inputs
@@ -369,6 +370,12 @@ def test_build_progress_in_a_log():
     assert p.stages == {"emit": 1.5}
 
 
+def _version(targets=None) -> int:
+    """A static program's version: 7 (PDL_VERSION) when an sm_90 cubin has the PDL wait (emit/pdl.py), else 4."""
+    targets = knobs.targets if targets is None else targets
+    return PDL_VERSION if knobs.pdl and "sm_90" in targets else PROGRAM_VERSION
+
+
 def test_inspect_json(tiny):
     path = tiny["infer"]
     r = invoke("inspect", str(path), "--json")
@@ -381,7 +388,7 @@ def test_inspect_json(tiny):
                                "low": None, "high": None}]
     assert info["outputs"] == [{"shape": [4, 4], "dtype": "torch.float32"}]
     fwd = info["programs"]["forward"]
-    assert list(info["programs"]) == ["forward"] and fwd["version"] == PROGRAM_VERSION == 4
+    assert list(info["programs"]) == ["forward"] and fwd["version"] == _version() and PROGRAM_VERSION == 4
     assert fwd["by_op"]["return"] == 1 and sum(fwd["by_op"].values()) == fwd["instructions"]
     assert fwd["by_op"]["launch"] == sum(k["launches"] for k in info["kernels"]) == info["fusion"]["kernel_launches"]
     assert info["kernels"] and all(k["targets"] == sorted(knobs.targets) and k["nodes"] for k in info["kernels"])
@@ -404,7 +411,7 @@ def test_inspect_text(tiny):
     assert row.split()[:5] == ["x", "[4,", "8]", "torch.float32", "float"]
     assert "outputs:" in text and re.search(r"out0\s+\[4, 4\]\s+torch.float32", text)
     fwd = info["programs"]["forward"]
-    assert re.search(rf"forward\s+{PROGRAM_VERSION}\s+{fwd['instructions']}\s+", text)
+    assert re.search(rf"forward\s+{_version()}\s+{fwd['instructions']}\s+", text)
     assert f"launch {fwd['by_op']['launch']}" in text
     assert f"kernels ({len(info['kernels'])}):" in text
     for k in info["kernels"]:
@@ -416,7 +423,7 @@ def test_inspect_text(tiny):
 def test_inspect_train(tiny):
     r = invoke("inspect", str(tiny["train"]))
     assert r.exit_code == 0, r.output
-    assert "targets: sm_90" in r.stdout and re.search(rf"backward\s+{PROGRAM_VERSION}\s+\d+", r.stdout)
+    assert "targets: sm_90" in r.stdout and re.search(rf"backward\s+{_version(('sm_90',))}\s+\d+", r.stdout)
     assert "train:\n  parameters: 4\n" in r.stdout
     assert "buffers updated by the forward (written back by the runtime): none" in r.stdout
     assert "fusion (backward):" in r.stdout and "memory (backward):" in r.stdout

@@ -17,8 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ._codec import decoding, fields, put_optional, size_tuple, strs
+from ..errors import ArchiveError
+from ._codec import DAMAGED, decoding, fields, put_optional, size_tuple, strs
 from .sizes import SizeExpr, check_size, evaluate, free_dims
+
+# A kernel source's last parameter, `AOTF_PDL: tl.constexpr = False` (emit/pdl.py): compiled True into an sm_90+
+# binary that waits for its predecessor (Binary.pdl); not a launch argument.
+PDL_PARAM = "AOTF_PDL"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,9 @@ class Binary:
     # Written only when set.
     grid: tuple[int, int, int] | None = None
     persistent: int | None = None
+    # program version 7: compiled with the PDL wait (emit/pdl.py; sm_90+), so the runtime may launch it with
+    # programmatic stream serialization. Written only when true.
+    pdl: bool = False
 
     @property
     def own_tiles(self) -> bool:
@@ -62,15 +70,19 @@ class Binary:
         out = {"cubin": self.cubin, "name": self.name, "num_warps": self.num_warps, "shared": self.shared,
                "global_scratch": self.global_scratch, "profile_scratch": self.profile_scratch}
         put_optional(out, "grid", None if self.grid is None else list(self.grid))
-        return put_optional(out, "persistent", self.persistent)
+        put_optional(out, "persistent", self.persistent)
+        return put_optional(out, "pdl", True if self.pdl else None)
 
     @classmethod
     def from_dict(cls, d: Any) -> "Binary":
         d = fields(d, "binary", ("cubin", "name", "num_warps", "shared", "global_scratch", "profile_scratch"),
-                   ("grid", "persistent"))
+                   ("grid", "persistent", "pdl"))
         grid = d.get("grid")
+        pdl = d.get("pdl", False)
+        if type(pdl) is not bool:
+            raise ArchiveError(f"binary {d['name']!r}: pdl must be a boolean, got {pdl!r}", remedy=DAMAGED)
         return cls(d["cubin"], d["name"], d["num_warps"], d["shared"], d["global_scratch"], d["profile_scratch"],
-                   None if grid is None else size_tuple(grid, "binary grid"), d.get("persistent"))
+                   None if grid is None else size_tuple(grid, "binary grid"), d.get("persistent"), pdl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +154,11 @@ def specialize_kernel(k: KernelEntry, env: Mapping[str, int]) -> KernelEntry:
 def has_target_tiles(kernels: dict) -> bool:
     """Does a binary launch with its own tiles (program version 6, TILES_VERSION)?"""
     return any(b.own_tiles for k in kernels.values() for b in k.binaries.values())
+
+
+def has_pdl(kernels: dict) -> bool:
+    """Was a binary compiled with the PDL wait (program version 7, PDL_VERSION)?"""
+    return any(b.pdl for k in kernels.values() for b in k.binaries.values())
 
 
 def kernels_to_dict(kernels: dict) -> dict:

@@ -34,6 +34,10 @@ one that has them is DIMS_VERSION, set by `Program` itself (`__post_init__`). Ve
                       its target's own tile configuration launches with them (contract/kernels.Binary).
                       Written only by archives that have such a binary (TILES_VERSION; the build raises
                       every program's version)
+  7  (2026-11-27)     a kernel binary's optional `pdl` (true): an sm_90+ cubin compiled with the PDL wait
+                      (emit/pdl.py), which the runtime may launch with programmatic stream serialization.
+                      Written only by archives that have such a binary (PDL_VERSION; the build raises
+                      every program's version). An older reader refuses it rather than ignore the field
 """
 from __future__ import annotations
 
@@ -47,8 +51,9 @@ from .sizes import SYMBOL, SizeExpr, check_size, evaluate, free_dims
 PROGRAM_VERSION = 4  # what this aotfuse writes for a program without size expressions
 DIMS_VERSION = 5  # ... and for one with size expressions or launch sizes (dynamic dims)
 TILES_VERSION = 6  # ... and for any program of an archive with a binary that has its own tiles
+PDL_VERSION = 7  # ... and for any program of an archive with a binary compiled with the PDL wait
 MIN_SUPPORTED_VERSION = 1  # the oldest it reads
-MAX_SUPPORTED_VERSION = TILES_VERSION  # the newest it reads
+MAX_SUPPORTED_VERSION = PDL_VERSION  # the newest it reads
 
 
 def check_program_version(v: Any, where: str = "program") -> int:

@@ -15,8 +15,10 @@ import os
 import re
 
 from ..errors import BuildError
+from ..knobs import knobs
 from ..runtime.kernel_source import TRITON_STATE_LOCK, load_source
 from .kernel_src import KernelSource
+from .pdl import PARAM as PDL_PARAM, uses_grid_dependency
 
 ARCHES = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90}
 
@@ -34,6 +36,8 @@ class Binary:
     # source's grid and programs per SM, when they differ from the kernel entry's (None: the entry's)
     grid: tuple | None = None
     persistent: int | None = None
+    # compiled with its PDL wait (emit/pdl.py): the runtime may launch it with programmatic stream serialization
+    pdl: bool = False
 
 
 def with_tiles(b: Binary, main: KernelSource, own: KernelSource) -> Binary:
@@ -90,7 +94,7 @@ def _stages_hook(triton_root: str):
 
 
 def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: str, num_stages: int = 0,
-                 aligned_sizes: bool = False) -> Binary:
+                 aligned_sizes: bool = False, pdl: bool = False) -> Binary:
     import triton
     from triton import knobs as tknobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
@@ -105,7 +109,16 @@ def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: 
     # starts of a dynamic length are 16-element aligned and its loads vectorize.
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values())
              if t.startswith("*") or (aligned_sizes and t == "i32")}
-    src = ASTSource(fn, signature, constexprs={}, attrs=attrs)
+    # The PDL wait and release (emit/pdl.py) are compiled in only for sm_90+ (griddepcontrol is Hopper's), and
+    # only when asked (knobs.pdl); otherwise the kernel is the plain one.
+    constexprs = {}
+    if uses_grid_dependency(source):
+        pdl = bool(pdl) and ARCHES[arch] >= 90
+        signature = {**signature, PDL_PARAM: "constexpr"}
+        constexprs = {PDL_PARAM: pdl}
+    else:
+        pdl = False
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     triton_root = os.path.dirname(os.path.realpath(triton.__file__))
     # Triton's cache key does not cover the stages hook: add our remap's version to the key's env vars,
     # or a cubin compiled without the remap (e.g. by an older aotfuse) would be served from the cache.
@@ -125,11 +138,15 @@ def _compile_one(name: str, source: str, signature: dict, num_warps: int, arch: 
     if any(root.encode() in cubin for root in {triton_root, os.path.dirname(triton.__file__)}):
         raise BuildError(f"kernel {name} for {arch}: the cubin names the Triton install path {triton_root}",
                          remedy="report this: aotfuse's line-info remap missed a path")
+    if pdl and "griddepcontrol.wait" not in ck.asm.get("ptx", ""):
+        raise BuildError(f"kernel {name} for {arch}: compiled for programmatic dependent launch, but its PTX has "
+                         "no griddepcontrol.wait", remedy="report this; build with AOTFUSE_PDL=0 meanwhile")
     md = ck.metadata
     if getattr(md, "num_ctas", 1) != 1:
         raise BuildError(f"kernel {name}: num_ctas={md.num_ctas} is not supported by the runtime")
     return Binary(arch, ck.asm["cubin"], md.name, md.num_warps, md.shared,
-                  int(getattr(md, "global_scratch_size", 0) or 0), int(getattr(md, "profile_scratch_size", 0) or 0))
+                  int(getattr(md, "global_scratch_size", 0) or 0), int(getattr(md, "profile_scratch_size", 0) or 0),
+                  pdl=pdl)
 
 
 def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: int,
@@ -145,7 +162,7 @@ def compile_all(kernels: list[KernelSource], targets: tuple[str, ...], workers: 
     # lives under its own pseudo-path (a later compile cannot replace the text the CPU path runs).
     keys = [(k.name, arch) for k in unique.values() for arch in targets]
     own = {key: unique[key[0]].for_target(key[1]) for key in keys}
-    jobs = [(t.name, t.source, t.signature, t.num_warps, arch, t.num_stages, t.aligned_sizes)
+    jobs = [(t.name, t.source, t.signature, t.num_warps, arch, t.num_stages, t.aligned_sizes, knobs.pdl)
             for (name, arch), t in own.items()]
     out: dict[str, dict[str, Binary]] = {name: {} for name in unique}
     total = len(jobs)

@@ -30,6 +30,7 @@ from .argreduce import finish as arg_finish, init as arg_init, persistent as arg
 from .argreduce import update as arg_update
 from .online import finish as online_finish, init as online_init, pairs as online_pairs
 from .online import update as online_update
+from .pdl import kernel_text
 from .predicate import condition_bounds, index_only, merge, resolve_clamps
 from .printer import (PTR_TYPE, TL_DTYPE, dim_value, grid_size, index_value, kernel_dims, ktext, literal,
                       header, op_source, print_index)
@@ -721,7 +722,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
                                      f"loads under its predicate, the clamps it decides dropped (emit/predicate.py)")
     dims = kernel_dims(body) if dims is None else dims
     params = ", ".join([a.name for a in args] + list(dims))
-    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = kernel_text(header(body), params, body)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_{'pw' if kind == 'pointwise' else 'red'}_{digest}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
@@ -785,7 +786,7 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     body = "\n".join(em.lines)
     dims = kernel_dims(body)
     params = ", ".join([a.name for a in args] + list(dims))
-    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = kernel_text(header(body), params, body)
     name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
                         group.name, kind, group.nodes, xb, rb, spelled(x), spelled(r), sizes=dims)

@@ -24,6 +24,7 @@ from ..schedule import mix
 from ..schedule.fusion import FusionGroup
 from . import kernel_src as ks
 from .argreduce import persistent as arg_persistent
+from .pdl import kernel_text
 from .printer import TL_DTYPE, print_index
 
 STEP_ELEMS = 4096  # elements per loop step, as a persistent row kernel packs rows
@@ -171,7 +172,7 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
                 f"acc_{p.name}.to({TL_DTYPE[graph.buffer(p.name).dtype]}), rmask)")
     body = "\n".join(em.lines)
     params = ", ".join(a.name for a in args)
-    text = f"{ks.header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = kernel_text(ks.header(body), params, body)
     name = f"aotf_mix_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     shared = ", ".join(dict.fromkeys(ld.buf for p in partials for ld in expr_loads(p.body)
                                      if ld.buf in ins and {ks.SX, ks.SR} <= ld.index.free_symbols))

@@ -9,6 +9,7 @@ once to the gradient's dtype.
 from __future__ import annotations
 
 from .kernel_src import KernelArg, KernelSource
+from .pdl import kernel_text
 from .printer import _HEADER
 from .printer import TL_DTYPE
 
@@ -30,14 +31,14 @@ def scale_kernel(grad_dtype: str, numel: int, tangent_dtype: str) -> KernelSourc
     chunk = steps * SCALE_BLOCK  # each program: a contiguous chunk of `steps` blocks
     programs = -(-numel // chunk)
     name = f"aotf_scale_{grad_dtype}_{numel}_{tangent_dtype}"
-    text = (f"{_HEADER}\n@triton.jit\ndef {name}(out_ptr0, in_ptr0):\n"
-            f"    t = tl.load(in_ptr0).to(tl.float32)\n"
+    body = (f"    t = tl.load(in_ptr0).to(tl.float32)\n"
             f"    if t != 1.0:\n"
             f"        for step in range({steps}):\n"
             f"            xindex = tl.program_id(0) * {chunk} + step * {SCALE_BLOCK} + tl.arange(0, {SCALE_BLOCK})\n"
             f"            xmask = xindex < {numel}\n"
             f"            v = tl.load(out_ptr0 + xindex, xmask).to(tl.float32)\n"
-            f"            tl.store(out_ptr0 + xindex, (v * t).to({TL_DTYPE[grad_dtype]}), xmask)\n")
+            f"            tl.store(out_ptr0 + xindex, (v * t).to({TL_DTYPE[grad_dtype]}), xmask)")
+    text = kernel_text(_HEADER, "out_ptr0, in_ptr0", body, name)
     args = (KernelArg("out_ptr0", "grad", grad_dtype, "out", numel),
             KernelArg("in_ptr0", "loss_grad", tangent_dtype, "in", 1))
     return KernelSource(name, text, args, (programs, 1, 1), SCALE_WARPS, "step_scale", "pointwise", (),

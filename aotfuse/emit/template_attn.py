@@ -19,6 +19,7 @@ from ..ir.loop import LoopGraph
 from ..schedule.fusion import FusionGroup
 from ..schedule.attention import index_refusal
 from .kernel_src import KernelArg, KernelSource, loop_range
+from .pdl import kernel_text
 from .printer import TL_DTYPE, header
 
 LOG2E = 1.4426950408889634
@@ -141,7 +142,7 @@ def generate_attention(group: FusionGroup, graph: LoopGraph) -> KernelSource:
           f"out.to({dt}), rm[:, None] < {t})"]
     params = ", ".join(a.name for a in args)
     body = "\n".join(L)
-    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = kernel_text(header(body), params, body)
     # xnumel: the query rows the grid covers (padded to BM per (batch, head)), rnumel: the head dim, so
     # the runtime's checks (grid = ceil(xnumel / XBLOCK), xnumel x rnumel within 32-bit indexing) hold
     kname = f"aotf_attn_{hashlib.sha256(text.encode()).hexdigest()[:12]}"

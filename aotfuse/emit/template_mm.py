@@ -30,6 +30,7 @@ from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
 from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _kernelize, fast_tanh_ok, header
 from .mm_configs import ARCH, target_configs
+from .pdl import kernel_text
 from .printer import TL_DTYPE, index_value, literal, op_source, print_index
 
 SB = sympy.Symbol("sb", integer=True, nonnegative=True)
@@ -406,7 +407,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset, cfg, cfg_
         L = ["    pid = tl.program_id(0)"] + pre + L
     body = "\n".join(L)
     params = ", ".join(a.name for a in args)
-    text = f"{header(body)}\n@triton.jit\ndef KERNEL_NAME({params}):\n{body}\n"
+    text = kernel_text(header(body), params, body)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"aotf_mm_{digest}"
     grid = tiles

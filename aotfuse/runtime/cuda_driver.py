@@ -143,6 +143,15 @@ class Driver:
         self.cuLaunchKernel_fast = lib["cuLaunchKernel"]
         self.cuLaunchKernel_fast.restype = ctypes.c_int
 
+    def pdl_launcher(self):
+        """cuLaunchKernelEx with programmatic stream serialization, in cuLaunchKernel's call form (made once)."""
+        launcher = getattr(self, "_pdl_launcher", None)
+        if launcher is None:
+            from .launch_pdl import PdlLauncher
+
+            launcher = self._pdl_launcher = PdlLauncher(self.lib)
+        return launcher
+
     def error_name(self, code: int) -> str:
         s = ctypes.c_char_p()
         if self.cuGetErrorName(code, ctypes.byref(s)) == CUDA_SUCCESS and s.value:
@@ -506,6 +515,7 @@ class CudaFunction:
         self._stream_arg = ctypes.c_void_p()  # filled per launch under the lock
         self._packs: dict[tuple[str, ...], _ArgPack] = {}
         self._lock = threading.Lock()  # ctypes drops the GIL in the call: guard the shared param buffer
+        self.pdl = False  # launched with programmatic dependent launch (enable_pdl)
 
     @property
     def handle(self) -> int:
@@ -517,6 +527,12 @@ class CudaFunction:
         if pack is None:
             pack = self._packs[key] = _ArgPack(key)
         return pack
+
+    def enable_pdl(self) -> None:
+        """Launch with programmatic dependent launch from now on (runtime/launch_pdl.py): only for a binary
+        compiled with the PDL wait (contract/kernels.Binary.pdl), before any launch site is bound."""
+        self._launch_fn = self._driver.pdl_launcher()
+        self.pdl = True
 
     def bind(self, arg_types: Sequence[str], num_warps: int, shared_bytes: int) -> "BoundLaunch":
         """Pre-resolve everything but grid/stream/values: the fastest per-call path."""

@@ -7,6 +7,7 @@ import torch
 
 from ..contract.kernels import KernelEntry
 from ..errors import ArchiveError, GuardError
+from ..knobs import knobs
 from .cuda_driver import CudaModule, device_arch
 
 
@@ -29,6 +30,7 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
         return {}, f"sm_{device_arch(device.index or 0)}", []
     archs = sorted({a for k in kernels.values() for a in k.binaries})
     arch = pick_arch(archs, device)
+    pdl = knobs.pdl_launch
     launchers, modules = {}, []
     for name, k in kernels.items():
         b = k.binaries.get(arch)
@@ -40,6 +42,8 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
         mod = CudaModule.load(b.cubin, device.index or 0)
         modules.append(mod)
         fn = mod.function(b.name, b.shared, b.num_warps)
+        if b.pdl and pdl and int(arch[3:]) >= 90:  # compiled with the PDL wait (emit/pdl.py): may start early
+            fn.enable_pdl()
         # pointers, then the int32 sizes of a kernel compiled for dynamic dims (their values: Launch.sizes)
         bound = fn.bind(["ptr"] * len(k.args) + ["i32"] * len(k.size_args), b.num_warps, b.shared)
         if b.global_scratch:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import ast
 from typing import Callable
 
+from ..contract.kernels import PDL_PARAM
 from ..errors import ArchiveError
 from .kernel_source import TRITON_STATE_LOCK, load_source
 
-_ALLOWED_IMPORTS = {"triton", "triton.language", "triton.language.extra"}
+_ALLOWED_IMPORTS = {"triton", "triton.language", "triton.language.extra", "triton.language.extra.cuda"}
 
 
 class _InterpreterLibdevice:
@@ -84,17 +85,28 @@ def check_source(name: str, source: str, params: list[str] | None = None) -> Non
     defs = [s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == name]
     if not defs:
         raise ArchiveError(f"kernel {name}: stored source does not define it")
-    if params is not None and [a.arg for a in defs[-1].args.args] != list(params):
-        raise ArchiveError(f"kernel {name}: stored source takes ({', '.join(a.arg for a in defs[-1].args.args)}), "
+    taken = [a.arg for a in defs[-1].args.args if a.arg != PDL_PARAM]
+    if params is not None and taken != list(params):
+        raise ArchiveError(f"kernel {name}: stored source takes ({', '.join(taken)}), "
                            f"the archive's launches pass ({', '.join(params)})")
 
 
 def _plain_signature(fn: ast.FunctionDef) -> bool:
     # Defaults and annotations are evaluated when the `def` executes (at load, before any check of
-    # the body could matter): generated kernels have neither, so any is refused.
+    # the body could matter): generated kernels have none but the PDL switch's (emit/pdl.py), a last
+    # argument `AOTF_PDL: tl.constexpr = False` exactly; any other is refused.
     a = fn.args
-    return not (a.defaults or a.kw_defaults or a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg
-                or fn.returns or any(x.annotation for x in a.args))
+    args = list(a.args)
+    if args and args[-1].arg == PDL_PARAM:
+        last = args.pop()
+        if not (last.annotation is not None and ast.unparse(last.annotation) == "tl.constexpr" and len(a.defaults) == 1
+                and isinstance(a.defaults[0], ast.Constant) and a.defaults[0].value is False):
+            return False
+        defaults = ()
+    else:
+        defaults = a.defaults
+    return not (defaults or a.kw_defaults or a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg
+                or fn.returns or any(x.annotation for x in args))
 
 
 def _constexpr(v: int):

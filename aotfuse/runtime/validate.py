@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from ..contract.manifest import backward_programs
-from ..contract.program import DIMS_VERSION, TILES_VERSION, check_program_version
+from ..contract.program import DIMS_VERSION, PDL_VERSION, TILES_VERSION, check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
@@ -509,6 +509,8 @@ def validate_program(name: str, program, kernels: dict, weights: dict[str, torch
     if v < TILES_VERSION and any("grid" in b or "persistent" in b for k in kernels.values()
                                  for b in k["binaries"].values()):
         _fail(where, f"version {v} program but a kernel's binary has its own tiles (version {TILES_VERSION}+)")
+    if v < PDL_VERSION and any("pdl" in b for k in kernels.values() for b in k["binaries"].values()):
+        _fail(where, f"version {v} program but a kernel's binary has the PDL wait (version {PDL_VERSION}+)")
     return _Walk(name, p, kernels, weights, empty_ok).run()
 
 

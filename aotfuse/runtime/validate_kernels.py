@@ -113,6 +113,11 @@ def _binaries(where: str, bins, template_warps: int | None = None) -> None:
                 _fail(w, f"grid {g} has y/z blocks; aotfuse kernels are 1-D")
         if "persistent" in b:
             _int(b["persistent"], f"{w} persistent", 0, 8)
+        if "pdl" in b:  # compiled with the PDL wait (version 7): Hopper's griddepcontrol, so sm_90+ only
+            if b["pdl"] is not True:
+                _fail(w, f"pdl {_short(b['pdl'])} is not true (written only when set)")
+            if int(arch[3:]) < 90:
+                _fail(w, "pdl on a binary for a target before sm_90 (griddepcontrol is Hopper's)")
         # a warp-specialized template runs 3 x its warps (a producer and two consumer warpgroups): the entry's,
         # or, with its own tiles, its own
         ws = {3 * template_warps} if template_warps is not None else set()
