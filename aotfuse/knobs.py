@@ -35,7 +35,7 @@
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
 | pdl | AOTFUSE_PDL | 1 | build: sm_90+ cubins wait for the kernel before them (griddepcontrol.wait, the body's first statement) and release the next one before their top-level stores (emit/pdl.py), so the runtime may launch them with programmatic dependent launch; 0: plain kernels |
-| pdl_launch | AOTFUSE_PDL_LAUNCH | 1 | runtime: launch the binaries built with the PDL wait with CUDA's programmatic stream serialization (sm_90+), so each starts while the kernel before it drains; 0: plain launches (the wait then returns at once) |
+| pdl_launch | AOTFUSE_PDL_LAUNCH | kernels | runtime: launch the binaries built with the PDL wait with CUDA's programmatic stream serialization (sm_90+), so each starts while the kernel before it drains: "kernels" where the program's previous GPU step is one of its kernels (after an extern, a plain launch), "all" everywhere, "off" nowhere (the wait then returns at once) |
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
 | graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
 | graph_instances | AOTFUSE_GRAPH_INSTANCES | 4 | runtime: CUDA graphs per program and caller stream (input addresses x output sets, runtime/graphs.py); beyond, a call runs without a graph |
@@ -145,7 +145,7 @@ class Knobs:
     fast_tanh: bool = bool(_env_int("AOTFUSE_FAST_TANH", 1))
     mm_tma: bool = bool(_env_int("AOTFUSE_MM_TMA", 1))
     pdl: bool = bool(_env_int("AOTFUSE_PDL", 1))
-    pdl_launch: bool = bool(_env_int("AOTFUSE_PDL_LAUNCH", 1))
+    pdl_launch: str = os.environ.get("AOTFUSE_PDL_LAUNCH", "kernels") or "kernels"
     attention: str = os.environ.get("AOTFUSE_ATTENTION", "auto")
     mm_epilogue_max_ops: int = _env_int("AOTFUSE_MM_EPILOGUE_OPS", 64)
     mm_epilogue_split_ops: int = _env_int("AOTFUSE_MM_EPILOGUE_SPLIT", 16)

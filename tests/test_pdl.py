@@ -117,22 +117,35 @@ def test_pdl_launches_match_plain_launches_bit_for_bit():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     torch.manual_seed(0)
+    # a matmul extern (cuBLAS) between kernels: "kernels" launches the kernel after it plainly
     m = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256),
-                      nn.Linear(256, 256), nn.Softmax(-1)).cuda().eval()
-    x = torch.randn(64, 128, 256, device="cuda")
+                      nn.Linear(256, 256), nn.Softmax(-1)).eval()
+    x = torch.randn(64, 128, 256)
     res = aotfuse.build(m, (x,), targets=("sm_90",))
     assert any(b.get("pdl") for k in _part(res.data, "kernels").values() for b in k["binaries"].values())
+    xs = [torch.randn(64, 128, 256, device="cuda") for _ in range(3)]
     outs = {}
-    for launch in (True, False):
+    for launch in ("kernels", "all", "off"):
         for graphs in (True, False):
             with override(pdl_launch=launch):
                 art = aotfuse.load(res.data, device="cuda", cuda_graphs=graphs)
-                got = [art(x + i).clone() for i in range(3)]  # graph replays (or launches) on fresh inputs
+                got = [art(xi).clone() for xi in xs]  # graph replays (or launches) on fresh inputs
                 torch.cuda.synchronize()
             outs[launch, graphs] = got
-    ref = outs[False, False]
+    ref = outs["off", False]
     for key, got in outs.items():
         for a, b in zip(got, ref):
             assert torch.equal(a, b), key
+    m = m.cuda()
     with torch.no_grad():
-        torch.testing.assert_close(ref[0], m(x), rtol=2e-3, atol=2e-3)
+        for xi, r in zip(xs, ref):
+            torch.testing.assert_close(r, m(xi), rtol=2e-3, atol=2e-3)
+
+
+def test_unknown_launch_mode_is_refused_before_anything_runs():
+    m, x = _mlp(), torch.randn(6, 48)
+    res = aotfuse.build(m, (x,), targets=("sm_90",))
+    if not torch.cuda.is_available():
+        pytest.skip("the launch mode is read where kernels are loaded, on CUDA")
+    with override(pdl_launch="sometimes"), pytest.raises(Exception, match="AOTFUSE_PDL_LAUNCH"):
+        aotfuse.load(res.data, device="cuda")

@@ -515,7 +515,7 @@ class CudaFunction:
         self._stream_arg = ctypes.c_void_p()  # filled per launch under the lock
         self._packs: dict[tuple[str, ...], _ArgPack] = {}
         self._lock = threading.Lock()  # ctypes drops the GIL in the call: guard the shared param buffer
-        self.pdl = False  # launched with programmatic dependent launch (enable_pdl)
+        self.pdl = ""  # launched with programmatic dependent launch (enable_pdl): "all" | "kernels" | ""
 
     @property
     def handle(self) -> int:
@@ -528,11 +528,13 @@ class CudaFunction:
             pack = self._packs[key] = _ArgPack(key)
         return pack
 
-    def enable_pdl(self) -> None:
+    def enable_pdl(self, after_kernels_only: bool = False) -> None:
         """Launch with programmatic dependent launch from now on (runtime/launch_pdl.py): only for a binary
-        compiled with the PDL wait (contract/kernels.Binary.pdl), before any launch site is bound."""
+        compiled with the PDL wait (contract/kernels.Binary.pdl), before any launch site is bound.
+        after_kernels_only: a program's launch site whose previous GPU step is not one of the archive's
+        kernels (an extern: cuBLAS, a copy) launches plainly (PreparedLaunch.after_extern)."""
         self._launch_fn = self._driver.pdl_launcher()
-        self.pdl = True
+        self.pdl = "kernels" if after_kernels_only else "all"
 
     def bind(self, arg_types: Sequence[str], num_warps: int, shared_bytes: int) -> "BoundLaunch":
         """Pre-resolve everything but grid/stream/values: the fastest per-call path."""
@@ -653,6 +655,13 @@ class PreparedLaunch:
         """Launch with `args` (device addresses in argument order) on `stream`."""
         self.pack.fill(args, self.global_scratch)
         self.launch_filled(stream)
+
+    def after_extern(self) -> None:
+        """This site's previous GPU step is not one of the archive's kernels: a function that launches with
+        PDL only after kernels (CudaFunction.enable_pdl) launches plainly here."""
+        fn = self.bound.function
+        if fn.pdl == "kernels":
+            self._fn = fn._driver.cuLaunchKernel_fast
 
     def fill(self, args: Sequence[int]) -> None:
         """Set the arguments of every later `launch_filled` (a launch site whose addresses never change)."""

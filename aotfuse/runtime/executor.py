@@ -84,12 +84,18 @@ def _flat(xs):
             yield x
 
 
-def _prepared(step: tuple, addr: list, per_call: set) -> tuple:
+def _prepared(step: tuple, addr: list, per_call: set, after_launch: bool = True) -> tuple:
     """A GPU launch step with a parameter buffer of its own, filled once when none of its arguments
-    changes per call (weights and arena views only); other steps (and CPU launches) as they are."""
+    changes per call (weights and arena views only); other steps (and CPU launches) as they are.
+    after_launch: the step before it that does GPU work is a kernel launch (else, a kernel launched with
+    PDL only after kernels launches plainly here: PreparedLaunch.after_extern)."""
     if step[0] == "launch" and hasattr(step[1], "prepare"):
         _, launch, grid, slots = step
         prepared = launch.prepare(grid)
+        if not after_launch:
+            site = getattr(prepared, "prepared", prepared)  # a sized launch's site
+            if hasattr(site, "after_extern"):
+                site.after_extern()
         if any(s in per_call for s in slots):
             return ("prepared", prepared.launch, slots)
         prepared.fill([addr[s] for s in slots])
@@ -164,7 +170,12 @@ class State:
         # once here. Only views of per-call buffers (inputs, extern results, outputs) stay _View.
         # GPU launches get a parameter buffer of their own (this state's calls are serialized).
         self.externs: list = [None] * ex.n_externs
-        self._base_steps = [_prepared(step, self.addr, ex.per_call) for step in ex.steps]
+        self._base_steps = []
+        after_launch = False  # what ran before the program (the caller's work) is not one of its kernels
+        for step in ex.steps:
+            self._base_steps.append(_prepared(step, self.addr, ex.per_call, after_launch))
+            if step[0] in ("launch", "extern"):  # allocations and frees enqueue no GPU work
+                after_launch = step[0] == "launch"
         self.steps = self._base_steps
         for step in ex.steps:
             if step[0] == "extern":

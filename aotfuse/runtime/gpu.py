@@ -31,6 +31,9 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
     archs = sorted({a for k in kernels.values() for a in k.binaries})
     arch = pick_arch(archs, device)
     pdl = knobs.pdl_launch
+    if pdl not in ("kernels", "all", "off"):
+        raise GuardError(f"AOTFUSE_PDL_LAUNCH={pdl!r} is not one of kernels, all, off",
+                         remedy="set AOTFUSE_PDL_LAUNCH to kernels (the default), all or off")
     launchers, modules = {}, []
     for name, k in kernels.items():
         b = k.binaries.get(arch)
@@ -42,8 +45,8 @@ def make_launchers(kernels: dict[str, KernelEntry], device: torch.device) -> tup
         mod = CudaModule.load(b.cubin, device.index or 0)
         modules.append(mod)
         fn = mod.function(b.name, b.shared, b.num_warps)
-        if b.pdl and pdl and int(arch[3:]) >= 90:  # compiled with the PDL wait (emit/pdl.py): may start early
-            fn.enable_pdl()
+        if b.pdl and pdl != "off" and int(arch[3:]) >= 90:  # compiled with the PDL wait (emit/pdl.py)
+            fn.enable_pdl(after_kernels_only=pdl == "kernels")
         # pointers, then the int32 sizes of a kernel compiled for dynamic dims (their values: Launch.sizes)
         bound = fn.bind(["ptr"] * len(k.args) + ["i32"] * len(k.size_args), b.num_warps, b.shared)
         if b.global_scratch:
