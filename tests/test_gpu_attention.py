@@ -206,17 +206,19 @@ def test_bias_gradient_op_matches_float64_sdpa(dtype, mshape, t):
         assert err <= max(2 * eager_err, 1e-5 if dtype == torch.float32 else 1e-2), (name, err, eager_err)
 
 
-def test_learned_bias_training_through_the_archive():
+@pytest.mark.parametrize("t", [49, 64])
+def test_learned_bias_training_through_the_archive(t):
     """Swin-style window attention with a learned relative position bias trained through the archive on CUDA
-    (tests/test_train_attention.py's WindowBias): loss and every gradient against eager, fp32."""
+    (tests/test_train_attention.py's WindowBias): loss and every gradient against eager, fp32. T = 49 runs the
+    efficient kernel both ways; T = 64 may run the forward on cuDNN."""
     import aotfuse
     from aotfuse.testing.train_check import assert_training_matches
     from test_train_attention import WindowBias
 
     torch.manual_seed(0)
-    model = WindowBias()
-    x = torch.randn(4, 49, 16)
+    model = WindowBias(t=t)
+    x = torch.randn(4, t, 16)
     major, minor = torch.cuda.get_device_capability()
     res = aotfuse.build(model, (x,), train=True, targets=(f"sm_{major}{minor}",))
-    assert_training_matches(res.data, model, (torch.randn(4, 49, 16),), loss_rtol=1e-4, loss_atol=1e-5,
+    assert_training_matches(res.data, model, (torch.randn(4, t, 16),), loss_rtol=1e-4, loss_atol=1e-5,
                             grad_rtol=1e-3, grad_atol=1e-5, device="cuda")

@@ -15,6 +15,7 @@ import aotfuse
 from aotfuse.testing.train_check import assert_training_matches
 from aotfuse.archive import read_archive
 from aotfuse.contract import PROGRAM_VERSION
+from aotfuse.contract.program import PDL_VERSION
 from aotfuse.examples.gpt import demo_train
 from aotfuse.joint import trace_joint
 from aotfuse.runtime.attention import attention, attention_backward
@@ -91,7 +92,8 @@ def test_no_b_h_t_t_tensor_and_the_partition_saves_q_k_v_out_lse(built, name):
     b, h, t = _ATT_SHAPES[name]
     progs = _all_shapes(res.data)
     for pname, (shapes, prog) in progs.items():
-        assert prog.version == PROGRAM_VERSION == 4
+        # 4; 7 (PDL_VERSION) with sm_90 cubins compiled with the PDL wait (emit/pdl.py)
+        assert prog.version in (PROGRAM_VERSION, PDL_VERSION) and PROGRAM_VERSION == 4
         assert not [s for s in shapes if len(s) == 4 and s[0] == b and s[-2:] == (t, t) and s[1] in (h, 1) and
                     s[1] == h], (pname, sorted(set(shapes)))
         assert not [s for s in shapes if s[-2:] == (t, t) and len(s) >= 3 and s[-3] == h], (pname, sorted(set(shapes)))
@@ -194,10 +196,11 @@ def test_learned_mask_with_a_large_head_dim_takes_the_math_form_with_a_recorded_
     assert [d["kernel"] for d in joint.decisions] == ["math"]
     assert "requires grad with a head dim of 160" in joint.decisions[0]["why"]
     assert not [n for n in joint.gm.graph.nodes if "aotfuse" in str(n.target)]
-    q = torch.randn(1, 2, 8, 16)  # a key length of 8: kept in the math form until the cuDNN pairing runs on a GPU
+    # a key length of 8 (the forward may run cuDNN, the bias gradient the efficient kernel: verified on an H100,
+    # tests/test_gpu_attention.py's T = 64 cases) is fused
+    q = torch.randn(1, 2, 8, 16)
     joint = trace_joint(M(), (q, q, q))
-    assert [d["kernel"] for d in joint.decisions] == ["math"]
-    assert "over a key length of 8, a multiple of 8" in joint.decisions[0]["why"]
+    assert [d["kernel"] for d in joint.decisions] != ["math"], joint.decisions
 
 
 def test_attention_ops_match_sdpa_with_gqa_and_masks():

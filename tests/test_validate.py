@@ -98,7 +98,8 @@ def test_unmutated_archives_load_and_run(bases):
     for name, d in bases.items():
         art = aotfuse.load(d.encode(), device="cpu")
         assert art.kernels and art.programs, name
-    assert bases["gpt"].version == 4 and bases["golden_v1"].version == 1
+    # 4, or 7 (PDL_VERSION) when an sm_90 cubin has the PDL wait (emit/pdl.py)
+    assert bases["gpt"].version in (4, 7) and bases["golden_v1"].version == 1
     ids = torch.randint(0, 32, (2, 4))
     aotfuse.load(bases["gpt"].encode(), device="cpu")(ids)  # the re-encoded archive still runs
 

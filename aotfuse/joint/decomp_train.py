@@ -356,12 +356,6 @@ def fused_attention_refusal(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fa
             # whose backward takes head dims up to 128
             return f"the attention mask requires grad with a head dim of {q.shape[-1]} (the fused backward's " \
                    "bias gradient takes head dims up to 128)"
-        if attn_mask.requires_grad and k.shape[-2] % 8 == 0:
-            # over such key lengths the forward may run cuDNN and the bias gradient the efficient kernel: that pairing
-            # has not run on a GPU yet (2026-11-27); key lengths off multiples of 8 run both on the efficient kernel
-            return f"the attention mask requires grad over a key length of {k.shape[-2]}, a multiple of 8 (the " \
-                   "fused bias gradient is verified only where the forward runs the efficient kernel: key lengths " \
-                   "off multiples of 8)"
         if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
             return f"attention mask of dtype {attn_mask.dtype}"
         if is_causal:
