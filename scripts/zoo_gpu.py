@@ -140,7 +140,8 @@ def run_one(e, mode: str, args) -> dict:
             res = aotfuse.build(ex.model, ex.args, example_kwargs=ex.kwargs, train=train, targets=targets)
         key = "aotfuse" + (f":{vname}" if vname else "")
         row[key.replace("aotfuse", "build_s")] = round(time.perf_counter() - t0, 1)
-        art = aotfuse.load(res.data, device=args.device)
+        with override(**kv):  # runtime knobs (pdl_launch) are read where the archive is loaded
+            art = aotfuse.load(res.data, device=args.device)
         row[key.replace("aotfuse", "error_vs_eager")] = round(_check(ex, art, train, args.device), 3)
         built[key] = (res, art)
     del res, art  # each contender below takes its own from `built`
