@@ -34,7 +34,7 @@
 | mix_min_r | AOTFUSE_MIX_MIN_R | 2048 | mix-order only for rows of at least this many elements (H100: 8192 x 768 lost, 16384 x 4096 won; schedule/mix.py condition 2) |
 | launch_overhead_us | AOTFUSE_LAUNCH_US | 4.0 | cost model: one kernel launch |
 | bandwidth_gbs | AOTFUSE_BANDWIDTH_GBS | 2000 | cost model: device memory bandwidth |
-| pdl | AOTFUSE_PDL | 1 | build: sm_90+ cubins wait for the kernel before them (griddepcontrol.wait, the body's first statement) and release the next one before their top-level stores (emit/pdl.py), so the runtime may launch them with programmatic dependent launch; 0: plain kernels |
+| pdl | AOTFUSE_PDL | 0 | build: sm_90+ cubins wait for the kernel before them (griddepcontrol.wait, the body's first statement) and release the next one before their top-level stores (emit/pdl.py), so the runtime may launch them with programmatic dependent launch (program version 7); 0: plain kernels. Opt-in: H200, 2026-11-27, scripts/pdl_ab.py and `aotfuse bench --train`: the anchor GPT's inference at 8 x 1024 -2.0% and ResNet-18's at batch 1 -2.4%, but its training step +1.4% and its inference at 1 x 128 +1.1% |
 | pdl_launch | AOTFUSE_PDL_LAUNCH | kernels | runtime: launch the binaries built with the PDL wait with CUDA's programmatic stream serialization (sm_90+), so each starts while the kernel before it drains: "kernels" where the program's previous GPU step is one of its kernels (after an extern, a plain launch), "all" everywhere, "off" nowhere (the wait then returns at once) |
 | cuda_graphs | AOTFUSE_CUDA_GRAPHS | 1 | runtime: capture static-shape programs into a CUDA graph |
 | graph_streams | AOTFUSE_GRAPH_STREAMS | 4 | runtime: caller streams with state of their own per program (arena; and a CUDA graph when on), LRU beyond |
@@ -144,7 +144,7 @@ class Knobs:
     mm_config: str = os.environ.get("AOTFUSE_MM_CONFIG", "")
     fast_tanh: bool = bool(_env_int("AOTFUSE_FAST_TANH", 1))
     mm_tma: bool = bool(_env_int("AOTFUSE_MM_TMA", 1))
-    pdl: bool = bool(_env_int("AOTFUSE_PDL", 1))
+    pdl: bool = bool(_env_int("AOTFUSE_PDL", 0))
     pdl_launch: str = os.environ.get("AOTFUSE_PDL_LAUNCH", "kernels") or "kernels"
     attention: str = os.environ.get("AOTFUSE_ATTENTION", "auto")
     mm_epilogue_max_ops: int = _env_int("AOTFUSE_MM_EPILOGUE_OPS", 64)

@@ -15,7 +15,7 @@ from aotfuse.contract.kernels import Binary
 from aotfuse.contract.program import PDL_VERSION
 from aotfuse.emit.pdl import RELEASE, WAIT, with_grid_dependency
 from aotfuse.errors import ArchiveError
-from aotfuse.knobs import override
+from aotfuse.knobs import knobs, override
 from aotfuse.runtime.interpret import check_source
 from aotfuse.runtime.launch_pdl import LaunchAttribute, LaunchConfig
 
@@ -80,7 +80,8 @@ def _mlp():
 
 def test_sm90_binaries_have_the_wait_sm80_do_not():
     m, x = _mlp(), torch.randn(6, 48)
-    res = aotfuse.build(m, (x,), targets=("sm_80", "sm_90"))
+    with override(pdl=True):
+        res = aotfuse.build(m, (x,), targets=("sm_80", "sm_90"))
     kernels = _part(res.data, "kernels")
     assert kernels
     for name, k in kernels.items():
@@ -90,6 +91,16 @@ def test_sm90_binaries_have_the_wait_sm80_do_not():
     # the CPU path runs the stored source with the switch off (the interpreter has no griddepcontrol)
     art = aotfuse.load(res.data, device="cpu")
     torch.testing.assert_close(art(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_default_builds_plain_kernels():
+    """PDL is opt-in (knobs.pdl): a default build keeps plain kernels and its program version."""
+    if knobs.pdl:
+        pytest.skip("AOTFUSE_PDL=1 in the environment")
+    m, x = _mlp(), torch.randn(6, 48)
+    res = aotfuse.build(m, (x,), targets=("sm_90",))
+    assert all("pdl" not in b for k in _part(res.data, "kernels").values() for b in k["binaries"].values())
+    assert _part(res.data, "program.forward")["version"] == 4
 
 
 def test_knob_off_builds_plain_kernels():
@@ -121,7 +132,8 @@ def test_pdl_launches_match_plain_launches_bit_for_bit():
     m = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256),
                       nn.Linear(256, 256), nn.Softmax(-1)).eval()
     x = torch.randn(64, 128, 256)
-    res = aotfuse.build(m, (x,), targets=("sm_90",))
+    with override(pdl=True):
+        res = aotfuse.build(m, (x,), targets=("sm_90",))
     assert any(b.get("pdl") for k in _part(res.data, "kernels").values() for b in k["binaries"].values())
     xs = [torch.randn(64, 128, 256, device="cuda") for _ in range(3)]
     outs = {}
@@ -144,7 +156,8 @@ def test_pdl_launches_match_plain_launches_bit_for_bit():
 
 def test_unknown_launch_mode_is_refused_before_anything_runs():
     m, x = _mlp(), torch.randn(6, 48)
-    res = aotfuse.build(m, (x,), targets=("sm_90",))
+    with override(pdl=True):
+        res = aotfuse.build(m, (x,), targets=("sm_90",))
     if not torch.cuda.is_available():
         pytest.skip("the launch mode is read where kernels are loaded, on CUDA")
     with override(pdl_launch="sometimes"), pytest.raises(Exception, match="AOTFUSE_PDL_LAUNCH"):
