@@ -125,6 +125,8 @@ class _Emitter:
     def __init__(self, graph: LoopGraph, members: dict, args: dict, kind: str):
         self.graph = graph
         self.members = members  # node name -> node with kernel-level indices
+        # members this kernel stores in a half dtype: read back inside the kernel as stored (node_value)
+        self.rounded: frozenset = frozenset()
         self.args = args  # buffer -> arg name (inputs)
         self.kind = kind
         self.lines: list[str] = []
@@ -380,9 +382,25 @@ class _Emitter:
         saved = self.ctx
         self.ctx = "xr" if self.kind != "pointwise" and not same(node.numel, self.xnumel) else "x"
         try:
-            return self.emit(node.body)
+            value = self.emit(node.body)
+            if name in self.rounded:
+                return self.rounded_value(value, self.graph.buffer(name).dtype)
+            return value
         finally:
             self.ctx = saved
+
+    def rounded_value(self, value: str, dtype: str) -> str:
+        """`value` (computed in fp32) rounded to the half dtype its buffer stores. A value this kernel both stores
+        and reads is read as stored: every other reader (a later kernel, the backward's recomputation from the
+        saved buffer) sees the rounded value, and eager rounds it too. Unrounded, a softmax's sum computed here
+        from the fp32 scores would not normalize the probabilities the backward recomputes from the stored bf16
+        scores (BLOOM's ALiBi scores reach hundreds, where a bf16 rounding is an absolute error of 1 to 2)."""
+        key = ("rounded", self.ctx, value, dtype)
+        hit = self.lookup(key)
+        if hit is None:
+            hit = self.tmp(f"{value}.to({TL_DTYPE[dtype]}).to(tl.float32)")
+            self.scopes[-1][key] = hit
+        return hit
 
 
 HOIST_MODES = ("columns", "all", "off")
@@ -585,6 +603,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset,
     em = _Emitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"}, kind)
     em.xnumel, em.rnumel = x, r
     em.stores = stores
+    em.rounded = half_stored(graph, outs)
     em.evict = evict
     em.fast_tanh = fast_tanh_ok(graph, outs)
 
@@ -790,6 +809,11 @@ def _generate_scan(group: FusionGroup, graph: LoopGraph, node: Scan) -> KernelSo
     name = f"aotf_scan_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
     return KernelSource(name, text.replace("KERNEL_NAME", name), tuple(args), (grid_size(x, xb), 1, 1), warps,
                         group.name, kind, group.nodes, xb, rb, spelled(x), spelled(r), sizes=dims)
+
+
+def half_stored(graph: LoopGraph, outs) -> frozenset:
+    """The stored buffers of a kernel whose dtype is half precision (computed in fp32, rounded on store)."""
+    return frozenset(o for o in outs if graph.buffer(o).dtype in ("bfloat16", "float16"))
 
 
 def fast_tanh_ok(graph: LoopGraph, outs) -> bool:

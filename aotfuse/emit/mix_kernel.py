@@ -141,6 +141,7 @@ def generate_mix(group: FusionGroup, graph, stored: frozenset) -> ks.KernelSourc
     em = _MixEmitter(graph, {n.name: n for n in knodes}, {a.buf: a.name for a in args if a.role == "in"},
                      "persistent_reduction")
     em.xnumel, em.rnumel, em.stores = x, r, stores
+    em.rounded = ks.half_stored(graph, outs)
     partials = [n for n in knodes if n.name in cols and isinstance(n, Reduction)]
     for p in partials:
         if p.name not in out_name or p.rtype != "sum":

@@ -28,7 +28,8 @@ from ..ir.loop import Cast, Const, IndexValue, Load, LoopGraph, Op, expr_loads, 
 from ..ir.matmul import MatMul, split_operands
 from ..knobs import knobs
 from ..schedule.fusion import FusionGroup
-from .kernel_src import INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _kernelize, fast_tanh_ok, header
+from .kernel_src import (INDEX_LIMIT, SR, SX, KernelArg, KernelSource, _Emitter, _kernelize, fast_tanh_ok, half_stored,
+                         header)
 from .mm_configs import ARCH, target_configs
 from .pdl import kernel_text
 from .printer import TL_DTYPE, index_value, literal, op_source, print_index
@@ -369,6 +370,7 @@ def _generate(group: FusionGroup, graph: LoopGraph, stored: frozenset, cfg, cfg_
     # epilogue runs while its tensor cores wait.
     em.fast_tanh = fast_tanh_ok(graph, outs)
     em.stores = stores
+    em.rounded = half_stored(graph, outs)  # epilogue values read back as stored (the accumulator is not: red_vars)
     em.red_vars[mm.name] = "acc"
     em.lines = L
     em.n = 0
