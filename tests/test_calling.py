@@ -47,7 +47,7 @@ def built():
 
 def test_keywords_in_model_structure_out(built):
     model, res = built
-    assert res.manifest.call["inputs"] == {"positional": 1, "keywords": ["bias", "labels"]}
+    assert res.manifest.call["inputs"] == {"positional": 1, "keywords": ["bias", "labels"], "constants": {"scale": 0.5}}
     art = aotfuse.load(res.data, device="cpu")
     x, b, lab = _inputs(1)  # fresh inputs, not the example's
     got = art(x, labels=lab, bias=b)  # keyword order does not matter
@@ -62,13 +62,31 @@ def test_keywords_in_model_structure_out(built):
 
 @pytest.mark.parametrize("call, match", [
     (lambda art, x, b, lab: art(x, bias=b), "missing keyword input.*labels"),
-    (lambda art, x, b, lab: art(x, bias=b, labels=lab, scale=2.0), "unknown keyword input.*scale"),
+    (lambda art, x, b, lab: art(x, bias=b, labels=lab, scale=2.0), "scale=2.0, but the archive was built with "
+                                                                   "scale=0.5"),
+    (lambda art, x, b, lab: art(x, bias=b, labels=lab, scale=1), "scale=1, but .* built with scale=0.5"),
+    (lambda art, x, b, lab: art(x, bias=b, labels=lab, shift=1.0), "unknown keyword input.*shift"),
     (lambda art, x, b, lab: art(x, b), "expected 1 positional"),
 ])
 def test_bad_calls_name_the_input(built, call, match):
     art = aotfuse.load(built[1].data, device="cpu")
     with pytest.raises(GuardError, match=match):
         call(art, *_inputs(2))
+
+
+def test_a_build_constant_may_be_passed_again_with_its_value(built):
+    """transformers-style calls repeat their flags (CLIP's return_loss=True): the value the archive was built
+    with is accepted, inference and training alike; another value is refused above (test_bad_calls_name_the_input)."""
+    model, res = built
+    art = aotfuse.load(res.data, device="cpu")
+    x, b, lab = _inputs(5)
+    got = art(x, bias=b, labels=lab, scale=0.5)
+    torch.testing.assert_close(got.logits, model(x, bias=b, labels=lab, scale=0.5).logits, rtol=1e-5, atol=1e-6)
+    res = aotfuse.build(Model(dict), (x,), example_kwargs={"bias": b, "labels": lab, "scale": 2.0}, train=True,
+                        targets=("sm_90",))
+    assert res.manifest.call["inputs"]["constants"] == {"scale": 2.0}
+    mod = aotfuse.load(res.data, device="cpu").as_module()
+    mod(x, bias=b, labels=lab, scale=2.0)["loss"].backward()
 
 
 def test_train_module_called_like_the_model():

@@ -284,8 +284,13 @@ def _call(c: Any) -> dict | None:
     if c is None:
         return None
     c = fields(c, "manifest call", ("inputs", "outputs"), ("loss_leaf",))
-    ins = fields(c["inputs"], "manifest call inputs", ("positional", "keywords"))
+    ins = fields(c["inputs"], "manifest call inputs", ("positional", "keywords"), ("constants",))
     if type(ins["positional"]) is not int or ins["positional"] < 0:
         raise ArchiveError("manifest call inputs: 'positional' must be a non-negative int", remedy=DAMAGED)
     strs(ins["keywords"])
+    consts = ins.get("constants", {})
+    if type(consts) is not dict or any(type(k) is not str or not (v is None or type(v) in (bool, int, float, str))
+                                       for k, v in consts.items()) or set(consts) & set(ins["keywords"]):
+        raise ArchiveError("manifest call inputs: 'constants' must map names (not keyword tensors') to None, bool, "
+                           "int, float or str", remedy=DAMAGED)
     return c

@@ -156,6 +156,16 @@ def split_example(model, example_inputs, example_kwargs) -> tuple[tuple, dict, d
     return args, tensors, consts
 
 
+def call_inputs(positional: int, keywords, constants: dict) -> dict:
+    """The manifest's `call.inputs`: the positional count, the keyword tensors' names in program order, and the
+    keyword constants baked into the program (`constants`, written only when there are any: a call may pass
+    them again with the same values, runtime/calling.flatten)."""
+    out = {"positional": positional, "keywords": list(keywords)}
+    if constants:
+        out["constants"] = dict(constants)
+    return out
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwargs: dict | None = None,
             train: bool = False, dynamic: tuple = ()) -> CapturedGraph:
     """Export `model(*example_inputs, **example_kwargs)`. Program inputs: the positional tensors, then
@@ -272,7 +282,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
     out_spec = ep.call_spec.out_spec
     single = out_spec is not None and out_spec.num_leaves == 1 and out_spec.type not in (tuple, list)
     return CapturedGraph(ep.graph_module, tuple(placeholders), weights, tuple(specs), single,
-                         time.perf_counter() - t0, call={"positional": len(example_inputs), "keywords": kw_order},
+                         time.perf_counter() - t0, call=call_inputs(len(example_inputs), kw_order, kw_consts),
                          outputs_tree=output_structure(out_spec) if out_spec is not None else None,
                          dims=dims, symmap=symmap, shape_env=env0 if dims else None,
                          decisions=tuple(export_decisions))

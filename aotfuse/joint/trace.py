@@ -582,7 +582,7 @@ def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: di
 def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symbolic) -> JointGraph:
     from torch._functorch.aot_autograd import aot_export_module
 
-    from ..export.capture import split_example
+    from ..export.capture import call_inputs, split_example
 
     t0 = time.perf_counter()
     args, kw_tensors, kw_consts = split_example(model, example_inputs, example_kwargs)
@@ -699,7 +699,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
                       inputs=tuple(specs), grads=tuple(grads), placeholders=tuple(placeholders),
                       num_user_outputs=n_user, loss_index=loss_index, tangent=tangent.name, tangent_mode=mode,
                       seconds=time.perf_counter() - t0,
-                      call={"positional": len(args), "keywords": list(kw_tensors)},
+                      call=call_inputs(len(args), kw_tensors, kw_consts),
                       outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf,
                       decisions=tuple(attention.decisions), mutated_buffers=tuple(mutated),
                       product_sums=tuple(sums))

@@ -37,14 +37,28 @@ def flatten(call: dict | None, args: Sequence[Any], kwargs: dict[str, Any]) -> t
         raise GuardError(f"expected {n} positional input(s) {how}, got {len(args)} positional",
                          remedy="call the archive as the model was called at build time"
                                 + (f": pass {', '.join(names)} by keyword" if names else ""))
+    consts = call["inputs"].get("constants", {})
     missing = [k for k in names if k not in kwargs]
-    unknown = [k for k in kwargs if k not in names]
+    unknown = [k for k in kwargs if k not in names and k not in consts]
     if missing or unknown:
         parts = ([f"missing keyword input(s) {', '.join(missing)}"] if missing else []) + \
                 ([f"unknown keyword input(s) {', '.join(unknown)}"] if unknown else [])
-        raise GuardError("; ".join(parts), remedy=f"this archive takes the keywords {', '.join(names) or '(none)'}; "
-                         "constants given at build time are baked in and cannot be passed")
+        baked = f"; the constants {', '.join(f'{k}={v!r}' for k, v in consts.items())} were baked in" if consts else ""
+        raise GuardError("; ".join(parts), remedy=f"this archive takes the keywords {', '.join(names) or '(none)'}"
+                         + baked)
+    for k, v in kwargs.items():
+        # a keyword constant of the build (return_loss=True, output_hidden_states=False) may be passed again,
+        # with the value it was built with: the program computes that value's call, and no other
+        if k in consts and not _same_constant(v, consts[k]):
+            raise GuardError(f"keyword {k}={v!r}, but the archive was built with {k}={consts[k]!r}, baked into "
+                             "its program", remedy=f"pass {k}={consts[k]!r} or leave it out, or build an archive "
+                             f"with {k}={v!r}")
     return tuple(args) + tuple(kwargs[k] for k in names)
+
+
+def _same_constant(v: Any, built: Any) -> bool:
+    """Is `v` the build's constant `built`: the same type (True is not 1) and value."""
+    return type(v) is type(built) and v == built
 
 
 def rebuild(tree: dict, outputs: Sequence[Any]) -> Any:
