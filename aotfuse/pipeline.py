@@ -20,6 +20,7 @@ from . import __version__
 from .archive import write_archive
 from .archive.format import write_atomically
 from .contract.kernels import has_pdl, has_target_tiles
+from .emit.pdl import uses_grid_dependency
 from .contract.program import PDL_VERSION, TILES_VERSION
 from .contract import (Binary, FusionSummary, GroupRecord, InlineRecord, KernelArg, KernelEntry,
                        Manifest, MemorySummary, OutputSpec, Report, kernels_to_dict)
@@ -361,7 +362,9 @@ def _pack(progs, all_kernels, programs, binaries, report: Report, targets, train
     pack = lambda v: msgpack.packb(v, use_bin_type=True, default=_report_size)  # noqa: E731
     parts = {"kernels": pack(kernels_to_dict(kernels)), "sources": pack(sources), "report": pack(report.to_dict())}
     # a binary with its own tiles, or compiled with the PDL wait: an older reader must refuse
-    least = PDL_VERSION if has_pdl(kernels) else TILES_VERSION if has_target_tiles(kernels) else 0
+    # (a source with the PDL parameter, even without an sm_90 binary: an older source check refuses it)
+    pdl = has_pdl(kernels) or any(uses_grid_dependency(src) for src in sources.values())
+    least = PDL_VERSION if pdl else TILES_VERSION if has_target_tiles(kernels) else 0
     for name, prog in programs.items():
         if prog.version < least:
             prog = dataclasses.replace(prog, version=least)

@@ -89,6 +89,20 @@ def test_a_build_constant_may_be_passed_again_with_its_value(built):
     mod(x, bias=b, labels=lab, scale=2.0)["loss"].backward()
 
 
+def test_constant_comparison_edge_cases():
+    import enum
+
+    from aotfuse.runtime.calling import _same_constant, plain_constant
+
+    class Mode(enum.IntEnum):
+        FAST = 3
+
+    assert plain_constant(Mode.FAST) == 3 and type(plain_constant(Mode.FAST)) is int
+    assert _same_constant(Mode.FAST, 3) and _same_constant(float("nan"), float("nan"))
+    assert not _same_constant(True, 1) and not _same_constant(1, 1.0) and not _same_constant(-0.0, 0.0)
+    assert _same_constant(None, None) and not _same_constant(None, False)
+
+
 def test_train_module_called_like_the_model():
     torch.manual_seed(0)
     model = Model(dict)

@@ -24,7 +24,7 @@ from aotfuse.contract import (DIMS_VERSION, PROGRAM_VERSION, Alloc, DimSpec, Ext
                               kernels_to_dict, program_dims, specialize, specialize_kernel)
 from aotfuse.contract.kernels import Binary
 from aotfuse.errors import AotfuseError, ArchiveError, GuardError
-from aotfuse.knobs import override
+from aotfuse.knobs import knobs, override
 from aotfuse.runtime.dims import bind_dims, dims_env, shape_at
 
 _UNPACK = dict(raw=False, strict_map_key=False)
@@ -610,7 +610,7 @@ def test_inspect_shows_dims_and_symbolic_shapes(dyn_archive, tmp_path):
 
     info = aotfuse.inspect_archive(dyn_archive)
     assert info["dims"] == [{"sym": "s0", "name": "x.0", "lo": 1, "hi": 40, "hint": 3}]
-    assert info["inputs"][0]["shape"] == ["s0", 4] and info["programs"]["forward"]["version"] in (DIMS_VERSION, PDL_VERSION)
+    assert info["inputs"][0]["shape"] == ["s0", 4] and info["programs"]["forward"]["version"] == (PDL_VERSION if knobs.pdl else DIMS_VERSION)
     text = render_inspect(info, tmp_path / "dyn.aotf")
     assert "s0 = x.0 in 1..40 (hint 3)" in text
     assert "x: (s0, 4) torch.float32" in text and "b: (s0, 3) torch.float32" in text

@@ -206,11 +206,33 @@ def test_bias_gradient_op_matches_float64_sdpa(dtype, mshape, t):
         assert err <= max(2 * eager_err, 1e-5 if dtype == torch.float32 else 1e-2), (name, err, eager_err)
 
 
+def test_learned_bias_training_in_bf16_pairs_the_cudnn_forward_with_the_bias_gradient():
+    """T = 64 in bf16: where torch prefers cuDNN the forward runs it, and the bias gradient comes from the efficient
+    kernel's dS (aotfuse::attention_backward_bias) on cuDNN's logsumexp; loss and gradients against eager within
+    bf16's tolerance (aotfuse.bench.verify_train)."""
+    import aotfuse
+    from aotfuse.bench import verify_train
+    from test_train_attention import WindowBias
+
+    A.forget_choices()
+    torch.manual_seed(0)
+    model = WindowBias(t=64, heads=2, dim=64).to(torch.bfloat16)
+    x = torch.randn(4, 64, 64, dtype=torch.bfloat16)
+    major, minor = torch.cuda.get_device_capability()
+    res = aotfuse.build(model, (x,), train=True, targets=(f"sm_{major}{minor}",))
+    art = aotfuse.load(res.data, device="cuda")
+    checks = verify_train(copy.deepcopy(model).cuda(), art, [torch.randn(4, 64, 64, dtype=torch.bfloat16).cuda()])
+    bad = [c for c in checks if not c.passed]
+    assert not bad, bad[:3]
+    kinds = set(A.chosen_kernels().values())
+    assert kinds == {A.CUDNN if _cudnn_expected() else A.EFFICIENT}, A.chosen_kernels()
+
+
 @pytest.mark.parametrize("t", [49, 64])
 def test_learned_bias_training_through_the_archive(t):
     """Swin-style window attention with a learned relative position bias trained through the archive on CUDA
-    (tests/test_train_attention.py's WindowBias): loss and every gradient against eager, fp32. T = 49 runs the
-    efficient kernel both ways; T = 64 may run the forward on cuDNN."""
+    (tests/test_train_attention.py's WindowBias): loss and every gradient against eager, fp32 (cuDNN takes no
+    fp32: the efficient kernel both ways; the bf16 test above pairs cuDNN with the bias gradient)."""
     import aotfuse
     from aotfuse.testing.train_check import assert_training_matches
     from test_train_attention import WindowBias

@@ -61,7 +61,10 @@ def test_stored_source_check_accepts_exactly_the_pdl_parameter():
     check_source("k", ok, ["in_ptr0", "out_ptr0"])
     for bad in (ok.replace("= False", "= True"), ok.replace("AOTF_PDL: tl.constexpr", "AOTF_PDL"),
                 ok.replace("AOTF_PDL: tl.constexpr = False", "AOTF_PDL: tl.constexpr = print('x')"),
-                ok.replace("out_ptr0, AOTF_PDL", "out_ptr0: tl.constexpr = 1, AOTF_PDL")):
+                ok.replace("out_ptr0, AOTF_PDL", "out_ptr0: tl.constexpr = 1, AOTF_PDL"),
+                # the switch anywhere but last would shift the launch's arguments
+                ok.replace("k(in_ptr0, out_ptr0, AOTF_PDL: tl.constexpr = False)",
+                           "k(in_ptr0, AOTF_PDL: tl.constexpr = False, out_ptr0)")):
         with pytest.raises(ArchiveError):
             check_source("k", bad, ["in_ptr0", "out_ptr0"])
 
@@ -101,6 +104,19 @@ def test_default_builds_plain_kernels():
     res = aotfuse.build(m, (x,), targets=("sm_90",))
     assert all("pdl" not in b for k in _part(res.data, "kernels").values() for b in k["binaries"].values())
     assert _part(res.data, "program.forward")["version"] == 4
+    # the sources are the plain kernels an older runtime's source check accepts
+    assert not any("AOTF_PDL" in src or "gdc_wait" in src for src in _part(res.data, "sources").values())
+
+
+def test_pdl_sources_without_an_sm90_binary_still_raise_the_version():
+    """sm_80 only with the knob on: no binary has the wait, but the sources take the PDL parameter, which an older
+    runtime's source check would refuse: version 7 all the same."""
+    m, x = _mlp(), torch.randn(6, 48)
+    with override(pdl=True):
+        res = aotfuse.build(m, (x,), targets=("sm_80",))
+    assert all("pdl" not in b for k in _part(res.data, "kernels").values() for b in k["binaries"].values())
+    assert any("AOTF_PDL" in src for src in _part(res.data, "sources").values())
+    assert _part(res.data, "program.forward")["version"] == PDL_VERSION
 
 
 def test_knob_off_builds_plain_kernels():

@@ -24,6 +24,7 @@ from aotfuse.contract import MAX_SUPPORTED_VERSION
 from aotfuse.archive import read_archive, write_archive
 from aotfuse.errors import ArchiveError
 from aotfuse.runtime.validate import validate_program
+from aotfuse.knobs import knobs
 
 GOLDEN = Path(__file__).resolve().parents[1] / "artifacts" / "golden" / "v1_model.aotf"
 DTYPE_NAMES = ["float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"]
@@ -98,8 +99,8 @@ def test_unmutated_archives_load_and_run(bases):
     for name, d in bases.items():
         art = aotfuse.load(d.encode(), device="cpu")
         assert art.kernels and art.programs, name
-    # 4, or 7 (PDL_VERSION) when an sm_90 cubin has the PDL wait (emit/pdl.py)
-    assert bases["gpt"].version in (4, 7) and bases["golden_v1"].version == 1
+    # 4, or 7 (PDL_VERSION) with knobs.pdl (emit/pdl.py)
+    assert bases["gpt"].version == (7 if knobs.pdl else 4) and bases["golden_v1"].version == 1
     ids = torch.randint(0, 32, (2, 4))
     aotfuse.load(bases["gpt"].encode(), device="cpu")(ids)  # the re-encoded archive still runs
 

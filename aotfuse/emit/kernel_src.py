@@ -370,6 +370,8 @@ class _Emitter:
                              remedy="report this with AOTFUSE_FUSION_FUEL bisected to the first bad fusion")
         if isinstance(node, Reduction):
             if name in self.red_vars:  # computed at an earlier level (a template's matmul: its accumulator)
+                if name in self.rounded:  # stored in half precision: read back as stored (rounded_value)
+                    return self.rounded_value(self.red_vars[name], self.graph.buffer(name).dtype)
                 return self.red_vars[name]
             if self.kind != "pointwise":
                 raise BuildError(f"internal: {name} is read before its reduction is computed",

@@ -8,9 +8,10 @@ touches memory. That hides a kernel's launch and ramp-up behind its predecessor'
 0.3-0.5 us per kernel in a CUDA graph (H100, scripts/pdl_probe.py), a tenth of a small-batch
 forward's GPU time.
 
-Every kernel source gets a trailing ``AOTF_PDL: tl.constexpr`` parameter (False unless compiled
-for sm_90+ with knobs.pdl, emit/compile.py), so the interpreter and sm_80 cubins run the plain
-kernel:
+With knobs.pdl (opt-in) every kernel source gets a trailing ``AOTF_PDL: tl.constexpr = False``
+parameter (True when compiled for sm_90+, emit/compile.py), so the interpreter and sm_80 cubins run
+the plain kernel; such an archive is program version 7 even without an sm_90 binary (an older
+runtime's source check would refuse the parameter). Without the knob the sources are unchanged:
 
 * the wait is the body's first statement: nothing before it reads or writes global memory, so
   neither a read-after-write nor a write-after-read (an arena slot reused) can race;
@@ -29,6 +30,7 @@ from __future__ import annotations
 import re
 
 from ..contract.kernels import PDL_PARAM as PARAM
+from ..knobs import knobs
 WAIT = "gdc_wait()"
 RELEASE = "gdc_launch_dependents()"
 IMPORT = "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait\n"
@@ -59,7 +61,10 @@ def uses_grid_dependency(source: str) -> bool:
 
 
 def kernel_text(header: str, params: str, body: str, name: str = "KERNEL_NAME") -> str:
-    """A kernel module's text: the imports and helpers (`header`), then the jitted kernel `name` with the
-    PDL wait and release."""
+    """A kernel module's text: the imports and helpers (`header`), then the jitted kernel `name`, with the PDL
+    wait and release when knobs.pdl asks for them (opt-in). Without it the source is the plain kernel that
+    every runtime's source check accepts (an older one refuses the PDL parameter and import)."""
+    if not knobs.pdl:
+        return f"{header}\n@triton.jit\ndef {name}({params}):\n{body}\n"
     params, body = with_grid_dependency(params, body)
     return f"{header}{IMPORT}\n@triton.jit\ndef {name}({params}):\n{body}\n"

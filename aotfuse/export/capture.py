@@ -160,9 +160,11 @@ def call_inputs(positional: int, keywords, constants: dict) -> dict:
     """The manifest's `call.inputs`: the positional count, the keyword tensors' names in program order, and the
     keyword constants baked into the program (`constants`, written only when there are any: a call may pass
     them again with the same values, runtime/calling.flatten)."""
+    from ..runtime.calling import plain_constant
+
     out = {"positional": positional, "keywords": list(keywords)}
     if constants:
-        out["constants"] = dict(constants)
+        out["constants"] = {k: plain_constant(v) for k, v in constants.items()}
     return out
 
 

@@ -56,9 +56,28 @@ def flatten(call: dict | None, args: Sequence[Any], kwargs: dict[str, Any]) -> t
     return tuple(args) + tuple(kwargs[k] for k in names)
 
 
+def plain_constant(v: Any) -> Any:
+    """A keyword constant as plain data (what the manifest records): a bool stays a bool, other int, float and
+    str subclasses (an IntEnum, numpy's float64) become the plain type; None as is."""
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    if isinstance(v, bool):
+        return bool(v)
+    for t in (int, float, str):
+        if isinstance(v, t):
+            return t(v)
+    return v
+
+
 def _same_constant(v: Any, built: Any) -> bool:
-    """Is `v` the build's constant `built`: the same type (True is not 1) and value."""
-    return type(v) is type(built) and v == built
+    """Is `v` the build's constant `built`: the same plain type (True is not 1, 1.0 is not 1) and value; floats
+    by their bits' meaning (NaN is NaN, -0.0 is not 0.0)."""
+    v = plain_constant(v)
+    if type(v) is not type(built):
+        return False
+    if type(v) is float:
+        return v.hex() == built.hex()
+    return v == built
 
 
 def rebuild(tree: dict, outputs: Sequence[Any]) -> Any:

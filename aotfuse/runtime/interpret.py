@@ -85,7 +85,9 @@ def check_source(name: str, source: str, params: list[str] | None = None) -> Non
     defs = [s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == name]
     if not defs:
         raise ArchiveError(f"kernel {name}: stored source does not define it")
-    taken = [a.arg for a in defs[-1].args.args if a.arg != PDL_PARAM]
+    taken = [a.arg for a in defs[-1].args.args]
+    if taken and taken[-1] == PDL_PARAM:  # the PDL switch, last (emit/pdl.py): not a launch argument
+        taken.pop()
     if params is not None and taken != list(params):
         raise ArchiveError(f"kernel {name}: stored source takes ({', '.join(taken)}), "
                            f"the archive's launches pass ({', '.join(params)})")

@@ -58,7 +58,7 @@ class PdlLauncher:
             fn = lib["cuLaunchKernelEx"]
         except (AttributeError, KeyError) as e:
             raise AotfuseError("the CUDA driver lacks cuLaunchKernelEx, which programmatic dependent launch needs",
-                               remedy="install an NVIDIA driver for CUDA 12 or newer, or set AOTFUSE_PDL_LAUNCH=0") from e
+                               remedy="install an NVIDIA driver for CUDA 12 or newer, or set AOTFUSE_PDL_LAUNCH=off") from e
         fn.restype = ctypes.c_int
         fn.argtypes = (ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
         self._fn = fn
