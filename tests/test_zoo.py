@@ -187,7 +187,8 @@ def test_keyword_inputs_are_named_and_ordered_by_signature():
     x, s = torch.randn(3, 4), torch.randn(3, 4)
     res = aotfuse.build(m, (x,), example_kwargs={"flag": True, "scale": s}, targets=("sm_90",))
     call = res.manifest.call
-    assert call["inputs"] == {"positional": 1, "keywords": ["scale"]}
+    # the constant is baked in and recorded: a call may pass it again with its value (runtime/calling.py)
+    assert call["inputs"] == {"positional": 1, "keywords": ["scale"], "constants": {"flag": True}}
     assert call["outputs"] == {"kind": "dict", "class": "builtins.dict", "keys": ["y", "z"],
                                "items": [{"kind": "tensor"}, {"kind": "tensor"}]}
     art = aotfuse.load(res.data, device="cpu")
@@ -195,6 +196,7 @@ def test_keyword_inputs_are_named_and_ordered_by_signature():
     x2, s2 = torch.randn(3, 4), torch.randn(3, 4)
     out = art(x2, scale=s2)
     assert type(out) is dict and list(out) == ["y", "z"]
+    torch.testing.assert_close(art(x2, scale=s2, flag=True)["y"], out["y"], rtol=0, atol=0)
     y, z = out["y"], out["z"]
     ref = m(x2, scale=s2)
     assert torch.allclose(y, ref["y"], atol=1e-5) and torch.allclose(z, ref["z"], atol=1e-5)
