@@ -20,8 +20,8 @@ from . import __version__
 from .archive import write_archive
 from .archive.format import write_atomically
 from .contract.kernels import has_pdl, has_target_tiles
-from .emit.pdl import uses_grid_dependency
 from .contract.program import PDL_VERSION, TILES_VERSION
+from .emit.pdl import uses_grid_dependency
 from .contract import (Binary, FusionSummary, GroupRecord, InlineRecord, KernelArg, KernelEntry,
                        Manifest, MemorySummary, OutputSpec, Report, kernels_to_dict)
 from .dtypes import TORCH

@@ -11,12 +11,17 @@ mode on the same inputs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
 import aotfuse
 from aotfuse.knobs import override
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import _median_events  # noqa: E402
 
 
 def _case(spec: str):
@@ -36,16 +41,6 @@ def _case(spec: str):
         b, s = (int(v) for v in size.split("x"))
         return block_bf16(batch=b, seq=s)
     raise SystemExit(f"unknown case {spec!r}")
-
-
-def _per_call_ms(fn, iters: int) -> float:
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / iters
 
 
 def main():
@@ -85,7 +80,7 @@ def main():
                     f()
             for _ in range(a.rounds):
                 for k, f in fns.items():
-                    times[k].append(_per_call_ms(f, a.iters))
+                    times[k].append(_median_events(f, a.iters, rounds=1))
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"{spec}: bit-identical {same}; " + ", ".join(f"{k} {v:.4f} ms" for k, v in med.items()), flush=True)
         rows.append((spec, same, med))

@@ -18,12 +18,17 @@ bit for bit: a missing wait would read a predecessor's half-written output.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import _median_events, capture_graph  # noqa: E402
 
 D = 768
 # 0: plain launches; 1: PDL, dependents released right after the wait; 2: released before the epilogue;
@@ -127,17 +132,10 @@ def _cublas_chain(M, bufs):
 
 
 def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
+    """fn captured in a CUDA graph (bench_kernels.capture_graph: warmed up, replayed once) and the buffer it returns."""
+    held = {}
+    g = capture_graph(lambda: held.__setitem__("out", fn()))
+    return g, held["out"]
 
 
 def main():
@@ -157,8 +155,6 @@ def main():
         for pdl in MODES:
             for name, fn in _chains(M, pdl, bufs).items():
                 g, out = _graph(fn)
-                g.replay()
-                torch.cuda.synchronize()
                 graphs[(name, pdl)] = (g, out.clone())
         g, out = _graph(_cublas_chain(M, bufs))
         graphs[("cublas", 0)] = (g, out.clone())
@@ -169,12 +165,7 @@ def main():
         times = {k: [] for k in graphs}
         for _ in range(args.reps):
             for k, (g, _) in graphs.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                g.replay()
-                e.record()
-                e.synchronize()
-                times[k].append(s.elapsed_time(e) * 1e3)
+                times[k].append(_median_events(g.replay, 1, rounds=1) * 1e3)
         med = {k: statistics.median(v) for k, v in times.items()}
         for name in ("mm", "row", "mix"):
             n = {"mm": 20, "row": 40, "mix": 40}[name]

@@ -14,11 +14,12 @@ import multiprocessing
 import os
 import re
 
+from ..contract.kernels import PDL_PARAM
 from ..errors import BuildError
 from ..knobs import knobs
 from ..runtime.kernel_source import TRITON_STATE_LOCK, load_source
 from .kernel_src import KernelSource
-from .pdl import PARAM as PDL_PARAM, uses_grid_dependency
+from .pdl import uses_grid_dependency
 
 ARCHES = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90}
 

@@ -31,6 +31,7 @@ import re
 
 from ..contract.kernels import PDL_PARAM as PARAM
 from ..knobs import knobs
+
 WAIT = "gdc_wait()"
 RELEASE = "gdc_launch_dependents()"
 IMPORT = "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait\n"
@@ -64,7 +65,8 @@ def kernel_text(header: str, params: str, body: str, name: str = "KERNEL_NAME") 
     """A kernel module's text: the imports and helpers (`header`), then the jitted kernel `name`, with the PDL
     wait and release when knobs.pdl asks for them (opt-in). Without it the source is the plain kernel that
     every runtime's source check accepts (an older one refuses the PDL parameter and import)."""
-    if not knobs.pdl:
-        return f"{header}\n@triton.jit\ndef {name}({params}):\n{body}\n"
-    params, body = with_grid_dependency(params, body)
-    return f"{header}{IMPORT}\n@triton.jit\ndef {name}({params}):\n{body}\n"
+    imports = ""
+    if knobs.pdl:
+        params, body = with_grid_dependency(params, body)
+        imports = IMPORT
+    return f"{header}{imports}\n@triton.jit\ndef {name}({params}):\n{body}\n"

@@ -59,10 +59,8 @@ def flatten(call: dict | None, args: Sequence[Any], kwargs: dict[str, Any]) -> t
 def plain_constant(v: Any) -> Any:
     """A keyword constant as plain data (what the manifest records): a bool stays a bool, other int, float and
     str subclasses (an IntEnum, numpy's float64) become the plain type; None as is."""
-    if v is None or type(v) in (bool, int, float, str):
+    if v is None or type(v) in (bool, int, float, str):  # bool has no subclasses
         return v
-    if isinstance(v, bool):
-        return bool(v)
     for t in (int, float, str):
         if isinstance(v, t):
             return t(v)
