@@ -242,6 +242,7 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
         # the joint trace's attention choices (fused or math, and why) go with the partition's record
         part_rec = {**part.report(), "attention": [dict(d) for d in joint.decisions],
                     "product_sums": [dict(d) for d in joint.product_sums],
+                    "tied_embeddings": [dict(d) for d in joint.tied_embeddings],
                     "step": {"mode": mode, "why": mode_why}}
         if stage_why is not None:
             part_rec["stages"] = {"programs": list(train_info.programs[1:]), "why": stage_why}

@@ -40,6 +40,7 @@ from .pooling import adaptive_pool_mode
 from .product_sums import merge_product_sums
 from .rnn import lstm_mode
 from .sampling import grid_sample_mode
+from .tied_embedding import fuse_tied_embedding_grads
 from .upsample import nearest_upsample_mode
 
 aten = torch.ops.aten
@@ -69,6 +70,7 @@ class JointGraph:
     loss_leaf: int = 0
     decisions: tuple = ()  # per attention call: fused or math, and why (decomp_train.sdpa_math_mode)
     product_sums: tuple = ()  # per sum of matmul products: merged into one matmul or kept, and why (product_sums.py)
+    tied_embeddings: tuple = ()  # per add of an embedding gradient: one buffer with the matmul or not (tied_embedding.py)
     # fqn of the buffer each buffer-update output writes (gm outputs after the user outputs), in order;
     # a subset of buffer_names
     mutated_buffers: tuple[str, ...] = ()
@@ -688,6 +690,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)
     sums = merge_product_sums(gm)
+    tied = fuse_tied_embedding_grads(gm)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
@@ -702,4 +705,4 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
                       call=call_inputs(len(args), kw_tensors, kw_consts),
                       outputs_tree=output_structure(wrapped.out_spec), loss_leaf=wrapped.loss_leaf,
                       decisions=tuple(attention.decisions), mutated_buffers=tuple(mutated),
-                      product_sums=tuple(sums))
+                      product_sums=tuple(sums), tied_embeddings=tuple(tied))

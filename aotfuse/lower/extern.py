@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime import attention as _attention_ops  # noqa: F401 (defines torch.ops.aotfuse.*)
+from ..runtime import embedding_grad as _embedding_grad
 from ..runtime.mm_residual import mm_residual as _mm_residual_op
 
 from ..errors import UnsupportedOpError
@@ -524,6 +525,17 @@ def _embedding_backward(ctx, node, args, kwargs):
                           out_shape(node), out_dtype(node), False)
     return ctx.extern("aten.embedding_dense_backward.out", (tg, ti, num_weights, padding_idx, scale), {},
                       out_shape(node), out_dtype(node), True)
+
+
+@rule(_embedding_grad.mm_embedding_backward, category="extern",
+      note="a tied table's gradient (joint/tied_embedding.py): the projection's product with the embedding's rows "
+           "added into it, one buffer (aotfuse::mm_embedding_backward)")
+def _mm_embedding_backward(ctx, node, args, kwargs):
+    a, b, grad, idx, num_weights, padding_idx = args[:6]
+    ta, tb = _operands(ctx, node, a, b)
+    tg, ti = _targ(ctx, grad, node, "grad"), _targ(ctx, idx, node, "indices")
+    return ctx.extern("aotfuse.mm_embedding_backward.default", (ta, tb, tg, ti, int(num_weights), int(padding_idx)),
+                      {}, out_shape(node), out_dtype(node), False)
 
 
 def register_all(register) -> None:

@@ -157,6 +157,9 @@ def _partition_lines(part: dict) -> list[str]:
     for a in part.get("product_sums", []):
         out.append(f"  sum of {a.get('terms')} matmul products {a.get('product_sum')} {a.get('shape')}: "
                    f"{'one matmul' if a.get('merged') else 'kept as a chain'} ({a.get('why')})")
+    for a in part.get("tied_embeddings", []):
+        out.append(f"  tied embedding gradient {a.get('tied_embedding')} ({a.get('embedding_backward')}): "
+                   f"{'one buffer with its matmul' if a.get('fused') else 'kept as an add'} ({a.get('why')})")
     rec = part.get("recomputed", [])
     names = [f"{r['name']} ({r['op']})" for r in rec]
     out.append(f"  recomputed in the backward ({len(rec)}): {', '.join(names)}")

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ArchiveError
 from . import attention as _attention  # defines aotfuse::attention and aotfuse::attention_backward
-from . import embedding_grad as _embedding_grad  # defines aotfuse::embedding_backward
+from . import embedding_grad as _embedding_grad  # defines aotfuse::embedding_backward, mm_embedding_backward
 from . import mm_residual as _mm_residual  # defines aotfuse::mm_residual
 
 aten = torch.ops.aten
@@ -73,6 +73,10 @@ EXTERNS: tuple[ExternOp, ...] = (
     # scale_grad_by_freq
     ExternOp(aten.embedding_dense_backward.default,
              (_embedding_grad.embedding_backward, aten.embedding_dense_backward.out), inference=False),
+    # a tied table's gradient, a matmul's product with an embedding's rows added into it (joint/tied_embedding.py
+    # makes it from the joint graph's add; no traced graph holds it)
+    ExternOp(_embedding_grad.mm_embedding_backward, (_embedding_grad.mm_embedding_backward,), inference=False,
+             train=False),
     # the gradient of a convolution: cuDNN's dgrad / wgrad; a multi-result extern whose results are the
     # outputs its output_mask asks for (in order; the others are None and bind nothing)
     ExternOp(aten.convolution_backward.default, (aten.convolution_backward.default,), inference=False),

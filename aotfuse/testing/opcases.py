@@ -474,12 +474,26 @@ class _EmbeddingLoss(nn.Module):
     """An embedding's gradient: atomic adds (aotfuse::embedding_backward), with a padding row; aten's sorted
     kernel for scale_grad_by_freq."""
 
-    def __init__(self, padding_idx=None, scale_grad_by_freq=False):
+    def __init__(self, padding_idx=None, scale_grad_by_freq=False, rows=11):
         super().__init__()
-        self.emb = nn.Embedding(11, 6, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+        self.emb = nn.Embedding(rows, 6, padding_idx=padding_idx, scale_grad_by_freq=scale_grad_by_freq)
 
     def forward(self, idx):
         return (self.emb(idx) ** 2).sum()
+
+
+class _TiedLoss(nn.Module):
+    """A language model's tied table: the embedding's rows and the output projection's product summed into one
+    gradient (joint/tied_embedding.py: aotfuse::mm_embedding_backward), with a padding row."""
+
+    def __init__(self, rows=24, dim=8, padding_idx=1):
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim, padding_idx=padding_idx)
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, idx):
+        logits = torch.tanh(self.lin(self.emb(idx))) @ self.emb.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
 
 class _ConvLoss(nn.Module):
@@ -541,6 +555,12 @@ TRAIN_CASES: list[OpCase] = [
     OpCase("embedding_backward_padding", lambda dt: (_EmbeddingLoss(padding_idx=2).to(dt).train(),
                                                      (torch.randint(0, 11, (5, 7)),)),
            ("aten.embedding_dense_backward.default",)),
+    # more rows than tokens: one fp32 accumulator row per token (runtime/embedding_grad.py)
+    OpCase("embedding_backward_sparse", lambda dt: (_EmbeddingLoss(padding_idx=5, rows=40).to(dt).train(),
+                                                    (torch.randint(0, 40, (3, 4)),)),
+           ("aten.embedding_dense_backward.default",)),
+    OpCase("tied_embedding_backward", lambda dt: (_TiedLoss().to(dt).train(), (torch.randint(0, 24, (2, 8)),)),
+           ("aten.embedding_dense_backward.default", "aten.mm.default")),
     OpCase("embedding_backward_freq", lambda dt: (_EmbeddingLoss(3, scale_grad_by_freq=True).to(dt).train(),
                                                   (torch.randint(0, 11, (5, 7)),)),
            ("aten.embedding_dense_backward.default",)),
