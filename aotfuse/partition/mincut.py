@@ -67,6 +67,7 @@ from ..errors import BuildError
 from ..knobs import knobs
 from ..fxgraph import ancestors, descendants, size_hint
 from ..opclass import BANNED_CLASSES, TUPLE_VIEW_OPS, op_class
+from .sink import sink_recomputation
 from ..packops import PACK, POOL_INDICES, POOL_OFFSETS, UNPACK, packed_nbytes
 
 def is_banned(node: torch.fx.Node) -> bool:
@@ -521,6 +522,7 @@ def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, s
         if n in bwd_compute and n.op == "call_function":
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[x] if isinstance(x, torch.fx.Node) else x for x in grad_outputs))
+    sink_recomputation(g, tph, keep=(dim_value,))
     g.lint()
     return torch.fx.GraphModule(gm, g, class_name="AotfuseBackward")
 
