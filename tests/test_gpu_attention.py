@@ -206,6 +206,37 @@ def test_bias_gradient_op_matches_float64_sdpa(dtype, mshape, t):
         assert err <= max(2 * eager_err, 1e-5 if dtype == torch.float32 else 1e-2), (name, err, eager_err)
 
 
+@pytest.mark.parametrize("t", [49, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_heads_last_bias_is_copied_dense_for_the_kernels(dtype, t):
+    """A [B, H, T, S] bias stored heads-last (strides (T S H, 1, S H, H): T5's position bias plus its mask, as the
+    model computes it). cuDNN failed to execute on it and the efficient kernel refused it ("last dimension must
+    be contiguous"); the ops copy it dense first. Output, logsumexp-backed gradients and the bias gradient
+    against float64 sdpa."""
+    A.forget_choices()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, go = (torch.randn(8, 4, t, 32, device="cuda", generator=g) for _ in range(4))
+    m = torch.randn(8, t, t, 4, device="cuda", generator=g).permute(0, 3, 1, 2)
+    assert m.stride(-1) == 4
+
+    def grads(dt):
+        ts = [x.to(dt).requires_grad_() for x in (q, k, v)] + [m.to(dt).requires_grad_()]
+        out = F.scaled_dot_product_attention(*ts[:3], attn_mask=ts[3])
+        out.backward(go.to(dt))
+        return [out.detach().double()] + [x.grad.double() for x in ts]
+
+    ref, eager = grads(torch.float64), grads(dtype)
+    qd, kd, vd = (x.to(dtype) for x in (q, k, v))
+    md = m.to(dtype)  # keeps the heads-last strides
+    assert md.stride(-1) == 4
+    out, lse = A.attention(qd, kd, vd, md, False, 32 ** -0.5, False)
+    ours = [out] + list(A.attention_backward_bias(go.to(dtype), qd, kd, vd, md, out, lse, False, 32 ** -0.5, False))
+    for name, o, e, r in zip(("out", "dq", "dk", "dv", "dmask"), ours, eager, ref):
+        assert o.shape == r.shape, (name, o.shape, r.shape)
+        err, eager_err = float((o.double() - r).norm() / r.norm()), float((e - r).norm() / r.norm())
+        assert err <= max(2 * eager_err, 1e-5 if dtype == torch.float32 else 1e-2), (name, err, eager_err)
+
+
 def test_learned_bias_training_in_bf16_pairs_the_cudnn_forward_with_the_bias_gradient():
     """T = 64 in bf16: where torch prefers cuDNN the forward runs it, and the bias gradient comes from the efficient
     kernel's dS (aotfuse::attention_backward_bias) on cuDNN's logsumexp; loss and gradients against eager within

@@ -233,34 +233,39 @@ def _placeholder(dev):
     return torch.empty((), dtype=torch.int64, device=dev)
 
 
-def _aligned(bias) -> bool:
-    """Are a bias's strides (but the last, 1) and offset multiples of 8 elements, as the efficient and cuDNN kernels
-    read it? A program passes a bias over an odd key length stored with rows padded so (lower/extern.py)."""
-    return bias.stride(-1) == 1 and all(st % 8 == 0 for st in bias.stride()[:-1]) and bias.storage_offset() % 8 == 0
+def _dense_bias(bias, s: int):
+    """A 4-d bias as the efficient and cuDNN kernels read it: its key dim contiguous, its other strides and its
+    offset multiples of 8 elements (dims of size 1 may broadcast). A bias that is not is copied: over a key length
+    off a multiple of 8 into rows padded to one and sliced back (as sdpa does), else densely. Copied before any
+    expansion, so broadcast dims stay broadcast. T5's position bias arrives heads-last ([B, H, T, S] with strides
+    (T S H, 1, S H, H)): handed on as it was, cuDNN failed to execute and the efficient kernel refused it."""
+    if bias.shape[-1] != s:
+        bias = bias.expand(*bias.shape[:-1], s)
+    if bias.stride(-1) == 1 and all(st % 8 == 0 or n == 1 for st, n in zip(bias.stride()[:-1], bias.shape[:-1])) \
+            and bias.storage_offset() % 8 == 0:
+        return bias
+    # a fresh row-major buffer (F.pad would keep a heads-last input's memory format, its key dim still strided)
+    out = bias.new_zeros((*bias.shape[:-1], s + (-s) % 8))[..., :s]
+    return out.copy_(bias)
 
 
 def _expand_bias(bias, q, k):
-    # the efficient kernel wants a 4-d bias broadcastable to [B, H, T, S] (expanded views are fine)
-    # and its strides multiples of 8 elements: else pad the key dim to a multiple of 8 and slice (as sdpa does)
+    # the efficient kernel wants a 4-d bias broadcastable to [B, H, T, S] (expanded views are fine), laid out as
+    # _dense_bias says
     b, h, t, _ = q.shape
     s = k.shape[2]
     while bias.dim() < 4:
         bias = bias.unsqueeze(0)
-    if s % 8 and not _aligned(bias):
-        bias = torch.nn.functional.pad(bias.expand(*bias.shape[:-1], s), (0, 8 - s % 8))[..., :s]
-    return bias.expand(b, h, t, s)
+    return _dense_bias(bias, s).expand(b, h, t, s)
 
 
 def _cudnn_bias(bias, q, k):
-    # cuDNN takes a 4-d [B, 1 | H, T, S] bias (torch expands B and keeps its head dim), rows 16-byte aligned
+    # cuDNN takes a 4-d [B, 1 | H, T, S] bias (torch expands B and keeps its head dim), laid out as _dense_bias says
     b, _, t, _ = q.shape
     s = k.shape[2]
     while bias.dim() < 4:
         bias = bias.unsqueeze(0)
-    bias = bias.expand(b, bias.shape[1], t, s)
-    if s % 8 and not _aligned(bias):
-        bias = torch.nn.functional.pad(bias, (0, 8 - s % 8))[..., :s]
-    return bias
+    return _dense_bias(bias, s).expand(b, bias.shape[1], t, s)
 
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa):
