@@ -68,6 +68,7 @@
 | conv_layout | AOTFUSE_CONV_LAYOUT | auto | inference of a model with fp16/bf16 convolutions and no channels-last value: `auto` stores the activations around its convolutions and their filters channels-last (lower/conv_layout.py; cuDNN then converts no operand; a GroupNorm's statistics walk their rows in storage order, schedule/reorder.py), `keep` leaves eager's layout. On an H100 (2026-11-27, `scripts/zoo_gpu.py --more --variant cl:conv_layout=auto`, bf16 at the zoo sizes) MobileNetV2 went 3.26 -> 1.60 ms and the diffusion UNet 1.48 -> 1.11 (torch.compile reduce-overhead 2.05 and 1.40), ResNet-18, HF ResNet-50, ConvNeXt and SegFormer unchanged |
 | train_step | AOTFUSE_TRAIN_STEP | split | --train: `split` (forward and backward programs), `auto` (one fused step program when the loss is a scalar, else split; partition/step.py), `step` (fused, a scalar loss required). Default split: on an H100 (2026-11-23, scripts/step_ab.py) the fused step wins where a loss's forward and backward share a large input (LayerNorm fwd+bwd 16384x4096: 0.479 vs 0.804 ms; cross-entropy 8192x32000: 1.323 vs 1.685 ms) but not yet on the anchor GPT step (5.916 vs 5.737 ms) |
 | partition_materialize | AOTFUSE_PARTITION_MATERIALIZE | 0 | --train: the min cut charges a recomputed value that a backward extern reads (a GELU output or a LayerNorm output feeding a weight-gradient matmul) the write it costs there, so at memory budget 1 such values are saved (more memory, less backward traffic; partition/mincut.py) |
+| partition_view_copies | AOTFUSE_PARTITION_VIEW_COPIES | 1 | --train: the min cut may save a view the backward reads as a dense copy of it (1.5x its bytes: the copy's read and write in the forward), where keeping the view's base would hold more: Phi-3's fused QKV matmul output (72 MiB a layer) was kept for its value third alone (the query and key are saved rotated); 0: a view is never saved, its base is (partition/mincut.py) |
 | backward_stages | AOTFUSE_BACKWARD_STAGES | 1 | --train split: cut the backward into up to this many programs (at most 7) that hand their gradients to autograd in turn, so DDP's all-reduce overlaps the rest of the backward (partition/stages.py) |
 | cublaslt | AOTFUSE_CUBLASLT | 1 | runtime (CUDA): matmul externs as one prepared cublasLtMatmul call each (runtime/cublaslt.py); 0: through torch's bindings |
 | cublaslt_workspace | AOTFUSE_CUBLASLT_WORKSPACE | 33554432 | runtime: most workspace bytes a cuBLASLt algorithm may use (one buffer per executor state, of the size its algorithms need) |
@@ -160,6 +161,7 @@ class Knobs:
     train_step: str = os.environ.get("AOTFUSE_TRAIN_STEP", "split") or "split"
     backward_stages: int = _env_int("AOTFUSE_BACKWARD_STAGES", 1)
     partition_materialize: bool = bool(_env_int("AOTFUSE_PARTITION_MATERIALIZE", 0))
+    partition_view_copies: bool = bool(_env_int("AOTFUSE_PARTITION_VIEW_COPIES", 1))
     cublaslt: bool = bool(_env_int("AOTFUSE_CUBLASLT", 1))
     cublaslt_workspace: int = _env_int("AOTFUSE_CUBLASLT_WORKSPACE", 32 * 1024 * 1024)
 

@@ -150,6 +150,17 @@ def save_nbytes(val) -> int:
 COST_UNIT = 256  # recompute costs are integers in 1/256 byte
 
 
+def _view_copy_bytes(val) -> int | None:
+    """The save cost of a view kept as a dense copy of it (knobs.partition_view_copies): 1.5x its elements' bytes
+    (the copy's read and write in the forward, its read in the backward, halved like every save cost); None where
+    a view is never saved (the knob off, a non-tensor, a bool tensor that packing would want)."""
+    if not knobs.partition_view_copies or not isinstance(val, torch.Tensor) or _packable(val) \
+            or val.dtype == torch.bool:
+        return None
+    nbytes = tensor_nbytes(val)
+    return nbytes + nbytes // 2
+
+
 def recompute_cost(node: torch.fx.Node) -> int | None:
     """The cost of recomputing `node` in the backward, in 1/256 byte of memory traffic (halved, like
     the save cost it competes with: saving costs a write in the forward plus a read in the backward,
@@ -186,6 +197,7 @@ class SavedTensor:
     dtype: str = ""  # dtype of the tensor before packing
     # max-pool indices saved as int8 window offsets: (kernel, stride, padding, dilation, width) (pool_offsets_args)
     pool_offsets: tuple | None = None
+    copied: bool = False  # a view saved as a dense copy of it (knobs.partition_view_copies), its base not kept
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -253,6 +265,11 @@ def _fake_call(op, *args):
             return op(*args)
     metas = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in args]
     return op(*metas)
+
+
+def _dense_val(val):
+    """A row-major tensor value of `val`'s shape and dtype (a saved view's dense copy)."""
+    return _fake_call(lambda t: t.contiguous(), val)
 
 
 def _opname(node) -> str:
@@ -338,7 +355,10 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             G.add_edge(vin, "sink")
         else:
             cls = op_class(n)
-            if cls == "view" or is_tuple:
+            copy_bytes = _view_copy_bytes(val) if cls == "view" and not is_tuple else None
+            if copy_bytes is not None:  # a view saved as a dense copy of it (knobs.partition_view_copies)
+                G.add_edge(vin, vout, capacity=q * M * copy_bytes)
+            elif cls == "view" or is_tuple:
                 G.add_edge(vin, vout)
             else:
                 G.add_edge(vin, vout, capacity=q * M * _save_bytes(n, val))
@@ -378,7 +398,8 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             sizes.add(n)
             continue
         if n.op == "placeholder" or ((n in fwd or n in floating) and in_src(n, ".in")):
-            if n.op != "placeholder" and (op_class(n) == "view" or isinstance(_val(n), (tuple, list))):
+            if n.op != "placeholder" and (isinstance(_val(n), (tuple, list)) or (
+                    op_class(n) == "view" and (n in floating or _view_copy_bytes(_val(n)) is None))):
                 raise BuildError(f"partition: view/tuple node {n.name} ended up saved")
             saved_nodes.add(n)
             continue
@@ -393,6 +414,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
     saved_bytes = 0
     for n in saved_list:
         val = _val(n)
+        copied = False
         users = sorted((u for u in n.users if u in bwd_compute), key=order.__getitem__)
         uses = ", ".join(u.name for u in users[:4]) + (", ..." if len(users) > 4 else "")
         if n.name in overwritten:
@@ -406,6 +428,15 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
                 f" read by the backward ({uses}); passed through, not counted"
             packed = False
             nbytes = tensor_nbytes(val)
+        elif op_class(n) == "view":
+            kind, packed, pool, copied = "activation", False, None, True
+            nbytes = tensor_nbytes(val)
+            base = n
+            while base.op == "call_function" and op_class(base) in ("view", "item") and base.all_input_nodes:
+                base = base.all_input_nodes[0]
+            why = (f"a view of {base.name} that the backward reads ({uses}): saved as a dense copy ({nbytes} B, "
+                   f"the copy made in the forward), less than keeping {base.name}")
+            saved_bytes += nbytes
         else:
             kind = "activation"
             packed = _packable(val)
@@ -431,7 +462,7 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
             saved_bytes += nbytes
         saved_infos.append(SavedTensor(
             name=n.name, nbytes=nbytes, producer_op=_opname(n), why=why, packed=packed, kind=kind,
-            pool_offsets=pool if kind == "activation" else None,
+            pool_offsets=pool if kind == "activation" else None, copied=copied,
             shape=tuple(size_hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else (),
             dtype=name_of(val.dtype) if isinstance(val, torch.Tensor) else ""))
 
@@ -460,6 +491,10 @@ def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_info
     outs = [env[u] for u in user_outputs]
     for n, info in zip(saved_list, saved_infos):
         v = env[n]
+        if info.copied:  # a view saved dense: a real copy (lowering treats clone as a view of its input)
+            cp = g.create_node("call_function", torch.ops.aten.copy.default, (v, v), {}, name=n.name + "_dense")
+            cp.meta["val"] = _dense_val(n.meta["val"])
+            v = cp
         if info.kind == "buffer_copy":  # a real copy (lowering treats clone as a view of its input)
             cp = g.create_node("call_function", torch.ops.aten.copy.default, (v, v), {}, name=n.name + "_read")
             cp.meta["val"] = n.meta["val"]
@@ -502,6 +537,10 @@ def _build_backward(gm, nodes, bwd_compute, tangent, grad_outputs, saved_list, s
             ph = g.placeholder(n.name + "_offsets")
             ph.meta["val"] = _fake_call(POOL_OFFSETS, n.meta["val"], *info.pool_offsets)
             offsets_ph.append((n, ph, info.pool_offsets))
+        elif info.copied:  # the forward's dense copy of a view
+            ph = g.placeholder(n.name)
+            ph.meta["val"] = _dense_val(n.meta["val"])
+            env[n] = ph
         else:
             ph = g.placeholder(n.name)
             ph.meta.update({k: v for k, v in n.meta.items() if k in ("val", "tensor_meta")})
