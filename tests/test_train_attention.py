@@ -260,3 +260,23 @@ def test_bool_mask_made_additive_once_in_the_graph():
             and any(getattr(a, "op", None) == "placeholder" for a in n.args)]
     assert len(conv) == 1, conv  # one conversion of the mask for both layers
     assert_training_matches(res.data, model, (torch.randn(2, 24, 32), m))
+
+
+@pytest.mark.parametrize("s", [49, 64])
+def test_bias_layouts_handed_to_the_cuda_kernels(s):
+    """runtime/attention._dense_bias (what the efficient and cuDNN kernels get, checked here on the CPU): a
+    heads-last bias (T5's position bias, key dim strided) becomes row-major with 16-byte aligned rows, padded past
+    a key length off a multiple of 8; a broadcast bias stays broadcast; an aligned row-major bias passes as is."""
+    from aotfuse.runtime.attention import _cudnn_bias, _dense_bias, _expand_bias
+
+    heads_last = torch.randn(2, s, s, 4).permute(0, 3, 1, 2)
+    for b in (_dense_bias(heads_last, s), _expand_bias(heads_last, torch.empty(2, 4, s, 8), torch.empty(2, 4, s, 8)),
+              _cudnn_bias(heads_last, torch.empty(2, 4, s, 8), torch.empty(2, 4, s, 8))):
+        assert b.stride(-1) == 1 and all(st % 8 == 0 for st in b.stride()[:-1]) and b.storage_offset() % 8 == 0
+        assert torch.equal(b, heads_last)
+    broadcast = torch.randn(1, 4, s, s)
+    q = torch.empty(3, 4, s, 8)
+    e = _expand_bias(broadcast, q, q)
+    assert e.shape == (3, 4, s, s) and e.stride(0) == 0 and torch.equal(e[2], broadcast[0])
+    aligned = torch.randn(2, 4, s, 64)[..., :s] if s % 8 else torch.randn(2, 4, s, s)
+    assert _dense_bias(aligned, s) is aligned
