@@ -1,6 +1,7 @@
 """Unit tier: index simplification, views, inlining, fusion decisions with reasons, memory plan."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -255,3 +256,36 @@ def test_emitter_accepts_a_fused_read_equal_on_the_whole_space():
     assert same_index(read, f, 200704, 224)  # the sampled path (more than 2**22 points)
     assert not same_index(read, f + 1, 64 * 64 * 7, 224)
     assert not same_index(14336 * FloorDiv(SX, 64) + ModIdx(f, 2048), f, 64 * 64 * 7, 224)
+
+
+def test_a_half_value_cast_up_for_several_readers_is_stored_at_its_own_width():
+    """schedule/inline.py: a ReLU6 backward (reads the gradient and the activation: cheap, but not recomputable
+    at each reader) cast up to fp32 for a BatchNorm backward's two reductions and its input gradient is stored as
+    bf16 and cast where read, not as an fp32 copy of the activation's size (MobileNetV2: 294 MiB at batch 64).
+    Loss and gradients as eager's (bf16 tolerances, aotfuse.bench.verify_train)."""
+    import copy
+
+    import aotfuse
+    from aotfuse.bench import verify_train
+    from aotfuse.contract.program import Alloc
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.bn, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), \
+                torch.nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            return self.c2(torch.nn.functional.relu6(self.bn(self.c1(x)))).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Block().to(torch.bfloat16).train()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.bfloat16)
+    res = aotfuse.build(model, (x,), train=True, targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    act = 2 * 8 * 16 * 16
+    wide = [i for i in art.executors["backward"].program.instructions if isinstance(i, Alloc)
+            and i.dtype == "float32" and math.prod(int(d) for d in i.shape) == act]
+    assert not wide, wide
+    checks = verify_train(copy.deepcopy(model), art, [torch.randn(2, 3, 16, 16, dtype=torch.bfloat16)])
+    assert checks and all(c.passed for c in checks), [c for c in checks if not c.passed]
