@@ -560,7 +560,7 @@ TRAIN_CASES: list[OpCase] = [
                                                     (torch.randint(0, 40, (3, 4)),)),
            ("aten.embedding_dense_backward.default",)),
     OpCase("tied_embedding_backward", lambda dt: (_TiedLoss().to(dt).train(), (torch.randint(0, 24, (2, 8)),)),
-           ("aten.embedding_dense_backward.default", "aten.mm.default")),
+           ("aten.embedding_dense_backward.default", "aten.mm.default", "aotfuse.mm_embedding_backward.default")),
     OpCase("embedding_backward_freq", lambda dt: (_EmbeddingLoss(3, scale_grad_by_freq=True).to(dt).train(),
                                                   (torch.randint(0, 11, (5, 7)),)),
            ("aten.embedding_dense_backward.default",)),
@@ -674,6 +674,8 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aotfuse.attention.default": (TRAIN, "training's fused attention (tests/test_train_attention.py)"),
     "aotfuse.attention_backward.default": (TRAIN, "the gradient of aotfuse.attention"),
     "aotfuse.attention_backward_bias.default": (TRAIN, "the gradient of aotfuse.attention with a learned bias"),
+    "aotfuse.mm_embedding_backward.default": (TRAIN, "a tied table's gradient (the tied_embedding_backward case, "
+                                              "tests/test_embedding_grad.py)"),
     "aten.max_pool2d_with_indices_backward.default": (BACKWARD, "the gradient of max-pool with overlapping "
                                                       "windows (tests/test_train_ops_cpu.py)"),
     "aten.convolution_backward.default": (BACKWARD, "the gradient of aten.convolution (tests/test_train_ops_cpu.py, "
