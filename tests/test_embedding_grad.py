@@ -203,3 +203,18 @@ def test_misaligned_tied_table_keeps_the_add_with_a_reason():
     called = [getattr(i, "target", None) for i in art.executors["backward"].program.instructions]
     assert "aotfuse.mm_embedding_backward.default" not in called
     assert "are not all multiples of 8" in explain_report(res.report)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_at_a_padding_token_leaves_the_padding_row_zero(bad):
+    """The per-token accumulator's padding slot is filled with 0, not multiplied by 0 (0 * NaN is NaN): a padded
+    batch whose masked positions get a NaN gradient still leaves the padding row as aten does."""
+    idx = torch.tensor([1, 2, 3, 1])
+    go = torch.randn(4, 4)
+    go[0] = bad
+    got = embedding_backward(go, idx, 40, 1)
+    want = torch.ops.aten.embedding_dense_backward(go, idx, 40, 1, False)
+    assert torch.equal(got, want) and not got[1].any()
+    a, b = torch.randn(40, 3), torch.randn(3, 4)
+    fused = mm_embedding_backward(a, b, go, idx, 40, 1)
+    assert torch.equal(fused[1], (a @ b)[1]) and torch.isfinite(fused).all()

@@ -596,3 +596,32 @@ def test_a_dense_copy_of_a_view_through_the_archive_matches_eager():
     art = aotfuse.load(res.data, device="cpu")
     checks = verify_train(copy.deepcopy(model), art, [torch.randn(2, 8, 16)])
     assert checks and all(c.passed for c in checks), [c for c in checks if not c.passed]
+
+
+class _EmptyPassThrough(torch.nn.Module):
+    """A rotary-style split whose pass-through part is empty (rotary_dim == head_dim, Phi-3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.cat([torch.tanh(h[..., :8]), h[..., 8:]], -1).pow(2).mean()
+
+
+@pytest.mark.parametrize("budget", [0.0, 1.0])
+def test_an_empty_view_is_never_saved_as_a_copy(budget):
+    """An empty view costs nothing to keep, so a zero-cost copy edge made the cut save it and lowering refuse the
+    empty tensor; it is recomputed (free) and the archive builds and trains as eager does."""
+    import copy
+
+    import aotfuse
+    from aotfuse.bench import verify_train
+    torch.manual_seed(0)
+    model, x = _EmptyPassThrough(), torch.randn(4, 8)
+    part = partition(trace_joint(model, (x,)), budget)
+    assert not any(s.copied for s in part.saved)
+    res = aotfuse.build(model, (x,), train=True, targets=("sm_90",), memory_budget=budget)
+    checks = verify_train(copy.deepcopy(model), aotfuse.load(res.data, device="cpu"), [torch.randn(4, 8)])
+    assert checks and all(c.passed for c in checks)

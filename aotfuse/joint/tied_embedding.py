@@ -52,8 +52,9 @@ def _refusal(add, emb, term) -> str | None:
     if any(not isinstance(v, torch.Tensor) for v in vals) or len({v.dtype for v in vals}) != 1 \
             or out.dtype not in _ALIGN:
         return "the terms are not of one floating dtype"
-    if out.dim() != 2 or tuple(value(emb).shape) != tuple(out.shape):
-        return "the terms are not one [V, d] table"
+    product = (value(y).shape[1], value(x).shape[0]) if term[2] else (value(x).shape[0], value(y).shape[1])
+    if out.dim() != 2 or tuple(value(emb).shape) != tuple(out.shape) or tuple(product) != tuple(out.shape):
+        return "the terms are not one [V, d] table (a broadcast add)"
     (rows, inner), cols = value(x).shape, value(y).shape[1]  # of the product before any transpose
     if not isinstance(rows, int) or not isinstance(cols, int):
         return "a dynamic table size"

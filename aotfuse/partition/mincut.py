@@ -6,9 +6,10 @@ needs is split into v_in -> v_out:
   more elements), 0 for parameters, buffers and user inputs (the backward gets them anyway), but
   the bytes of a buffer the forward updates (the runtime overwrites it after the forward, so the
   backward gets a copy of the value the forward read: `_build_forward`),
-  infinite for views (view/permute/expand/slice/clone/...; a view costs nothing to recompute but
-  saving it would keep its base alive, so the base is saved instead) and for tuple-valued nodes
-  (their getitems are the tensors);
+  for views (view/permute/expand/slice/clone/...) 1.5x their bytes: such a view is saved as a dense
+  copy of it, which the forward makes (`partition_view_copies`; a view costs nothing to recompute, but
+  recomputed in the backward it keeps its whole base saved); infinite with the knob off, for empty and
+  bool views, and for tuple-valued nodes (their getitems are the tensors);
 - u_out -> v_in is infinite for every data edge u -> v: a node on the backward side needs all of
   its inputs on the backward side (saved, or recomputed there);
 - source -> v_in is infinite for what must be computed in the forward: parameters, buffers, user
@@ -158,6 +159,8 @@ def _view_copy_bytes(val) -> int | None:
             or val.dtype == torch.bool:
         return None
     nbytes = tensor_nbytes(val)
+    if nbytes == 0:  # an empty view (a rotary pass-through slice of width 0): never saved, recomputed for free
+        return None
     return nbytes + nbytes // 2
 
 

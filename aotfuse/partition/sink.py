@@ -10,7 +10,7 @@ had read yet.
 Moved: a node that does not depend on the tangent (only on saved tensors, parameters and inputs, which the
 backward holds throughout anyway), goes to just before its earliest reader, when moving it keeps no other
 value alive longer: each of its inputs holds no memory of its own (a placeholder, a size, a view of them), is
-read by it alone and moves with it (inputs are visited after their readers, so a chain moves as one), or is
+read by it alone and can itself follow (inputs are visited after their readers, so a chain moves as one), or is
 read again at or after the new place (an RMSNorm's normalized rows, which its weight's gradient reads too).
 Nodes of several results (and their getitems) stay where they are. A pure reordering of a dataflow graph: the values computed are the same.
 """
@@ -20,6 +20,9 @@ import operator
 from fractions import Fraction
 
 import torch.fx
+
+
+_CHAIN = 64  # longest chain of single-reader inputs followed when deciding a move (deeper: not moved)
 
 
 def _fixed(n: torch.fx.Node, keep) -> bool:
@@ -46,11 +49,12 @@ def sink_recomputation(graph: torch.fx.Graph, tangent: torch.fx.Node, keep=()) -
                 a.op == "call_function" and op_class(a) == "view" and all(is_free(b) for b in a.all_input_nodes))
         return free[a]
 
-    def kept_alive(a, n, at) -> bool:  # moving n to `at` keeps input a alive longer
+    def kept_alive(a, n, at, depth=0) -> bool:  # moving n to `at` keeps input a alive longer
         if is_free(a):
             return False
-        if len(a.users) == 1 and a not in dep and not _fixed(a, keep):
-            return False  # read by n alone: it moves with n (visited after n)
+        if len(a.users) == 1 and a not in dep and not _fixed(a, keep) and depth < _CHAIN \
+                and not any(kept_alive(b, a, at, depth + 1) for b in a.all_input_nodes):
+            return False  # read by n alone and free to follow it: it moves with n (visited after n)
         return max((pos[u] for u in a.users if u is not n), default=Fraction(-1)) < at
 
     moved = 0

@@ -9,7 +9,8 @@ place by the `g` autograd hands it, with a kernel that does nothing when `g` is 
 What it buys over two programs:
 - nothing crosses from forward to backward: the values the backward reads are the program's own
   intermediates, planned in one arena with the rest, freed at their last use (no saved set held
-  between the calls, no bit-packing, no copies into memory order);
+  between the calls, no bit-packing, no copies into memory order; a view the split partition saves as a
+  dense copy, `partition_view_copies`, is still copied here, the copy freed at its last use);
 - fusion sees both halves: a loss's forward and backward share kernels (cross-entropy's logsumexp
   and its gradient read the logits in one pass; a norm's statistics and its gradient likewise).
 The min cut still decides what the backward half recomputes rather than keeps (its memory trade-off

@@ -59,7 +59,9 @@ def _slots(grad_output, indices, num_weights: int, padding_idx: int):
     acc = torch.zeros((n, d), dtype=torch.float32, device=grad_output.device)
     acc.index_add_(0, slot, grad_output.reshape(n, d).float())
     if 0 <= padding_idx < num_weights:
-        acc.mul_((idx != padding_idx).unsqueeze(1))  # slot r (a first position) holds index idx[r]'s sum
+        # slot r (a first position) holds index idx[r]'s sum; filled, not multiplied: a NaN or inf gradient at a
+        # padding token must leave the padding row 0, as aten does
+        acc.masked_fill_((idx == padding_idx).unsqueeze(1), 0)
     return idx, slot, acc
 
 

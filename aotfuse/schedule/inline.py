@@ -274,14 +274,15 @@ class _Inliner:
         if len(users) == 1:
             u = users[0]
             if self._widening_cast_of(u, name) and (not cheap or (
-                    len(self.users.get(u, ())) >= 2 and self._reads_more_than_it_writes(p))):
+                    len(self.users.get(u, ())) >= 2 and u not in self.pinned and self._reads_more_than_it_writes(p))):
                 # u only casts this node up (bf16 -> fp32 for a BatchNorm backward): substituted into u,
                 # the whole expression would be stored at the wider type where u's readers are other
                 # kernels; kept, it is stored at its own type (rounded there, as eager rounds it) and the
                 # cast is recomputed where u is read (the rule below). Only the form Cast(Load) read at
                 # u's own point is recognized (a double cast or a transposed read is inlined as before).
                 # A cheap producer too, when it reads two or more tensors of its size (so the cast could not
-                # recompute it at each reader) and the cast has several readers (so it would be stored):
+                # recompute it at each reader) and the cast has several readers (so it would be stored) and is
+                # not pinned (an extern's operand or an output stays stored wide anyway):
                 # MobileNetV2's ReLU6 backward, cast up for its BatchNorm backward, was stored as 294 MiB of
                 # fp32 for three readers at batch 64 where its bf16 value is the same numbers in half the bytes.
                 return
