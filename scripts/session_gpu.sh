@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# This session's GPU call: the GPU tier (PDL on by default), the training step with PDL launches on and off,
-# and the models never measured against torch.compile. Logs under $OUT; a short table last.
+# A session's GPU call: the GPU tier, the anchor's training step with PDL launches on and off, and zoo models'
+# training against torch.compile (default: T5's heads-last attention bias, Phi-3's copied views, Gemma-2's tied
+# table, MobileNetV2's BatchNorm backward: the twenty-fourth session's changes). Logs under $OUT; a short table last.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
@@ -17,6 +18,6 @@ if [[ " ${STAGES:-tier train zoo} " == *" train "* ]]; then
   done
 fi
 if [[ " ${STAGES:-tier train zoo} " == *" zoo "* ]]; then
-  timeout ${ZOO_TIMEOUT:-300} python3 scripts/zoo_gpu.py --more ${ZOO_ARGS:---mode train phi3 gemma2 falcon bloom} --iters 20 --json $OUT/zoo.json > $OUT/zoo.log 2>&1
+  timeout ${ZOO_TIMEOUT:-300} python3 scripts/zoo_gpu.py --more ${ZOO_ARGS:---mode train t5 phi3 gemma2 mobilenet_v2} --iters 20 --json $OUT/zoo.json > $OUT/zoo.log 2>&1
   echo "zoo rc=$? $((SECONDS-t0))s"; tail -12 $OUT/zoo.log
 fi
