@@ -459,6 +459,16 @@ def test_sdpa_math(case):
     _close(sdpa_math(q, k, v, **kw), torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw))
 
 
+def _assert_splits_match(model, inputs, joint, parts):
+    """Each partition's split graphs give eager's loss (1e-6) and gradients (1e-5)."""
+    ref_loss, ref_grads = _reference(model, inputs, joint)
+    for part in parts:
+        loss, grads, _ = _run_split(joint, part, inputs)
+        assert _rel(loss, ref_loss) < 1e-6
+        for g, r in zip(grads, ref_grads):
+            assert _rel(g, r) < 1e-5
+
+
 def test_materialize_knob_saves_what_a_backward_matmul_reads():
     """partition_materialize: a tanh GELU's output feeds the weight-gradient matmul of the next Linear; as a
     recompute it would be written again in the backward, so the charged cut saves it at budget 1 (and still
@@ -490,12 +500,7 @@ def test_materialize_knob_saves_what_a_backward_matmul_reads():
         on, lean = partition(joint, 1.0), partition(joint, 0.0)
     assert not gelu_saved(off) and gelu_saved(on) and not gelu_saved(lean)
     assert on.saved_bytes > off.saved_bytes >= lean.saved_bytes
-    ref_loss, ref_grads = _reference(model, (x,), joint)
-    for part in (off, on):
-        loss, grads, _ = _run_split(joint, part, (x,))
-        assert _rel(loss, ref_loss) < 1e-6
-        for g, r in zip(grads, ref_grads):
-            assert _rel(g, r) < 1e-5
+    _assert_splits_match(model, (x,), joint, (off, on))
 
 
 class _FusedQKV(torch.nn.Module):
@@ -534,12 +539,7 @@ def test_a_view_the_backward_reads_is_saved_as_a_dense_copy_not_its_base():
     assert on.saved_bytes < off.saved_bytes
     ph = next(n for n in on.bwd_gm.graph.nodes if n.op == "placeholder" and n.name == copies[0].name)
     assert ph.meta["val"].is_contiguous()
-    ref_loss, ref_grads = _reference(model, (x,), joint)
-    for part in (on, off):
-        loss, grads, _ = _run_split(joint, part, (x,))
-        assert _rel(loss, ref_loss) < 1e-6
-        for g, r in zip(grads, ref_grads):
-            assert _rel(g, r) < 1e-5
+    _assert_splits_match(model, (x,), joint, (on, off))
 
 
 class _SwiGLU(torch.nn.Module):

@@ -154,9 +154,8 @@ COST_UNIT = 256  # recompute costs are integers in 1/256 byte
 def _view_copy_bytes(val) -> int | None:
     """The save cost of a view kept as a dense copy of it (knobs.partition_view_copies): 1.5x its elements' bytes
     (the copy's read and write in the forward, its read in the backward, halved like every save cost); None where
-    a view is never saved (the knob off, a non-tensor, a bool tensor that packing would want)."""
-    if not knobs.partition_view_copies or not isinstance(val, torch.Tensor) or _packable(val) \
-            or val.dtype == torch.bool:
+    a view is never saved (the knob off, a non-tensor, a bool tensor, an empty view)."""
+    if not knobs.partition_view_copies or not isinstance(val, torch.Tensor) or val.dtype == torch.bool:
         return None
     nbytes = tensor_nbytes(val)
     if nbytes == 0:  # an empty view (a rotary pass-through slice of width 0): never saved, recomputed for free
@@ -482,6 +481,13 @@ def partition(joint, memory_budget: float = 1.0) -> Partition:
                                           for b, u in zip(joint.mutated_buffers, outs[joint.num_user_outputs:n_fwd])))
 
 
+def _real_copy(g, v, name: str, val):
+    """A node copying v into a buffer of its own (`aten.copy`: lowering treats clone as a view of its input)."""
+    cp = g.create_node("call_function", torch.ops.aten.copy.default, (v, v), {}, name=name)
+    cp.meta["val"] = val
+    return cp
+
+
 def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_infos):
     g = torch.fx.Graph()
     env: dict = {}
@@ -494,14 +500,10 @@ def _build_forward(gm, nodes, fwd, tangent, user_outputs, saved_list, saved_info
     outs = [env[u] for u in user_outputs]
     for n, info in zip(saved_list, saved_infos):
         v = env[n]
-        if info.copied:  # a view saved dense: a real copy (lowering treats clone as a view of its input)
-            cp = g.create_node("call_function", torch.ops.aten.copy.default, (v, v), {}, name=n.name + "_dense")
-            cp.meta["val"] = _dense_val(n.meta["val"])
-            v = cp
-        if info.kind == "buffer_copy":  # a real copy (lowering treats clone as a view of its input)
-            cp = g.create_node("call_function", torch.ops.aten.copy.default, (v, v), {}, name=n.name + "_read")
-            cp.meta["val"] = n.meta["val"]
-            v = cp
+        if info.copied:  # a view saved dense
+            v = _real_copy(g, v, n.name + "_dense", _dense_val(n.meta["val"]))
+        if info.kind == "buffer_copy":
+            v = _real_copy(g, v, n.name + "_read", n.meta["val"])
         if info.packed:
             pk = g.create_node("call_function", PACK, (v,), {}, name=n.name + "_packed")
             pk.meta["val"] = _fake_call(PACK, n.meta["val"])

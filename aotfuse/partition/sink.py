@@ -21,6 +21,7 @@ from fractions import Fraction
 
 import torch.fx
 
+from ..opclass import op_class
 
 _CHAIN = 64  # longest chain of single-reader inputs followed when deciding a move (deeper: not moved)
 
@@ -33,8 +34,6 @@ def _fixed(n: torch.fx.Node, keep) -> bool:
 def sink_recomputation(graph: torch.fx.Graph, tangent: torch.fx.Node, keep=()) -> int:
     """Moves the graph's tangent-free nodes (see the module doc) in place; returns how many moved. keep: targets
     never moved (sizes that the lowering reads first)."""
-    from ..opclass import op_class
-
     nodes = list(graph.nodes)
     dep = {tangent}
     for n in nodes:
