@@ -1,6 +1,8 @@
 """Constant attention masks become flags (export/masks.py): an all-kept mask is dropped and a causal
 (tril) mask becomes is_causal=True, in inference (aten sdpa) and training (aotfuse::attention and its
-backward); any other mask is kept. Outputs and every gradient match eager on the CPU path."""
+backward); a causal sliding window becomes is_causal=True with window=W in training (sdpa has no window
+argument: inference keeps it); any other mask is kept. Outputs and every gradient match eager on the CPU
+path."""
 from __future__ import annotations
 
 import copy
@@ -73,8 +75,15 @@ def _mask_and_causal(ins):
     return ins.args[4], ins.args[7]  # aotfuse.attention_backward
 
 
+def _window_arg(ins) -> int:
+    n = 7 if ins.target == "aotfuse.attention.default" else 10
+    return ins.args[n] if len(ins.args) > n else 0
+
+
 EXPECT = {"all_true": (None, False), "causal_bool": (None, True), "causal_float": (None, True),
           "window": ("kept", False), "padding": ("kept", False)}
+EXPECT_TRAIN = {**EXPECT, "window": (None, True)}  # the window (4) as the fused ops' window argument
+WINDOW = {"window": 4}
 
 
 def rel(a, b) -> float:
@@ -107,10 +116,11 @@ def test_training_mask_rewritten_and_gradients_match(kind):
     res = aotfuse.build(model, _inputs(), train=True, targets=("sm_90",))
     calls = _attention_calls(res.data)
     assert {c.target for c in calls} == {"aotfuse.attention.default", "aotfuse.attention_backward.default"}
-    want_mask, want_causal = EXPECT[kind]
+    want_mask, want_causal = EXPECT_TRAIN[kind]
     for c in calls:
         mask, causal = _mask_and_causal(c)
         assert (mask is None) == (want_mask is None) and bool(causal) == want_causal, (c.target, mask, causal)
+        assert _window_arg(c) == WINDOW.get(kind, 0), c.target
     mod = aotfuse.load(res.data, device="cpu").as_module()
     x, keep, tgt = _inputs(seed=7)
     loss = mod(x, keep, tgt)
@@ -136,6 +146,16 @@ def test_classify():
     assert classify(torch.zeros(5, 5).masked_fill(~tril, -1e4), 5, 5) is None  # a finite bias: not a mask
     assert classify(torch.ones(4, 6, dtype=torch.bool).tril(2), 4, 6) is None  # bottom-right causal (L != S)
     assert classify(torch.ones(4, 6, dtype=torch.bool).tril(), 4, 6) == "causal"  # sdpa's top-left alignment
+    for w in (1, 2, 4):  # a causal sliding window: keys i - w < j <= i
+        win = tril & torch.ones(5, 5, dtype=torch.bool).triu(-(w - 1))
+        assert classify(win[None, None].expand(2, 1, 5, 5), 5, 5) == f"window:{w}"
+        assert classify(torch.zeros(5, 5).masked_fill(~win, float("-inf")), 5, 5) == f"window:{w}"
+    assert classify(torch.ones(5, 5, dtype=torch.bool).triu(-1) & torch.ones(5, 5, dtype=torch.bool).tril(1), 5, 5) \
+        is None  # a band that is not causal
+    assert classify(torch.ones(4, 6, dtype=torch.bool).tril() & torch.ones(4, 6, dtype=torch.bool).triu(-1), 4, 6) \
+        is None  # L != S: flash would align the window to the bottom right
+    mixed = torch.stack([tril, tril & torch.ones(5, 5, dtype=torch.bool).triu(-1)])  # batch rows differ
+    assert classify(mixed, 5, 5) is None
     padded = tril.clone()
     padded[:, 4] = False
     assert classify(padded, 5, 5) is None

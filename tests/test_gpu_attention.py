@@ -83,7 +83,7 @@ def _check(name, dtype, want_kernel):
     q, k, v, m, grad = _inputs(case, dtype)
     gqa, scale = hk != h, e ** -0.5
     out, lse = A.attention(q, k, v, m, causal, scale, gqa)
-    key = (q.shape, k.shape, q.dtype, q.get_device(), m is not None, causal)
+    key = (q.shape, k.shape, q.dtype, q.get_device(), m is not None, causal, 0)
     assert A.chosen_kernels()[key] == want_kernel
     # the contract: out [B, H, T, E] laid out [B, T, H, E] (what the meta kernel says), lse float32 [B, H, T]
     meta_out, meta_lse = A.attention(*(x.to("meta") for x in (q, k, v)), None if m is None else m.to("meta"),
@@ -129,6 +129,56 @@ def test_with_cudnn_sdp_off_the_ops_fall_back_to_flash_then_efficient(name):
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
         A.forget_choices()
+
+
+WINDOWS = {  # name: (B, H, Hk, T, E, window)
+    "gemma3_local": (1, 4, 1, 1000, 256, 128),  # Gemma-3-1B's shape (T off a block multiple), one key/value head
+    "head_dim_64": (2, 4, 4, 256, 64, 64),
+    "gqa_128": (2, 8, 2, 300, 128, 100),
+    "window_1": (1, 2, 2, 64, 64, 1),  # each query sees itself only
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_sliding_window_runs_on_flash_local_attention_and_matches_float64(name, dtype):
+    """A window (export/masks.py's rewrite of a constant sliding-window mask) runs on flash's local attention:
+    out, logsumexp and the gradients against a float64 sdpa with the window as a mask, each no further from it
+    than twice eager sdpa's own error (on the mask) plus a floor."""
+    A.forget_choices()
+    b, h, hk, t, e, w = WINDOWS[name]
+    q, k, v, _, grad = _inputs((b, h, hk, t, t, e, True, None), dtype)
+    gqa, scale = hk != h, e ** -0.5
+    out, lse = A.attention(q, k, v, None, True, scale, gqa, w)
+    assert A.chosen_kernels()[(q.shape, k.shape, q.dtype, q.get_device(), False, True, w)] == A.FLASH_WINDOW
+    meta_out, meta_lse = A.attention(*(x.to("meta") for x in (q, k, v)), None, True, scale, gqa, w)
+    assert out.shape == meta_out.shape and out.stride() == meta_out.stride()
+    assert lse.shape == (b, h, t) and lse.dtype == torch.float32 and lse.stride() == meta_lse.stride()
+    grads = A.attention_backward(grad, q, k, v, None, out, lse, True, scale, gqa, w)
+    for x, want in zip(grads, (q, k, v)):
+        assert x.shape == want.shape and x.dtype == dtype
+        assert x.stride() == x.transpose(1, 2).contiguous().transpose(1, 2).stride()
+    m = A._window_mask(t, t, w, "cuda")
+    ref = _sdpa_grads(q.double(), k.double(), v.double(), m, grad.double(), False, gqa)
+    eager = _sdpa_grads(q, k, v, m, grad, False, gqa)
+    floor = 2e-3 if dtype == torch.float16 else 1e-2
+    for what, got, ours_eager, want in zip(("out", "dq", "dk", "dv"), (out, *grads), eager, ref):
+        err, eager_err = rel(got, want), rel(ours_eager, want)
+        assert err <= 2 * eager_err + floor, (name, dtype, what, err, eager_err)
+    lse_err = float((lse.double() - _lse64(q, k, m, False, scale)).abs().max())
+    assert lse_err < 1e-2, (name, dtype, lse_err)
+
+
+def test_sliding_window_in_float32_runs_on_its_mask():
+    A.forget_choices()
+    q, k, v, _, grad = _inputs((1, 2, 1, 200, 200, 64, True, None), torch.float32)
+    out, lse = A.attention(q, k, v, None, True, 0.125, True, 50)
+    assert A.chosen_kernels()[(q.shape, k.shape, q.dtype, q.get_device(), False, True, 50)] != A.FLASH_WINDOW
+    m = A._window_mask(200, 200, 50, "cuda")
+    ref = _sdpa_grads(q.double(), k.double(), v.double(), m, grad.double(), False, True)
+    grads = A.attention_backward(grad, q, k, v, None, out, lse, True, 0.125, True, 50)
+    for got, want in zip((out, *grads), ref):
+        assert rel(got, want) < 1e-4
 
 
 def test_float32_uses_the_efficient_kernel():

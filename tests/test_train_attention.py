@@ -229,6 +229,33 @@ def test_attention_ops_match_sdpa_with_gqa_and_masks():
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("w", [1, 3, 16])
+def test_sliding_window_ops_match_sdpa_with_the_window_as_a_mask(w):
+    """The `window` argument (export/masks.py sets it for a constant sliding-window mask): off CUDA's local
+    kernel the window is rebuilt as a mask; forward, logsumexp, gradients and autograd against sdpa."""
+    from aotfuse.runtime.attention import _window_mask
+
+    torch.manual_seed(0)
+    b, h, hk, t, e = 2, 4, 2, 16, 8
+    q = torch.randn(b, h, t, e, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, hk, t, e, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, hk, t, e, dtype=torch.float64, requires_grad=True)
+    keep = _window_mask(t, t, w, "cpu")
+    assert keep.tolist() == [[0 <= i - j < w for j in range(t)] for i in range(t)]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    out, lse = attention(q, k, v, None, True, e ** -0.5, True, w)
+    torch.testing.assert_close(out, ref)
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * e ** -0.5
+    torch.testing.assert_close(lse.double(), scores.masked_fill(~keep, float("-inf")).logsumexp(-1))
+    got = attention_backward(g, q, k, v, None, out, lse, True, e ** -0.5, True, w)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(torch.autograd.grad(attention(q, k, v, None, True, e ** -0.5, True, w)[0], (q, k, v), g), want):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
 def test_bool_mask_made_additive_once_in_the_graph():
     """Two fused attentions reading one bool padding mask: the additive mask (0 / -inf) the runtime would make in
     every forward and backward is made once in the joint graph (the conversions merge); loss and gradients match

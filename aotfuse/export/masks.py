@@ -11,7 +11,12 @@ depends on nothing but shapes and fixed buffers, and rewrites the call exactly:
 - every position kept (bool all true, additive all zero): the mask is dropped;
 - kept exactly where `tril(ones(L, S))` (sdpa's `is_causal` alignment: top-left) and masked elsewhere:
   the mask is dropped and the call becomes causal;
-- anything else (padding, sliding windows, bottom-right causal with L != S): the mask stays.
+- kept exactly where 0 <= i - j < W for some W < L, L == S (a causal sliding window, Gemma-3's and Mistral's
+  local layers), on training's fused attention (`aotfuse::attention` and its backward): the mask is dropped,
+  the call becomes causal with `window=W`, and the runtime runs flash's local attention, which visits only
+  the blocks inside the window (runtime/attention.py). sdpa itself has no window argument: on an inference
+  sdpa the mask stays;
+- anything else (padding, bottom-right causal with L != S): the mask stays.
 
 An additive float mask counts as masked where it is -inf or the dtype's lowest value (transformers
 uses `finfo.min`): exp of a score plus either underflows to exactly 0, and a causal pattern never masks
@@ -34,9 +39,9 @@ def _attention_ops() -> dict:
     """attention op -> (mask arg index, causal arg index); aotfuse's ops register with the runtime."""
     from ..runtime import attention  # noqa: F401  (registers torch.ops.aotfuse.*)
 
-    return {aten.scaled_dot_product_attention.default: (3, 5),
-            torch.ops.aotfuse.attention.default: (3, 4),
-            torch.ops.aotfuse.attention_backward.default: (4, 7)}
+    return {aten.scaled_dot_product_attention.default: (3, 5, None),
+            torch.ops.aotfuse.attention.default: (3, 4, 7),
+            torch.ops.aotfuse.attention_backward.default: (4, 7, 10)}
 
 
 def _arg(node: torch.fx.Node, i: int, name: str, default=None):
@@ -112,7 +117,8 @@ def _erase_dead_constants(graph: torch.fx.Graph, evaluated: dict) -> None:
 
 
 def classify(mask: torch.Tensor, L: int, S: int) -> str | None:
-    """"all" (every position kept), "causal" (kept exactly on tril(ones(L, S))) or None (a real mask)."""
+    """"all" (every position kept), "causal" (kept exactly on tril(ones(L, S))), "window:W" (kept exactly where
+    0 <= i - j < W, W < L == S) or None (a real mask)."""
     if mask.dtype == torch.bool:
         keep = mask
     elif mask.is_floating_point():
@@ -131,6 +137,10 @@ def classify(mask: torch.Tensor, L: int, S: int) -> str | None:
     tril = torch.ones(L, S, dtype=torch.bool).tril()
     if bool((keep == tril).all()):
         return "causal"
+    if L == S and L > 1:
+        w = int(keep.reshape(-1, L, S)[0, -1].sum())  # the last query's keys: the window's width
+        if 0 < w < L and bool((keep == (tril & torch.ones(L, S, dtype=torch.bool).triu(-(w - 1)))).all()):
+            return f"window:{w}"
     return None
 
 
@@ -145,7 +155,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         spec = ops.get(node.target) if node.op == "call_function" else None
         if spec is None:
             continue
-        mi, ci = spec
+        mi, ci, wi = spec
         mask = _arg(node, mi, "attn_mask")
         if not isinstance(mask, torch.fx.Node):
             continue
@@ -172,7 +182,22 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
             elif val is None:
                 rec.update(kept=True, why="the mask depends on the inputs")
             elif kind is None:
-                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal")
+                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal nor a sliding window")
+            elif kind.startswith("window:") and wi is None:
+                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on sdpa, which has no window argument: "
+                                          "the mask stays")
+            elif kind.startswith("window:") and (_arg(node, ci, "is_causal", False) or
+                                                  _arg(node, wi, "window", 0)):
+                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on a call that is already causal or "
+                                          "windowed: the mask stays")
+            elif kind.startswith("window:"):
+                w = int(kind[7:])
+                _set(node, mi, "attn_mask", None)
+                _set(node, ci, "is_causal", True)
+                _set_window(node, wi, w)
+                changed = True
+                rec.update(kept=False, window=w, why=f"constant sliding-window mask ({w} keys) -> is_causal=True, "
+                                                     f"window={w}: flash's local attention on CUDA")
             else:  # a causal call with a causal (or all-kept) mask is causal: dropping the mask is exact
                 _set(node, mi, "attn_mask", None)
                 if kind == "causal":
@@ -188,6 +213,19 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         gm.graph.lint()
         gm.recompile()
     return decisions
+
+
+def _set_window(node: torch.fx.Node, i: int, w: int) -> None:
+    """The optional trailing `window` argument: positional, the arguments before it all positional (the
+    lowering reads them by position)."""
+    args = list(node.args)
+    if len(args) < i:  # the traced call spells out every argument before window (enable_gqa is not defaulted)
+        raise AssertionError(f"{node.name}: {len(args)} positional arguments before window (index {i})")
+    if len(args) == i:
+        args.append(w)
+    else:
+        args[i] = w
+    node.args = tuple(args)
 
 
 def _hint(n) -> int:

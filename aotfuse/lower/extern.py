@@ -469,25 +469,35 @@ def _mask_arg(ctx, mask, node):
       note="training's fused attention (runtime/attention.py): (out [B,H,T,E] stored [B,T,H,E], lse fp32 [B,H,T])")
 def _attention(ctx, node, args, kwargs):
     q, k, v, mask, causal, scale, gqa = args[:7]
+    window = _window(args, 7)
     tq, tk, tv = _bthe(ctx, node, (q, k, v), ("query", "key", "value"))
     tm = _mask_arg(ctx, mask, node)
     _mask_decision(ctx, node)
     out, lse = (node.meta["val"][i] for i in range(2))
     ctx.decisions.append({"attention": node.name, "kernel": "fused", "why": "aotfuse::attention extern: out and "
                           "logsumexp, no B x H x T x T tensor"})
-    return ctx.extern_results("aotfuse.attention.default", (tq, tk, tv, tm, bool(causal), float(scale), bool(gqa)), {},
+    return ctx.extern_results("aotfuse.attention.default", (tq, tk, tv, tm, bool(causal), float(scale), bool(gqa),
+                                                            *window), {},
                               ((tuple(out.shape), dtype_name(out.dtype, node.name), _BTHD),
                                (tuple(lse.shape), dtype_name(lse.dtype, node.name), None)))
+
+
+def _window(args, i: int) -> tuple:
+    """The optional sliding-window argument (export/masks.py sets it): (W,) when set, else () so a call without one
+    is written as before (the archive's bytes do not change)."""
+    w = args[i] if len(args) > i else 0
+    return (int(w),) if w else ()
 
 
 def _attention_grads(ctx, node, args, target: str):
     """An attention backward extern: (dq, dk, dv) stored [B,T,H,E]; a fourth result (the mask's gradient) as is."""
     g, q, k, v, mask, out, lse, causal, scale, gqa = args[:10]
+    window = _window(args, 10) if target == "aotfuse.attention_backward.default" else ()
     tensors = _bthe(ctx, node, (g, q, k, v), ("grad_out", "query", "key", "value"))
     tm = _mask_arg(ctx, mask, node)
     (to,) = _bthe(ctx, node, (out,), ("out",))
     tl = _targ(ctx, lse, node, "lse")
-    return ctx.extern_results(target, (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa)), {},
+    return ctx.extern_results(target, (*tensors, tm, to, tl, bool(causal), float(scale), bool(gqa), *window), {},
                               tuple((tuple(x.shape), dtype_name(x.dtype, node.name), _BTHD if i < 3 else None)
                                     for i, x in enumerate(node.meta["val"])))
 

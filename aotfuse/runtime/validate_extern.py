@@ -136,19 +136,34 @@ def _attention_args(args: list, first: int, where: str):
     return q, k, v
 
 
+def _window(args: list, n: int, mask: int, where: str) -> list:
+    """args without the optional trailing sliding window (args[n]: an int > 0, on a causal call without a mask,
+    args[mask])."""
+    if len(args) == n:
+        return args
+    w = args[n]
+    if not _is_int(w) or w <= 0:
+        _fail(where, f"attention: window is {_short(w)}, expected an int > 0")
+    if args[n - 3] is not True or args[mask] is not None:
+        _fail(where, "attention: a sliding window needs is_causal=True and no mask")
+    return args[:n]
+
+
 def _attention_results(args: list, kwargs: dict, where: str) -> list:
-    # attention(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> (out, lse float32 [B, H, T])
-    if len(args) != 7 or kwargs:
-        _fail(where, f"aotfuse::attention takes 7 positional arguments; got {len(args)} and {sorted(kwargs)}")
-    q, _, _ = _attention_args(args, 0, where)
+    # attention(query, key, value, attn_mask, is_causal, scale, enable_gqa[, window]) -> (out, lse float32 [B, H, T])
+    if len(args) not in (7, 8) or kwargs:
+        _fail(where, f"aotfuse::attention takes 7 or 8 positional arguments; got {len(args)} and {sorted(kwargs)}")
+    q, _, _ = _attention_args(_window(args, 7, 3, where), 0, where)
     return [(q.dtype, q.shape), ("float32", q.shape[:3])]
 
 
 def _attention_backward_results(args: list, kwargs: dict, where: str) -> list:
-    # attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa)
+    # attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa[, window])
     #   -> (grad_query, grad_key, grad_value)
-    if len(args) != 10 or kwargs:
-        _fail(where, f"aotfuse::attention_backward takes 10 positional arguments; got {len(args)} and {sorted(kwargs)}")
+    if len(args) not in (10, 11) or kwargs:
+        _fail(where, f"aotfuse::attention_backward takes 10 or 11 positional arguments; got {len(args)} and "
+                     f"{sorted(kwargs)}")
+    args = _window(args, 10, 4, where)
     q, k, v = _attention_args(args[:5] + args[7:], 1, where)
     g, out, lse = (_tensor(a, n, where) for a, n in zip((args[0], args[5], args[6]), ("grad_out", "out", "lse")))
     for t, name in ((g, "grad_out"), (out, "out")):

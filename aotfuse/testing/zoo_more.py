@@ -210,14 +210,20 @@ def bart(train=False, dtype=torch.float32, seed=0):
 # ---------------------------------------------------------------- multimodal
 
 def _contrastive(cls_name: str, cfg_name: str, train: bool, dtype, seed: int, realistic: bool = False) -> Example:
-    if realistic:  # CLIP ViT-B/32's towers (SigLIP's: patch 16), batch 64
+    if realistic and cls_name == "CLIPModel":  # CLIP ViT-B/32's towers, batch 64
         text = dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
                     num_attention_heads=8, max_position_embeddings=77, dropout=0.0, attention_dropout=0.0,
                     pad_token_id=0, bos_token_id=1, eos_token_id=49407)
-        vision = dict(image_size=224, patch_size=32 if cls_name == "CLIPModel" else 16, hidden_size=768,
-                      intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, dropout=0.0,
-                      attention_dropout=0.0)
+        vision = dict(image_size=224, patch_size=32, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      num_attention_heads=12, dropout=0.0, attention_dropout=0.0)
         batch, seq, size, proj = 64, 77, 224, 512
+    elif realistic:  # SigLIP-B/16's towers (no projections: both 768 wide), 64 tokens, batch 64
+        text = dict(vocab_size=32000, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                    num_attention_heads=12, max_position_embeddings=64, attention_dropout=0.0, pad_token_id=1,
+                    bos_token_id=2, eos_token_id=1)
+        vision = dict(image_size=224, patch_size=16, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      num_attention_heads=12, attention_dropout=0.0)
+        batch, seq, size, proj = 64, 64, 224, 768
     else:
         text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, max_position_embeddings=16, dropout=0.0, attention_dropout=0.0,
@@ -232,7 +238,7 @@ def _contrastive(cls_name: str, cfg_name: str, train: bool, dtype, seed: int, re
 
     def make_inputs(s: int):
         g = _gen(s)
-        ids = torch.randint(3, eos - 1, (batch, seq), generator=g)
+        ids = torch.randint(3, text["vocab_size"] - 1, (batch, seq), generator=g)
         ids[:, -1] = eos  # eos last: CLIP pools the text at the first eos
         kw = {"input_ids": ids}
         if clip:
@@ -479,11 +485,75 @@ def lstm_lm_realistic(train=False, dtype=torch.bfloat16, seed=0):
     return _lstm_lm(10000, 1024, 2, 32, 64, train, dtype, seed)
 
 
+def gemma3_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Gemma-3-1B's text width (1152, 4 heads of 256, one key/value head, MLP 6912, vocab 262144), 6 layers (five
+    sliding-window (512) and one full, the released pattern), batch 2 x 2048."""
+    cfg = dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+               sliding_window=512, query_pre_attn_scalar=256, rope_theta=1000000.0, pad_token_id=0,
+               bos_token_id=2, eos_token_id=1)
+    return _causal("Gemma3ForCausalLM", "Gemma3TextConfig", cfg, train, dtype, seed, batch=2, seq=2048)
+
+
+def opt_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """OPT-1.3B's width (2048, 32 heads, ReLU MLP 8192, vocab 50272), 4 layers, batch 2 x 2048."""
+    cfg = dict(vocab_size=50272, hidden_size=2048, num_hidden_layers=4, ffn_dim=8192, num_attention_heads=32,
+               max_position_embeddings=2048, word_embed_proj_dim=2048, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, layerdrop=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    return _causal("OPTForCausalLM", "OPTConfig", cfg, train, dtype, seed, batch=2, seq=2048)
+
+
+def roberta_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """RoBERTa-base (768, 12 layers, 12 heads, vocab 50265), masked LM, batch 32 x 512 with padded rows."""
+    cfg = dict(vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+               intermediate_size=3072, max_position_embeddings=514, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, pad_token_id=1)
+    return _encoder("RobertaForMaskedLM", "RobertaConfig", cfg, train, dtype, seed, batch=32, seq=512)
+
+
+def distilbert_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """DistilBERT-base (768, 6 layers, 12 heads, vocab 30522), sequence classification, batch 32 x 512."""
+    cfg = dict(vocab_size=30522, dim=768, n_layers=6, n_heads=12, hidden_dim=3072, max_position_embeddings=512,
+               dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, num_labels=3)
+    return _encoder("DistilBertForSequenceClassification", "DistilBertConfig", cfg, train, dtype, seed,
+                    labels="cls", batch=32, seq=512)
+
+
+def bart_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """BART-base (768, 6 + 6 layers, 12 heads, vocab 50265), batch 16, sources of 512, targets of 128."""
+    cfg = dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+               decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, max_position_embeddings=1024,
+               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+               decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+               forced_eos_token_id=2)
+    model = _finish(_hf("BartForConditionalGeneration", "BartConfig", seed, use_cache=False, **cfg), train, dtype)
+    make = _seq2seq_inputs(cfg["vocab_size"], 16, 512, 128, train)
+    return Example(model, *make(seed + 1), make)
+
+
+def siglip_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """SigLIP-B/16's towers (text 512 x 12, vision 768 x 12 at 224 x 224, patch 16), batch 64."""
+    return _contrastive("SiglipModel", "SiglipConfig", train, dtype, seed, realistic=True)
+
+
+def efficientnet_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """EfficientNet-B0 (width and depth 1.0, head 1280) at 224 x 224, batch 64."""
+    cfg = dict(image_size=224, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280, dropout_rate=0.0,
+               drop_connect_rate=0.0, num_labels=1000)
+    return _vision("EfficientNetForImageClassification", "EfficientNetConfig", cfg, train, dtype, seed, attn=None,
+                   size=224, batch=64)
+
+
+# Mixtral has no realistic size: transformers' "batched_mm" experts gather each routed token's expert weights
+# (tokens x top-k x hidden x ffn elements), terabytes at a real width; its default "grouped_mm" is refused
+# (aten.histc, data-dependent group sizes).
 REALISTIC = {"phi3": phi3_realistic, "gemma2": gemma2_realistic, "gpt_neox": gpt_neox_realistic,
              "deberta_v2": deberta_v2_realistic, "swin": swin_realistic, "convnext": convnext_realistic,
              "segformer": segformer_realistic, "dinov2": dinov2_realistic, "mobilenet_v2": mobilenet_v2_realistic,
              "clip": clip_realistic, "falcon": falcon_realistic, "bloom": bloom_realistic,
-             "lstm_lm": lstm_lm_realistic}
+             "lstm_lm": lstm_lm_realistic, "gemma3": gemma3_realistic, "opt": opt_realistic,
+             "roberta": roberta_realistic, "distilbert": distilbert_realistic, "bart": bart_realistic,
+             "siglip": siglip_realistic, "efficientnet": efficientnet_realistic}
 
 
 # ---------------------------------------------------------------- the list
