@@ -109,6 +109,26 @@ def test_inference_mask_rewritten_exactly(kind):
         assert "attention mask removed" in explain(res.data)
 
 
+def test_inference_window_in_half_precision_becomes_the_fused_op_with_its_window():
+    """sdpa has no window argument: a bf16 inference sdpa with a constant causal window becomes
+    aotfuse::attention(..., window=4)[0] (flash's local kernel on CUDA); on the CPU the runtime rebuilds the mask.
+    Against eager in bf16 and in float32: no further from float32 than eager bf16 is (plus a floor)."""
+    torch.manual_seed(0)
+    model = ConstMask("window").eval().to(torch.bfloat16)
+    x, keep, tgt = _inputs()
+    res = aotfuse.build(model, (x.bfloat16(), keep, tgt.bfloat16()), targets=("sm_90",))
+    calls = _attention_calls(res.data)
+    assert [c.target for c in calls] == ["aotfuse.attention.default"]
+    assert calls[0].args[3] is None and calls[0].args[4] is True and _window_arg(calls[0]) == 4
+    assert "sdpa -> aotfuse::attention(is_causal=True, window=4)" in explain(res.data)
+    art = aotfuse.load(res.data, device="cpu")
+    x, keep, tgt = _inputs(seed=5)
+    with torch.no_grad():
+        got, ref = art(x.bfloat16(), keep, tgt.bfloat16()), model(x.bfloat16(), keep, tgt.bfloat16())
+        ref32 = copy.deepcopy(model).float()(x, keep, tgt)
+    assert rel(got, ref32) <= 1.5 * rel(ref, ref32) + 1e-3, (rel(got, ref32), rel(ref, ref32))
+
+
 @pytest.mark.parametrize("kind", list(EXPECT))
 def test_training_mask_rewritten_and_gradients_match(kind):
     torch.manual_seed(0)

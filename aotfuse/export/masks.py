@@ -14,8 +14,9 @@ depends on nothing but shapes and fixed buffers, and rewrites the call exactly:
 - kept exactly where 0 <= i - j < W for some W < L, L == S (a causal sliding window, Gemma-3's and Mistral's
   local layers), on training's fused attention (`aotfuse::attention` and its backward): the mask is dropped,
   the call becomes causal with `window=W`, and the runtime runs flash's local attention, which visits only
-  the blocks inside the window (runtime/attention.py). sdpa itself has no window argument: on an inference
-  sdpa the mask stays;
+  the blocks inside the window (runtime/attention.py). sdpa itself has no window argument: an inference sdpa
+  whose shapes the local kernel takes (fp16/bf16, head dim <= 256; `runtime.attention.window_refusal`)
+  becomes `aotfuse::attention(..., window=W)[0]`, else its mask stays;
 - anything else (padding, bottom-right causal with L != S): the mask stays.
 
 An additive float mask counts as masked where it is -inf or the dtype's lowest value (transformers
@@ -24,6 +25,8 @@ a whole row. The decision is written on the attention node (`meta["aotfuse_mask"
 records it for `aotfuse explain`.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -184,8 +187,15 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
             elif kind is None:
                 rec.update(kept=True, why="a constant mask that is neither all-kept nor causal nor a sliding window")
             elif kind.startswith("window:") and wi is None:
-                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on sdpa, which has no window argument: "
-                                          "the mask stays")
+                why, fused = _sdpa_window(gm.graph, node, int(kind[7:]))
+                if why:
+                    rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on sdpa: the mask stays ({why})")
+                else:
+                    changed = True
+                    fused.meta[META_KEY] = rec
+                    rec.update(kept=False, window=int(kind[7:]), why=f"constant sliding-window mask ({kind[7:]} keys): "
+                               f"sdpa -> aotfuse::attention(is_causal=True, window={kind[7:]}), flash's local attention "
+                               "on CUDA")
             elif kind.startswith("window:") and (_arg(node, ci, "is_causal", False) or
                                                   _arg(node, wi, "window", 0)):
                 rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on a call that is already causal or "
@@ -213,6 +223,44 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         gm.graph.lint()
         gm.recompile()
     return decisions
+
+
+def _sdpa_window(graph: torch.fx.Graph, node: torch.fx.Node, w: int):
+    """Replace an inference sdpa whose constant mask is a causal window of w keys by the fused op's output with
+    window=w (sdpa has no window argument). Returns (why not, None), or (None, the fused op's node)."""
+    from ..runtime.attention import attention, window_refusal
+
+    q, k, v = node.args[:3]
+    if _arg(node, 4, "dropout_p", 0.0) or _arg(node, 5, "is_causal", False):
+        return "dropout or is_causal is set", None
+    vals = [getattr(x, "meta", {}).get("val") for x in (q, k, v)]
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in vals):
+        return "query, key and value are not 4-d tensors", None
+    qv, kv, vv = vals
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    why = window_refusal(tuple(qv.shape), tuple(kv.shape), qv.dtype)
+    if why is None and (qv.shape[1] != kv.shape[1] and not gqa or vv.shape[-1] != qv.shape[-1]):
+        why = "heads or value head dim differ without enable_gqa"
+    if why:
+        return why, None
+    scale = node.kwargs.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / float(qv.shape[-1]) ** 0.5
+    mode = getattr(qv, "fake_mode", None)
+    if mode is None:
+        return "no fake tensors on the graph", None
+    with mode:
+        val = attention(qv, kv, vv, None, True, scale, gqa, w)
+    with graph.inserting_after(node):
+        att = graph.call_function(attention, (q, k, v, None, True, scale, gqa, w))
+        with graph.inserting_after(att):
+            out = graph.call_function(operator.getitem, (att, 0))
+    att.meta.update({key: val for key, val in node.meta.items() if key != "val"})
+    att.meta["val"] = val
+    out.meta.update(att.meta)
+    out.meta["val"] = val[0]
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return None, att
 
 
 def _set_window(node: torch.fx.Node, i: int, w: int) -> None:
