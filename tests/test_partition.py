@@ -645,3 +645,23 @@ def test_an_empty_view_is_never_saved_as_a_copy(budget):
     res = aotfuse.build(model, (x,), train=True, targets=("sm_90",), memory_budget=budget)
     checks = verify_train(copy.deepcopy(model), aotfuse.load(res.data, device="cpu"), [torch.randn(4, 8)])
     assert checks and all(c.passed for c in checks)
+
+
+def test_a_wide_group_of_recomputations_sinks_whole():
+    """A reader of 70 single-reader recomputed inputs (a cat) moves with all of them past the tangent's work: the
+    group is not cut at a size where its remaining inputs would be held from the top (review of the sink's groups)."""
+    from aotfuse.partition.sink import sink_recomputation
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, t = g.placeholder("x"), g.placeholder("t")
+    parts = [g.call_function(aten.mul.Tensor, (x, float(i + 1))) for i in range(70)]
+    cat = g.call_function(aten.cat.default, (parts,))
+    d = t
+    for _ in range(5):
+        d = g.call_function(aten.relu.default, (d,))
+    g.output((g.call_function(aten.add.Tensor, (cat, d)),))
+    sink_recomputation(g, t)
+    order = list(g.nodes)
+    assert order.index(d) < min(order.index(p) for p in parts) and order.index(cat) > order.index(d)
+    g.lint()

@@ -141,7 +141,7 @@ def classify(mask: torch.Tensor, L: int, S: int) -> str | None:
     if bool((keep == tril).all()):
         return "causal"
     if L == S and L > 1:
-        w = int(keep.reshape(-1, L, S)[0, -1].sum())  # the last query's keys: the window's width
+        w = int(keep[(0,) * (keep.dim() - 2)][-1].sum())  # the last query's keys: the window's width
         if 0 < w < L and bool((keep == (tril & torch.ones(L, S, dtype=torch.bool).triu(-(w - 1)))).all()):
             return f"window:{w}"
     return None
@@ -185,7 +185,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
             elif val is None:
                 rec.update(kept=True, why="the mask depends on the inputs")
             elif kind is None:
-                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal nor a sliding window")
+                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal")
             elif kind.startswith("window:") and wi is None:
                 why, fused = _sdpa_window(gm.graph, node, int(kind[7:]))
                 if why:
@@ -200,6 +200,9 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
                                                   _arg(node, wi, "window", 0)):
                 rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on a call that is already causal or "
                                           "windowed: the mask stays")
+            elif kind.startswith("window:") and _window_refusal(node, qi):
+                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) the local kernel does not take: the "
+                                          f"mask stays ({_window_refusal(node, qi)})")
             elif kind.startswith("window:"):
                 w = int(kind[7:])
                 _set(node, mi, "attn_mask", None)
@@ -228,7 +231,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
 def _sdpa_window(graph: torch.fx.Graph, node: torch.fx.Node, w: int):
     """Replace an inference sdpa whose constant mask is a causal window of w keys by the fused op's output with
     window=w (sdpa has no window argument). Returns (why not, None), or (None, the fused op's node)."""
-    from ..runtime.attention import attention, window_refusal
+    from ..runtime.attention import attention, shapes, window_refusal
 
     q, k, v = node.args[:3]
     if _arg(node, 4, "dropout_p", 0.0) or _arg(node, 5, "is_causal", False):
@@ -238,9 +241,8 @@ def _sdpa_window(graph: torch.fx.Graph, node: torch.fx.Node, w: int):
         return "query, key and value are not 4-d tensors", None
     qv, kv, vv = vals
     gqa = bool(node.kwargs.get("enable_gqa", False))
-    why = window_refusal(tuple(qv.shape), tuple(kv.shape), qv.dtype)
-    if why is None and (qv.shape[1] != kv.shape[1] and not gqa or vv.shape[-1] != qv.shape[-1]):
-        why = "heads or value head dim differ without enable_gqa"
+    why = window_refusal(tuple(qv.shape), tuple(kv.shape), qv.dtype) or \
+        shapes(tuple(qv.shape), tuple(kv.shape), tuple(vv.shape), None, gqa)
     if why:
         return why, None
     scale = node.kwargs.get("scale")
@@ -248,8 +250,11 @@ def _sdpa_window(graph: torch.fx.Graph, node: torch.fx.Node, w: int):
     mode = getattr(qv, "fake_mode", None)
     if mode is None:
         return "no fake tensors on the graph", None
-    with mode:
-        val = attention(qv, kv, vv, None, True, scale, gqa, w)
+    try:
+        with mode:
+            val = attention(qv, kv, vv, None, True, scale, gqa, w)
+    except Exception as exc:  # noqa: BLE001 - the fused op refuses these operands: sdpa keeps its mask
+        return f"the fused op refuses the operands ({type(exc).__name__})", None
     with graph.inserting_after(node):
         att = graph.call_function(attention, (q, k, v, None, True, scale, gqa, w))
         with graph.inserting_after(att):
@@ -261,6 +266,18 @@ def _sdpa_window(graph: torch.fx.Graph, node: torch.fx.Node, w: int):
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return None, att
+
+
+def _window_refusal(node: torch.fx.Node, qi: int) -> str | None:
+    """Why flash's local kernel would not take this fused call's shapes (dtype, head dim, T != S), or None; a call
+    it would not take keeps its mask, made additive once in the graph (joint/decomp_train.py), rather than a mask
+    rebuilt in every layer's forward and backward."""
+    from ..runtime.attention import window_refusal
+
+    q, k = (getattr(x, "meta", {}).get("val") for x in node.args[qi:qi + 2])
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
+        return "query or key without a value"
+    return window_refusal(tuple(q.shape), tuple(k.shape), q.dtype)
 
 
 def _set_window(node: torch.fx.Node, i: int, w: int) -> None:

@@ -9,7 +9,7 @@ had read yet.
 
 Moved: a node that does not depend on the tangent (only on saved tensors, parameters and inputs, which the
 backward holds throughout anyway) goes to just before its earliest reader, together with the inputs it alone
-needs: the tangent-free ancestors (up to _CHAIN deep) every reader of which moves too, so a diamond moves as
+needs: the tangent-free ancestors (up to _GROUP nodes) every reader of which moves too, so a diamond moves as
 one (a recomputed SiLU, `x * sigmoid(x)` cast back to bf16: x feeds the sigmoid and the product, and the
 product is read only by the late cast that a convolution's gradient reads; EfficientNet-B0's backward had held
 22 of them, 1.3 GB, from its top). The group moves only when that keeps no other value alive longer: each input
@@ -28,7 +28,7 @@ import torch.fx
 
 from ..opclass import op_class
 
-_CHAIN = 64  # most nodes moved as one group (a larger group's remaining inputs stay where they are)
+_GROUP = 4096  # most nodes moved as one group (a larger group is not moved: the cost of a search stays bounded)
 
 
 def _fixed(n: torch.fx.Node, keep) -> bool:
@@ -63,7 +63,9 @@ def sink_recomputation(graph: torch.fx.Graph, tangent: torch.fx.Node, keep=()) -
                     heapq.heappush(heap, (-pos[a], id(a), a))
 
         push(n)
-        while heap and len(moving) < _CHAIN:  # latest first: a node's readers are decided before it
+        while heap:  # latest first: a node's readers are decided before it
+            if len(moving) >= _GROUP:
+                return None
             a = heapq.heappop(heap)[2]
             if all(u in moving for u in a.users):
                 moving.add(a)

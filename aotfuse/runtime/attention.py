@@ -246,16 +246,25 @@ def window_refusal(q_shape, k_shape, dtype, device_index=None) -> str | None:
     return None
 
 
-def _cuda_kernel(q, k, masked: bool, is_causal: bool, window: int = 0) -> str:
-    key = (q.shape, k.shape, q.dtype, q.get_device(), masked, is_causal, window)
+def _cuda_kernel(q, k, masked: bool, is_causal: bool) -> str:
+    key = (q.shape, k.shape, q.dtype, q.get_device(), masked, is_causal, 0)
     kind = _CHOICES.get(key)
     if kind is None:
-        if window and window_refusal(q.shape, k.shape, q.dtype, q.get_device()) is None:
-            kind = FLASH_WINDOW
-        else:  # a window the local kernel does not take runs on its mask (_windowed)
-            kind = _choose(q, k, masked or bool(window), is_causal and not window)
-        kind = _CHOICES[key] = kind
+        kind = _CHOICES[key] = _choose(q, k, masked, is_causal)
     return kind
+
+
+def _local_window(q, k, window: int) -> bool:
+    """Whether flash's local kernel runs this windowed call (cached with the choices; a window it refuses runs
+    on its mask, _windowed, and the kernel that runs is recorded under the masked call's key)."""
+    key = (q.shape, k.shape, q.dtype, q.get_device(), False, True, window)
+    kind = _CHOICES.get(key)
+    if kind is None:
+        if window_refusal(q.shape, k.shape, q.dtype, q.get_device()) is None:
+            kind = _CHOICES[key] = FLASH_WINDOW
+        else:
+            kind = ""  # not recorded: chosen_kernels() lists only kernels that run
+    return kind == FLASH_WINDOW
 
 
 def _window_mask(t: int, s: int, window: int, device):
@@ -343,8 +352,7 @@ def _cudnn_bias(bias, q, k):
 
 def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, window=0):
     if window:
-        if query.device.type == "cuda" and attn_mask is None and \
-                _cuda_kernel(query, key, False, is_causal, window) == FLASH_WINDOW:
+        if query.device.type == "cuda" and attn_mask is None and is_causal and _local_window(query, key, window):
             out, lse = _flash_window_forward(query, key, value, scale, window)
             return _as_bthd(out), lse
         attn_mask, is_causal = _windowed(attn_mask, query, key, is_causal, window)
@@ -376,8 +384,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, windo
 
 def _attention_backward(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, window=0):
     if window:
-        if query.device.type == "cuda" and attn_mask is None and \
-                _cuda_kernel(query, key, False, is_causal, window) == FLASH_WINDOW:
+        if query.device.type == "cuda" and attn_mask is None and is_causal and _local_window(query, key, window):
             return _flash_window_backward(grad_out.to(query.dtype), query, key, value, out, lse, scale, window)
         attn_mask, is_causal = _windowed(attn_mask, query, key, is_causal, window)
     rep = query.shape[1] // key.shape[1]
@@ -497,6 +504,8 @@ def _backward(ctx, grad_out, _grad_lse):
     q, k, v, mask, out, lse = ctx.saved_tensors
     is_causal, scale, gqa, window = ctx.args
     if mask is not None and ctx.needs_input_grad[3]:  # a learned bias: its gradient too (the efficient kernel)
+        if window:
+            raise NotImplementedError("aotfuse::attention: a sliding window with a mask that requires grad")
         dq, dk, dv, dmask = attention_backward_bias(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa)
         return dq, dk, dv, dmask, None, None, None, None
     if window:
