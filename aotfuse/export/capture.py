@@ -214,6 +214,16 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
         raise BuildError(f"the forward writes into its input(s) {', '.join(map(repr, written))} in place",
                          remedy="compute on a copy (x = x.clone(), or an out-of-place op) instead of updating the "
                                 "caller's tensor")
+    kinds = torch.export.graph_signature.OutputKind
+    updated = [(s.kind, s.target) for s in sig.output_specs if s.kind in (kinds.BUFFER_MUTATION, kinds.PARAMETER_MUTATION)]
+    if updated:  # the program would return them as extra outputs the call's structure has no place for
+        what = ", ".join(f"{'parameter' if k == kinds.PARAMETER_MUTATION else 'buffer'} {t!r}" for k, t in updated[:4])
+        raise BuildError(f"the forward updates {what}{' and more' if len(updated) > 4 else ''} in place: an inference "
+                         "archive's weights and buffers are fixed",
+                         remedy="an update made once (RWKV rescales its weights on its first call in eval mode): run "
+                                "one forward before building; a state updated on every call (a static KV cache, "
+                                "BatchNorm statistics) is not supported in an inference archive (train-mode buffers: "
+                                "build with --train)")
     state = dict(ep.state_dict)
     state.update(ep.constants)
     # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's
