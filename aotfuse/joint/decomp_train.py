@@ -485,7 +485,16 @@ def _slice_scatter(base, src, dim=0, start=None, end=None, step=1):
     parts.append(src.to(base.dtype))
     if end < size:
         parts.append(aten.slice.Tensor(base, dim, end, size))
-    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+    if len(parts) == 1:
+        return parts[0].clone()
+    out = torch.cat(parts, dim)
+    if not base.is_contiguous():
+        # slice_scatter's result has base's strides, and functionalization replays the views of an in-place op on
+        # it with them (Funnel's `positional_attn *= cls_mask` on views of a permuted einsum: a row-major cat made
+        # the replayed view impossible, "Cannot view a tensor with shape ... and strides ...")
+        out = aten.copy.default(torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device=base.device),
+                                out)
+    return out
 
 
 def _unfold_backward(grad, input_size, dimension, size, step):
