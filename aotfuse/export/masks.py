@@ -200,9 +200,9 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
                                                   _arg(node, wi, "window", 0)):
                 rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on a call that is already causal or "
                                           "windowed: the mask stays")
-            elif kind.startswith("window:") and _window_refusal(node, qi):
+            elif kind.startswith("window:") and (refused := _window_refusal(node, qi)):
                 rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) the local kernel does not take: the "
-                                          f"mask stays ({_window_refusal(node, qi)})")
+                                          f"mask stays ({refused})")
             elif kind.startswith("window:"):
                 w = int(kind[7:])
                 _set(node, mi, "attn_mask", None)

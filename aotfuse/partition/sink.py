@@ -77,9 +77,9 @@ def sink_recomputation(graph: torch.fx.Graph, tangent: torch.fx.Node, keep=()) -
                     return None
         return sorted(moving, key=pos.__getitem__)
 
-    moved = 0
+    moved, placed = 0, set()
     for n in reversed(nodes):
-        if n in dep or _fixed(n, keep) or not n.users:
+        if n in dep or n in placed or _fixed(n, keep) or not n.users:  # placed: moved with a reader's group
             continue
         first = min(n.users, key=pos.__getitem__)
         if first is n.next:
@@ -90,5 +90,6 @@ def sink_recomputation(graph: torch.fx.Graph, tangent: torch.fx.Node, keep=()) -
         for m in members:  # in their order, just before the first reader
             first.prepend(m)
             pos[m] = (pos[m.prev] + pos[first]) / 2
+        placed.update(members)
         moved += 1
     return moved

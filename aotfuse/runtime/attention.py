@@ -163,6 +163,7 @@ _CUDNN_MAX_BH = 65535
 # algorithms) are read when a key is first seen; forget_choices() makes the next call read them again.
 _CHOICES: dict = {}
 _DEVICES: dict = {}  # device index -> why cuDNN attention does not apply on it, or None
+_REFUSED_WINDOWS: set = set()  # windowed-call keys flash's local kernel does not take (_local_window)
 
 
 def chosen_kernels() -> dict:
@@ -177,6 +178,7 @@ def forget_choices() -> None:
     the kernels it captured."""
     _CHOICES.clear()
     _DEVICES.clear()
+    _REFUSED_WINDOWS.clear()
 
 
 def _cudnn_device(index) -> str | None:
@@ -255,16 +257,19 @@ def _cuda_kernel(q, k, masked: bool, is_causal: bool) -> str:
 
 
 def _local_window(q, k, window: int) -> bool:
-    """Whether flash's local kernel runs this windowed call (cached with the choices; a window it refuses runs
-    on its mask, _windowed, and the kernel that runs is recorded under the masked call's key)."""
+    """Whether flash's local kernel runs this windowed call, decided once per key. A window it refuses runs on its
+    mask (_windowed): the kernel that runs is recorded under the masked call's key, so chosen_kernels() lists only
+    kernels that run; the refusal itself is remembered in _REFUSED_WINDOWS."""
     key = (q.shape, k.shape, q.dtype, q.get_device(), False, True, window)
-    kind = _CHOICES.get(key)
-    if kind is None:
-        if window_refusal(q.shape, k.shape, q.dtype, q.get_device()) is None:
-            kind = _CHOICES[key] = FLASH_WINDOW
-        else:
-            kind = ""  # not recorded: chosen_kernels() lists only kernels that run
-    return kind == FLASH_WINDOW
+    if key in _CHOICES:
+        return True
+    if key in _REFUSED_WINDOWS:
+        return False
+    if window_refusal(q.shape, k.shape, q.dtype, q.get_device()) is None:
+        _CHOICES[key] = FLASH_WINDOW
+        return True
+    _REFUSED_WINDOWS.add(key)
+    return False
 
 
 def _window_mask(t: int, s: int, window: int, device):
@@ -505,13 +510,16 @@ def _backward(ctx, grad_out, _grad_lse):
     is_causal, scale, gqa, window = ctx.args
     if mask is not None and ctx.needs_input_grad[3]:  # a learned bias: its gradient too (the efficient kernel)
         if window:
-            raise NotImplementedError("aotfuse::attention: a sliding window with a mask that requires grad")
+            from ..errors import AotfuseError
+
+            raise AotfuseError("aotfuse::attention: a sliding window with a mask that requires grad",
+                               remedy="fold the window into the mask (export/masks.py sets a window only where it "
+                                      "drops the mask)")
         dq, dk, dv, dmask = attention_backward_bias(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa)
         return dq, dk, dv, dmask, None, None, None, None
-    if window:
-        dq, dk, dv = attention_backward(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa, window)
-    else:
-        dq, dk, dv = attention_backward(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa)
+    # the window only when set: a traced call without one keeps its ten arguments (archives unchanged)
+    dq, dk, dv = attention_backward(grad_out, q, k, v, mask, out, lse, is_causal, scale, gqa,
+                                    *((window,) if window else ()))
     return dq, dk, dv, None, None, None, None, None
 
 

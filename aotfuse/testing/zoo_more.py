@@ -197,13 +197,19 @@ def roberta(train=False, dtype=torch.float32, seed=0):
 def bart(train=False, dtype=torch.float32, seed=0):
     """BartForConditionalGeneration: encoder-decoder with learned positions (offset 2), padded sources,
     labels shifted right into the decoder inputs by the model, the final-logits bias buffer."""
-    cfg = dict(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
-               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
-               decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-               forced_eos_token_id=2)
+    return _bart(dict(vocab_size=128, d_model=64, layers=2, heads=4, ffn=128, positions=32), train, dtype, seed,
+                 batch=2, src=16, tgt=8)
+
+
+def _bart(size: dict, train: bool, dtype, seed: int, batch: int, src: int, tgt: int) -> Example:
+    n, h, f = size["layers"], size["heads"], size["ffn"]
+    cfg = dict(vocab_size=size["vocab_size"], d_model=size["d_model"], encoder_layers=n, decoder_layers=n,
+               encoder_attention_heads=h, decoder_attention_heads=h, encoder_ffn_dim=f, decoder_ffn_dim=f,
+               max_position_embeddings=size["positions"], dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0,
+               eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2)
     model = _finish(_hf("BartForConditionalGeneration", "BartConfig", seed, use_cache=False, **cfg), train, dtype)
-    make = _seq2seq_inputs(cfg["vocab_size"], 2, 16, 8, train)
+    make = _seq2seq_inputs(cfg["vocab_size"], batch, src, tgt, train)
     return Example(model, *make(seed + 1), make)
 
 
@@ -552,14 +558,8 @@ def distilbert_realistic(train=False, dtype=torch.bfloat16, seed=0):
 
 def bart_realistic(train=False, dtype=torch.bfloat16, seed=0):
     """BART-base (768, 6 + 6 layers, 12 heads, vocab 50265), batch 16, sources of 512, targets of 128."""
-    cfg = dict(vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
-               decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, max_position_embeddings=1024,
-               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
-               decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
-               forced_eos_token_id=2)
-    model = _finish(_hf("BartForConditionalGeneration", "BartConfig", seed, use_cache=False, **cfg), train, dtype)
-    make = _seq2seq_inputs(cfg["vocab_size"], 16, 512, 128, train)
-    return Example(model, *make(seed + 1), make)
+    return _bart(dict(vocab_size=50265, d_model=768, layers=6, heads=12, ffn=3072, positions=1024), train, dtype,
+                 seed, batch=16, src=512, tgt=128)
 
 
 def siglip_realistic(train=False, dtype=torch.bfloat16, seed=0):
