@@ -53,19 +53,3 @@ def test_valid_padding_conv_training():
     res = aotfuse.build(model, (torch.randn(2, 3, 32, 32),), train=True, targets=("sm_90",))
     # before: the backward's convolution_backward extern with padding [0] was refused at run
     assert_training_matches(res.data, model, (torch.randn(2, 3, 32, 32),))
-
-
-def test_grouped_experts_refusal_names_the_remedy():
-    """transformers' default grouped experts count tokens per expert with histc (data-dependent group sizes):
-    refused by name, with the switch that builds (batched_mm experts: tests/test_zoo_more.py's Mixtral)."""
-    import pytest
-
-    from aotfuse.errors import UnsupportedOpError
-
-    class Counts(nn.Module):
-        def forward(self, x):
-            return x * torch.histc(x.argmax(-1).float(), bins=4, min=0, max=3).sum()
-
-    with pytest.raises(UnsupportedOpError, match="aten.histc") as e:
-        aotfuse.build(Counts(), (torch.randn(8, 4),), targets=("sm_90",))
-    assert 'set_experts_implementation("batched_mm")' in str(e.value)

@@ -13,6 +13,7 @@ from ..layouts import channels_last_perm
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .experts import rewrite_fallback_experts
 from .mm_gelu import decompose
 from .checks import drop_metadata_checks
 from .fold import fold_unlowerable_constants, lowerable_ops
@@ -192,6 +193,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
             ep = torch.export.export(model, example_inputs, kwargs or None, strict=False, dynamic_shapes=dyn_spec)
         # a tanh GELU of a matmul's result becomes one extern with it (export/mm_gelu.py)
         ep, export_decisions = decompose(ep, decomposition_table())
+        rewrite_fallback_experts(ep.graph_module)  # transformers' float32 grouped experts (export/experts.py)
     except Exception as exc:  # torch raises many types here; name the stage and the cause
         from ..joint.trace import data_dependent_error
 

@@ -30,6 +30,7 @@ import torch.fx
 
 from ..errors import AotfuseError, BuildError
 from ..export.capture import InputSpec, output_structure
+from ..export.experts import rewrite_fallback_experts
 from ..fxgraph import ancestors
 from .batchnorm import cumulative_average_batchnorm
 from .decomp_train import sdpa_math_mode, training_decompositions
@@ -686,6 +687,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
     from ..export.checks import drop_metadata_checks
 
     drop_metadata_checks(gm)
+    rewrite_fallback_experts(gm)  # transformers' float32 grouped experts and their backward (export/experts.py)
     _simplify_masks(gm, placeholders, weights, set(mutated))
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)

@@ -229,12 +229,7 @@ def _drop_unread(ctx: LoweringCtx, outputs: list) -> tuple[tuple, tuple]:
 
 
 # ops with no rule that come from a known model pattern: what to do instead
-KNOWN_REMEDIES = {
-    "aten.histc.default": "a mixture of experts whose experts run grouped (transformers' default grouped_mm: tokens "
-                          "counted per expert, groups of data-dependent sizes) is not supported; build the model with "
-                          "model.set_experts_implementation(\"batched_mm\") (or from_pretrained(..., "
-                          "experts_implementation=\"batched_mm\")): the same numbers, static shapes",
-}
+KNOWN_REMEDIES: dict[str, str] = {}
 
 CATS = (torch.ops.aten.cat.default,)  # rules that skip an empty operand (lower/concat._cat)
 

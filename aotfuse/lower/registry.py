@@ -1,7 +1,7 @@
 """ATen op -> lowering rule. One registry, also the source of docs/ops.md and the op tests.
 
 Built explicitly by `build()`: each rule module (pointwise, constant, pool, concat, view, reduction,
-scan, gather, extern, random, pack) files its rules through `register_all(register)`, in the fixed
+scan, gather, extern, experts, random, pack) files its rules through `register_all(register)`, in the fixed
 order of MODULES; importing a module registers nothing. `registry()` builds it once, on first use (not at import).
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Callable
 
 from .. import opclass
 from ..runtime.externs import EXTERNS
-from . import concat, constant, extern, gather, pack, pointwise, pool, random, reduction, scan, view
+from . import concat, constant, experts, extern, gather, pack, pointwise, pool, random, reduction, scan, view
 
 _EXTERN_GRAPH_OPS = {e.graph_op for e in EXTERNS}
-MODULES = (pointwise, constant, pool, concat, view, reduction, scan, gather, extern, random, pack)
+MODULES = (pointwise, constant, pool, concat, view, reduction, scan, gather, extern, experts, random, pack)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 from ..errors import ArchiveError
 from . import attention as _attention  # defines aotfuse::attention and aotfuse::attention_backward
 from . import embedding_grad as _embedding_grad  # defines aotfuse::embedding_backward, mm_embedding_backward
+from . import grouped_mm as _grouped_mm  # defines aotfuse::grouped_mm
 from . import mm_residual as _mm_residual  # defines aotfuse::mm_residual
 
 aten = torch.ops.aten
@@ -66,6 +67,12 @@ EXTERNS: tuple[ExternOp, ...] = (
     # (values, int64 indices): torch's kernels (top-k routing and sampling, argsort); their gradient is a scatter
     ExternOp(aten.topk.default, (aten.topk.default,)),
     ExternOp(aten.sort.default, (aten.sort.default,)),
+    # a mixture of experts run grouped (transformers' default experts; lower/experts.py): tokens counted per expert
+    # by torch's kernel, and the grouped matmul by offsets (runtime/grouped_mm.py; a bmm when it has none)
+    ExternOp(aten.histc.default, (aten.histc.default,)),
+    ExternOp(aten._grouped_mm.default, (_grouped_mm.grouped_mm, aten.bmm.out)),
+    # ... and transformers' float32 fallback op, rewritten to it (export/experts.py): no traced graph holds it before
+    ExternOp(_grouped_mm.grouped_mm, (_grouped_mm.grouped_mm,), inference=False, train=False),
     # a matmul with its bias and a residual added as it writes (lower/residual.py makes it from mm/addmm + add;
     # no exported or joint graph holds it): cuBLASLt's D = A @ B + C with the BIAS epilogue on CUDA
     ExternOp(_mm_residual.mm_residual, (_mm_residual.mm_residual_out_op,), inference=False, train=False),

@@ -322,7 +322,8 @@ def _schema_types(fn, args: list, kwargs: dict, where: str) -> None:
             _fail(where, f"argument {spec.name!r} of {fn} expects {spec.type}, got {_short(a)}")
 
 
-_INDEX_ARGS = {"indices": ("int64", "int32"), "index": ("int64",)}  # by schema name; every other tensor has the result's dtype
+# by schema name; every other tensor has the result's dtype (offs: a grouped matmul's group ends, runtime/grouped_mm.py)
+_INDEX_ARGS = {"indices": ("int64", "int32"), "index": ("int64",), "offs": ("int32", "int64")}
 
 
 def _dtype_rule(fn, args: list, kwargs: dict, dtype: str, where: str) -> None:

@@ -154,14 +154,20 @@ def bloom(train=False, dtype=torch.float32, seed=0):
     return _causal("BloomForCausalLM", "BloomConfig", cfg, train, dtype, seed, attn="eager")
 
 
-def mixtral(train=False, dtype=torch.float32, seed=0):
-    """MixtralForCausalLM, experts_implementation="batched_mm": top-2 of 4 experts routed per token (softmax,
-    topk: its backward scatters 2 values per row into [tokens, experts]), the experts run as batched matmuls
-    on weights gathered per (token, expert) pair. (The default "grouped_mm" needs aten.histc; "eager" loops
-    over the experts hit, a data-dependent loop.)"""
+def mixtral(train=False, dtype=torch.float32, seed=0, experts="grouped_mm"):
+    """MixtralForCausalLM with transformers' default experts ("grouped_mm"): top-2 of 4 experts routed per token
+    (softmax, topk: its backward scatters 2 values per row into [tokens, experts]), the routed tokens sorted by
+    expert, counted per expert (aten.histc) and run as grouped matmuls by the counts' offsets (aten._grouped_mm in
+    bf16; transformers' fallback op in float32, rewritten to it: export/experts.py)."""
     cfg = dict(_llama_cfg(True), num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
-               experts_implementation="batched_mm")
+               experts_implementation=experts)
     return _causal("MixtralForCausalLM", "MixtralConfig", cfg, train, dtype, seed)
+
+
+def mixtral_batched(train=False, dtype=torch.float32, seed=0):
+    """Mixtral with experts_implementation="batched_mm": the experts as batched matmuls on weights gathered per
+    (token, expert) pair (static shapes, no grouping; memory grows with tokens x hidden x ffn)."""
+    return mixtral(train, dtype, seed, experts="batched_mm")
 
 
 # ---------------------------------------------------------------- encoders
@@ -615,7 +621,8 @@ MORE: tuple[ZooEntry, ...] = (
     _more("mobilenet_v2", mobilenet_v2, "MobileNetV2Config", "MobileNetV2ForImageClassification",
           note="depthwise, ReLU6, train-mode BatchNorm"),
     _more("siglip", siglip, "SiglipConfig", "SiglipModel", note='padding="valid" conv'),
-    _more("mixtral", mixtral, "MixtralConfig", "MixtralForCausalLM", note="MoE top-k routing (batched_mm experts)"),
+    _more("mixtral", mixtral, "MixtralConfig", "MixtralForCausalLM",
+          note="MoE top-k routing, grouped experts (histc, grouped matmuls)"),
     _more("efficientnet", efficientnet, "EfficientNetConfig", "EfficientNetForImageClassification",
           note="squeeze-excitation, a pooling kernel wider than its map"),
     ZooEntry("lstm_lm", lstm_lm, lstm_lm_realistic, note="nn.LSTM with biases, stacked, unrolled"),
@@ -628,6 +635,8 @@ SPARE: tuple[ZooEntry, ...] = (
     _more("distilbert", distilbert, "DistilBertConfig", "DistilBertForSequenceClassification",
           note="sequence classification loss"),
     _more("bart", bart, "BartConfig", "BartForConditionalGeneration", note="seq2seq, learned positions"),
+    _more("mixtral_batched", mixtral_batched, "MixtralConfig", "MixtralForCausalLM",
+          note="MoE experts as batched matmuls on gathered weights"),
 )
 
 
