@@ -82,8 +82,7 @@ def render() -> str:
         gpu = [GPU.get((e.name, m), "not measured" if e.realistic is None else "not measured yet")
                for m in ("infer", "train")]
         lines.append(f"| {e.name} | {e.note} | {'yes' if e in MORE else 'spare'} | {gpu[0]} | {gpu[1]} |")
-    lines += ["", "Not supported: a mixture of experts' default grouped experts (transformers' `grouped_mm`: "
-              "`aten.histc` and data-dependent group sizes; `experts_implementation=\"batched_mm\"` builds), a "
+    lines += ["", "Not supported: a "
               "loss that selects positions by a mask (`logits[mask]`: Electra with an attention mask) or checks "
               "label values in Python (Wav2Vec2 and HuBERT CTC training), `F.ctc_loss` (it reads its lengths' values), "
               "complex tensors (FNet's FFT mixing): each is refused with the op and model line named.", "",

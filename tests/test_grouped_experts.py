@@ -4,6 +4,8 @@ device formulations alike, and a routed MoE layer written with aten._grouped_mm 
 training against eager (tests/test_zoo_more.py's Mixtral runs transformers' own, float32 and through the rewrite)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -128,3 +130,103 @@ def test_archive_validation_checks_grouped_operands():
     with pytest.raises(ArchiveError):
         _meta_check(gm.grouped_mm, [a, b, _Ref("o", "float32", (2,), (1,))], {}, {"shape": [6, 4]}, "float32",
                     "here")
+
+
+# ---------------------------------------------------------------- GPU tier
+
+def _cuda_operands(case, form, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    s, k, n, sizes = CASES[case]
+    if form == "rows":
+        a = torch.randn(s, k, generator=g)
+        b = torch.randn(len(sizes), n, k, generator=g).transpose(-2, -1)
+    else:
+        a = torch.randn(s, k, generator=g).t()
+        b = torch.randn(s, n, generator=g)
+    return a.to(dtype), b.to(dtype)
+
+
+def _offsets(sizes, perm_seed=None):
+    if perm_seed is not None:  # the same total, another split among the groups (another routing)
+        g = torch.Generator().manual_seed(perm_seed)
+        cuts = sorted(torch.randint(0, sum(sizes) + 1, (len(sizes) - 1,), generator=g).tolist())
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [sum(sizes)])]
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _close_where_defined(got, a, b, offs, dtype):
+    """Against the float64 group loop: bf16 within 1e-2 of its norm, float32 within 1e-5; the rows past the last
+    offset (left as torch's bf16 kernel finds them) not compared."""
+    want = _reference(a.float().cpu(), b.float().cpu(), offs.cpu())
+    got = got.double().cpu()
+    if b.dim() == 3:
+        end = int(offs[-1])
+        got, want = got[:end], want[:end]
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert float((got - want).norm()) <= tol * float(want.norm()) + 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("form", ["rows", "weight_grad"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_grouped_mm_on_cuda_in_a_graph(case, form, dtype):
+    """Both CUDA paths (torch's bf16 kernel; the masked form otherwise) match the group loop, and a CUDA graph that
+    captured the call gives the right result after the offsets change on the device: no host sync, no size fixed
+    at capture."""
+    a, b = (t.cuda() for t in _cuda_operands(case, form, dtype, 0))
+    offs = _offsets(CASES[case][3]).cuda()
+    _close_where_defined(gm.grouped_mm(a, b, offs), a, b, offs, dtype)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gm.grouped_mm(a, b, offs)
+    for seed in (1, 2):
+        offs.copy_(_offsets(CASES[case][3], perm_seed=seed))
+        graph.replay()
+        _close_where_defined(out, a, b, offs, dtype)
+
+
+@pytest.mark.gpu
+def test_routed_experts_on_cuda_training_and_graphs():
+    """The routed layer in bf16 on the GPU: training against eager (float32 reference), and inference with CUDA
+    graphs on inputs that route differently each call."""
+    torch.manual_seed(3)
+    model = RoutedLoss().to(BF16)
+    res = aotfuse.build(model, (torch.randn(24, 16, dtype=BF16),), train=True, targets=("sm_90",))
+    mod = aotfuse.load(res.data, device="cuda").as_module()
+    # the float32 reference on the CPU (torch's CUDA grouped kernel takes bf16 only), bf16 eager on the GPU
+    ref, ref32 = copy.deepcopy(model).cuda(), copy.deepcopy(model).float()
+    x = torch.randn(24, 16, dtype=BF16)
+    loss, want, want32 = mod(x.cuda()), ref(x.cuda()), ref32(x.float())
+    for t in (loss, want, want32):
+        t.backward()
+    assert _rel(loss.cpu(), want32) <= max(2e-2, 2 * _rel(want.cpu(), want32))
+    got = dict(mod.named_parameters())
+    for (name, p), p32 in zip(ref.named_parameters(), ref32.parameters()):
+        ours, eager = _rel(got[name].grad.cpu(), p32.grad), _rel(p.grad.cpu(), p32.grad)
+        assert torch.isfinite(got[name].grad).all() and ours <= max(2e-2, 2 * eager), (name, ours, eager)
+    layer = RoutedExperts().to(BF16).eval()
+    art = aotfuse.load(aotfuse.build(layer, (torch.randn(24, 16, dtype=BF16),), targets=("sm_90",)).data,
+                       device="cuda", cuda_graphs=True)
+    ref32 = RoutedExperts().eval()
+    ref32.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    for seed in (4, 5, 6):
+        x = torch.randn(24, 16, dtype=BF16, generator=torch.Generator().manual_seed(seed))
+        want32, eager = ref32(x.float()), layer(x)
+        assert _rel(art(x.cuda()).cpu(), want32) <= max(2e-2, 2 * _rel(eager, want32))
+
+
+def test_kernel_layout_keeps_aligned_operands_and_reorders_the_rest():
+    """torch's CUDA kernel wants one unit stride and the other a 16-byte multiple: an operand that has them is
+    passed as it is, one that has not is copied into the order that has them, and one no order suits (too few
+    elements along both dims) sends the call to the device form."""
+    bf = torch.bfloat16
+    w = torch.randn(4, 24, 16, dtype=bf).transpose(-2, -1)  # [E, 16, 24], column-major: strides 16-byte multiples
+    assert gm._kernel_layout(w) is w
+    odd = torch.randn(11, 16, dtype=bf).t()  # [16, 11] with row stride 1 and column stride 16: fine as it is
+    assert gm._kernel_layout(odd) is odd
+    narrow = torch.randn(16, 12, dtype=bf)[:, :4]  # [16, 4] with row stride 12 elements (24 bytes): copied
+    moved = gm._kernel_layout(narrow)
+    assert moved is not narrow and torch.equal(moved, narrow) and moved.stride() == (1, 16)
+    assert gm._kernel_layout(torch.randn(6, 4, dtype=bf)) is None

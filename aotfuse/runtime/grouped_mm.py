@@ -9,7 +9,8 @@ Two forms, each with `offs` the int32 (or int64) cumulative ends of E groups alo
 Rows (columns) past offs[-1] belong to no group: only an expert-parallel model's sentinel tokens are sorted there,
 and transformers masks them. On CUDA with bf16 operands the call is torch._grouped_mm (CUTLASS's grouped kernel,
 what eager runs: no host sync, a CUDA graph captures it), which leaves those output rows as it finds them; every
-other path writes them as zeros. On the CPU (the interpreter's path) each group is one torch.mm over its slice
+other path writes them as zeros. That kernel needs rows of 16-byte multiples (an operand is copied into the order
+that has them; where no order has, or the result's rows are not, the device form below runs). On the CPU (the interpreter's path) each group is one torch.mm over its slice
 (the offsets read on the host). On CUDA with other dtypes (transformers' fallback for float32 experts) the group of
 each row is found on the device (searchsorted) and every group's matmul runs over all rows, the rows of other groups
 discarded by a where: E times the arithmetic of a grouped kernel, but no host sync and exact per-row products, so
@@ -49,15 +50,25 @@ def _meta(a, b, offs):
     return torch.empty(shape, dtype=a.dtype, device=a.device)
 
 
-def _fits_kernel(t: torch.Tensor) -> torch.Tensor:
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor | None:
     """t as torch._grouped_mm's CUDA kernel takes it: one of its last two strides 1, the other a multiple of 16
-    bytes and at least that dim's size, the data 16-byte aligned; a copy otherwise."""
+    bytes and at least that dim's size, the data 16-byte aligned. A copy in the first of row-major and
+    column-major order that has such strides when t has none; None when neither order has them (a dim of
+    too few elements: the device form runs instead)."""
     s, n = t.stride(), t.shape
     item = t.element_size()
-    ok = t.data_ptr() % 16 == 0 and (
-        (s[-1] == 1 and (s[-2] * item) % 16 == 0 and s[-2] >= n[-1]) or
-        (s[-2] == 1 and (s[-1] * item) % 16 == 0 and s[-1] >= n[-2]))
-    return t if ok else t.contiguous()
+
+    def ok(s) -> bool:
+        return ((s[-1] == 1 and (s[-2] * item) % 16 == 0 and s[-2] >= n[-1]) or
+                (s[-2] == 1 and (s[-1] * item) % 16 == 0 and s[-1] >= n[-2]))
+
+    if t.data_ptr() % 16 == 0 and ok(s):
+        return t
+    if (n[-1] * item) % 16 == 0:
+        return t.contiguous()
+    if (n[-2] * item) % 16 == 0:
+        return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return None
 
 
 def _on_host(a, b, offs):
@@ -94,8 +105,11 @@ def _on_device(a, b, offs):
 
 def _grouped_mm(a, b, offs):
     _meta(a, b, offs)  # the same checks on every device
-    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        return torch._grouped_mm(_fits_kernel(a), _fits_kernel(b), offs=offs.to(torch.int32))
+    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
+            (b.shape[-1] * b.element_size()) % 16 == 0:  # its result's rows too are 16-byte multiples
+        ka, kb = _kernel_layout(a), _kernel_layout(b)
+        if ka is not None and kb is not None:
+            return torch._grouped_mm(ka, kb, offs=offs.to(torch.int32))
     if a.is_cuda:
         return _on_device(a, b, offs)
     return _on_host(a, b, offs)

@@ -584,7 +584,7 @@ class RoutedExperts(nn.Module):
         out = torch._grouped_mm(torch.nn.functional.silu(gate) * up, self.down.transpose(-2, -1), offs=offs)
         out = out * weights.reshape(-1)[perm].unsqueeze(-1)
         inv = torch.empty_like(perm)
-        inv[perm] = torch.arange(perm.numel())
+        inv[perm] = torch.arange(perm.numel(), device=x.device)
         return x + out[inv].view(t, self.top_k, d).sum(1)
 
 

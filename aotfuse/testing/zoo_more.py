@@ -581,16 +581,25 @@ def efficientnet_realistic(train=False, dtype=torch.bfloat16, seed=0):
                                  attn=None, size=224, batch=64), seed)
 
 
-# Mixtral has no realistic size: transformers' "batched_mm" experts gather each routed token's expert weights
-# (tokens x top-k x hidden x ffn elements), terabytes at a real width; its default "grouped_mm" is refused
-# (aten.histc, data-dependent group sizes).
+def mixtral_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Mixtral-8x7B's routing (8 experts, top-2, SwiGLU experts, GQA 4:1, heads of 128) at a quarter of its width (1024,
+    experts of 3584, vocab 32000), 4 layers, batch 2 x 2048, transformers' default grouped experts. (The batched_mm
+    experts gather each routed token's expert weights: tokens x top-k x hidden x ffn elements, terabytes at this
+    width: no realistic size.)"""
+    cfg = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096,
+               num_local_experts=8, num_experts_per_tok=2, sliding_window=None, rope_theta=1000000.0,
+               router_aux_loss_coef=0.0, experts_implementation="grouped_mm")
+    return _causal("MixtralForCausalLM", "MixtralConfig", cfg, train, dtype, seed, batch=2, seq=2048)
+
+
 REALISTIC = {"phi3": phi3_realistic, "gemma2": gemma2_realistic, "gpt_neox": gpt_neox_realistic,
              "deberta_v2": deberta_v2_realistic, "swin": swin_realistic, "convnext": convnext_realistic,
              "segformer": segformer_realistic, "dinov2": dinov2_realistic, "mobilenet_v2": mobilenet_v2_realistic,
              "clip": clip_realistic, "falcon": falcon_realistic, "bloom": bloom_realistic,
              "lstm_lm": lstm_lm_realistic, "gemma3": gemma3_realistic, "opt": opt_realistic,
              "roberta": roberta_realistic, "distilbert": distilbert_realistic, "bart": bart_realistic,
-             "siglip": siglip_realistic, "efficientnet": efficientnet_realistic}
+             "siglip": siglip_realistic, "efficientnet": efficientnet_realistic, "mixtral": mixtral_realistic}
 
 
 # ---------------------------------------------------------------- the list
