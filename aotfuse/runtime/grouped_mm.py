@@ -7,16 +7,23 @@ Two forms, each with `offs` the int32 (or int64) cumulative ends of E groups alo
   gradient); an empty group gives zeros.
 
 Rows (columns) past offs[-1] belong to no group: only an expert-parallel model's sentinel tokens are sorted there,
-and transformers masks them. On CUDA with bf16 operands the call is torch._grouped_mm (CUTLASS's grouped kernel,
-what eager runs: no host sync, a CUDA graph captures it), which leaves those output rows as it finds them; every
-other path writes them as zeros. That kernel needs rows of 16-byte multiples (an operand is copied into the order
-that has them; where no order has, or the result's rows are not, the device form below runs). On the CPU (the interpreter's path) each group is one torch.mm over its slice
-(the offsets read on the host). On CUDA with other dtypes (transformers' fallback for float32 experts) the group of
-each row is found on the device (searchsorted) and every group's matmul runs over all rows, the rows of other groups
-discarded by a where: E times the arithmetic of a grouped kernel, but no host sync and exact per-row products, so
-graphs still capture it. This module imports only torch.
+and transformers masks them.
+
+- sm_90 / sm_100 with bf16 operands: torch._grouped_mm, CUTLASS's grouped kernel (what eager runs; no host sync, a
+  CUDA graph captures it). It leaves the rows past offs[-1] as it finds them, and it needs rows of 16-byte
+  multiples: an operand is copied into the order that has them; where no order has, or the result's rows are
+  not, the next form runs.
+- Any other CUDA case (float32 experts, transformers' fallback op; bf16 on sm_80/86/89, where torch's call loops
+  over the groups with the offsets copied to the host): the group of each row found on the device (searchsorted),
+  every group's matmul over all rows, the other groups' rows dropped by a where. E times the arithmetic of a
+  grouped kernel, but no host sync and exact per-row products, so graphs capture it too.
+- CPU (the interpreter's path): one torch.mm per group over its slice, the offsets read on the host.
+
+Every form but the first writes the rows past offs[-1] as zeros. This module imports only torch.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -103,9 +110,18 @@ def _on_device(a, b, offs):
     return out
 
 
+@functools.cache
+def _grouped_kernel(device_index: int) -> bool:
+    """Whether torch's CUTLASS grouped kernel runs on this device: sm_90 and sm_100 only (torch 2.10-2.11's
+    GroupedBlas.cpp). Elsewhere torch._grouped_mm falls back to a loop over groups that copies the offsets to the
+    host: a sync per call, and an error inside a CUDA graph's capture."""
+    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+
+
 def _grouped_mm(a, b, offs):
     _meta(a, b, offs)  # the same checks on every device
     if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
+            _grouped_kernel(a.device.index if a.device.index is not None else torch.cuda.current_device()) and \
             (b.shape[-1] * b.element_size()) % 16 == 0:  # its result's rows too are 16-byte multiples
         ka, kb = _kernel_layout(a), _kernel_layout(b)
         if ka is not None and kb is not None:
