@@ -13,6 +13,7 @@ from ..layouts import channels_last_perm
 from ..dtypes import input_kind
 from ..errors import BuildError
 from .decomp import decomposition_table
+from .complex import as_real_weight, realify
 from .experts import rewrite_fallback_experts
 from .mm_gelu import decompose
 from .checks import drop_metadata_checks
@@ -208,6 +209,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
                          remedy="check that the model exports with torch.export.export(model, inputs)" + (
                              "; with dynamic dims, mark every input axis that must equal a dynamic one dynamic too"
                              if dynamic else "")) from exc
+    complex_phs = realify(ep.graph_module)  # complex values as real pairs (export/complex.py)
     env0 = _shape_env_of(ep) if dynamic else None
     n_guards = len(env0.guards) if env0 is not None else 0
     sig = ep.graph_signature
@@ -228,6 +230,12 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), *, example_kwarg
                                 "build with --train)")
     state = dict(ep.state_dict)
     state.update(ep.constants)
+    for ph in complex_phs:  # a complex buffer (a rotary embedding's rotations) stored as its real pairs
+        fqn = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}.get(ph)
+        if fqn is None:
+            raise BuildError(f"input {ph!r} is complex: complex inputs are not supported",
+                             remedy="pass torch.view_as_real(x) and call torch.view_as_complex in the model")
+        state[fqn] = as_real_weight(state[fqn])
     # Constant subgraphs lowering has no rule for (the causal mask's cumsum/index on arange ids; BERT's
     # gather of its token-type buffer) are evaluated now: buffers are fixed in an inference archive.
     fixed = {ph: state[fqn] for ph, fqn in {**sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}.items()}

@@ -30,6 +30,7 @@ import torch.fx
 
 from ..errors import AotfuseError, BuildError
 from ..export.capture import InputSpec, output_structure
+from ..export.complex import as_real_weight, realify
 from ..export.experts import rewrite_fallback_experts
 from ..fxgraph import ancestors
 from .batchnorm import cumulative_average_batchnorm
@@ -562,6 +563,19 @@ def _compiling():
         tc._is_compiling_flag, tc._is_exporting_flag = old
 
 
+def _realify(gm, placeholders: list, weights: dict) -> None:
+    """export/complex.py on the joint graph: a complex buffer (a rotary embedding's rotations) is stored as its real
+    pairs; a complex parameter or input is refused (its gradient would be complex)."""
+    kinds = {name: (kind, ref) for name, kind, ref in placeholders}
+    for ph in realify(gm):
+        kind, ref = kinds.get(ph, ("?", None))
+        if kind != "buffer":
+            raise BuildError(f"{kind} {ref if ref is not None else ph!r} is complex: complex parameters and inputs are "
+                             "not supported in training",
+                             remedy="keep the real and imaginary parts as real tensors (torch.view_as_real)")
+        weights[ref] = as_real_weight(weights[ref])
+
+
 def trace_joint(model: torch.nn.Module, example_inputs=(), *, example_kwargs: dict | None = None,
                 loss_index: int = 0, dynamic: tuple = ()) -> JointGraph:
     """Trace `model(*example_inputs, **example_kwargs)` into a joint forward/backward FX graph.
@@ -688,6 +702,7 @@ def _trace_joint(model, example_inputs, example_kwargs, loss_index: int, symboli
 
     drop_metadata_checks(gm)
     rewrite_fallback_experts(gm)  # transformers' float32 grouped experts and their backward (export/experts.py)
+    _realify(gm, placeholders, weights)  # complex values as real pairs (export/complex.py)
     _simplify_masks(gm, placeholders, weights, set(mutated))
     placeholders = _fold(gm, placeholders, param_names, buffer_names, weights, set(mutated))
     _cse(graph)

@@ -164,6 +164,14 @@ def mixtral(train=False, dtype=torch.float32, seed=0, experts="grouped_mm"):
     return _causal("MixtralForCausalLM", "MixtralConfig", cfg, train, dtype, seed)
 
 
+def llama4_text(train=False, dtype=torch.float32, seed=0):
+    """Llama4ForCausalLM (text): its rotary embedding as complex rotations (view_as_complex and a complex product,
+    computed as real pairs: export/complex.py), chunked attention, a routed expert (top-1) beside a shared one."""
+    cfg = dict(_llama_cfg(True), intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
+               interleave_moe_layer_step=1, attention_chunk_size=8, num_experts_per_tok=1)
+    return _causal("Llama4ForCausalLM", "Llama4TextConfig", cfg, train, dtype, seed)
+
+
 def mixtral_batched(train=False, dtype=torch.float32, seed=0):
     """Mixtral with experts_implementation="batched_mm": the experts as batched matmuls on weights gathered per
     (token, expert) pair (static shapes, no grouping; memory grows with tokens x hidden x ffn)."""
@@ -646,6 +654,8 @@ SPARE: tuple[ZooEntry, ...] = (
     _more("bart", bart, "BartConfig", "BartForConditionalGeneration", note="seq2seq, learned positions"),
     _more("mixtral_batched", mixtral_batched, "MixtralConfig", "MixtralForCausalLM",
           note="MoE experts as batched matmuls on gathered weights"),
+    _more("llama4_text", llama4_text, "Llama4TextConfig", "Llama4ForCausalLM",
+          note="complex rotary embedding (real pairs), a routed and a shared expert"),
 )
 
 
