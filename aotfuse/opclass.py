@@ -64,6 +64,7 @@ RANDOM_OPS = {
     aten.rand.default, aten.rand_like.default, aten.randn.default, aten.randn_like.default, aten.randint.default,
     aten.randint_like.default, aten.bernoulli.default, aten.bernoulli.p, aten.native_dropout.default,
     aten.normal.Tensor_float, aten.uniform.default, aten.randperm.default, aten.rand.generator,
+    aten.exponential.default,
 }
 REDUCTION_OPS = {
     aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default,

@@ -3,6 +3,8 @@
 lowering registry, unsupported ops fail naming the op and the node, and docs/ops.md is current."""
 from __future__ import annotations
 
+import math
+
 import importlib.util
 import pathlib
 import zlib
@@ -127,6 +129,25 @@ def test_rand_is_uniform_fresh_per_call_and_follows_torch_seed():
     c = art(x)
     torch.manual_seed(7)
     assert torch.equal(c, art(x)), "torch.manual_seed does not make the draws repeat"
+
+
+def test_exponential_has_its_distribution_and_is_fresh_per_call():
+    """exponential_(lambd) on an empty tensor: mean 1/lambd, variance 1/lambd^2, never negative or infinite; new
+    draws each call, repeated under torch.manual_seed (the op table checks only functions of it that do not depend
+    on the values)."""
+    res = aotfuse.build(Fn(lambda x: torch.empty_like(x).exponential_(2.0) + x * 0), (torch.randn(100, 100),),
+                        targets=TARGETS)
+    art = aotfuse.load(res.data, device="cpu")
+    x = torch.randn(100, 100)
+    a, b = art(x), art(x)
+    assert torch.isfinite(a).all() and (a >= 0).all()
+    assert abs(a.mean().item() - 0.5) < 0.02 and abs(a.var().item() - 0.25) < 0.02
+    assert abs((a > 1.0).float().mean().item() - math.exp(-2.0)) < 0.01  # the tail: P(e > 1) = exp(-lambd)
+    assert not torch.equal(a, b)
+    torch.manual_seed(3)
+    c = art(x)
+    torch.manual_seed(3)
+    assert torch.equal(c, art(x))
 
 
 # ---------------------------------------------------------------- the table covers the registry

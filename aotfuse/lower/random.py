@@ -36,6 +36,52 @@ def _rand(ctx, node, args, kwargs):
     return ctx.pointwise(shape, dt, Op("rand", (seed, offset), "float32"), hint="rand")
 
 
+@rule(aten.exponential.default, category="random",
+      note="-log1p(-u) / lambd of a Philox uniform u in [0, 1) (self gives the shape only: exponential_ on an empty "
+           "tensor, Gumbel noise as PhiMoE's router jitter draws it); never recomputed")
+def _exponential(ctx, node, args, kwargs):
+    from ..ir.loop import compute_dtype
+
+    lambd = float(args[1] if len(args) > 1 else kwargs.get("lambd", 1.0))
+    if kwargs.get("generator") is not None:
+        raise UnsupportedOpError(str(node.target), node.name, "exponential with a generator",
+                                 remedy="seed with torch.manual_seed instead")
+    if not lambd > 0:
+        raise UnsupportedOpError(str(node.target), node.name, f"exponential with lambd {lambd} (must be > 0)")
+    u = _rand(ctx, node, (), {})
+    shape, dt = out_shape(node), out_dtype(node)
+    pv = syms("p", len(shape))
+    cdt = compute_dtype(dt)
+    e = Op("neg", (Op("log1p", (Op("neg", (ctx.load_compute(u, pv, dict(zip(pv, shape))),), "float32"),), "float32"),),
+           "float32")
+    if lambd != 1.0:
+        e = Op("div", (e, Const(lambd, "float32")), "float32")
+    from .ctx import as_dtype
+
+    return ctx.pointwise(shape, dt, as_dtype(e, cdt), hint="exponential")
+
+
+@rule(aten.uniform.default, category="random",
+      note="from + (to - from) * u of a Philox uniform u in [0, 1) (uniform_ on a tensor: only its shape is read); "
+           "never recomputed")
+def _uniform(ctx, node, args, kwargs):
+    from ..ir.loop import compute_dtype
+    from .ctx import as_dtype
+
+    lo = float(args[1] if len(args) > 1 else kwargs.get("from", 0.0))
+    hi = float(args[2] if len(args) > 2 else kwargs.get("to", 1.0))
+    if kwargs.get("generator") is not None:
+        raise UnsupportedOpError(str(node.target), node.name, "uniform with a generator",
+                                 remedy="seed with torch.manual_seed instead")
+    u = _rand(ctx, node, (), {})
+    shape, dt = out_shape(node), out_dtype(node)
+    pv = syms("p", len(shape))
+    v = ctx.load_compute(u, pv, dict(zip(pv, shape)))
+    if (lo, hi) != (0.0, 1.0):
+        v = Op("add", (Op("mul", (v, Const(hi - lo, "float32")), "float32"), Const(lo, "float32")), "float32")
+    return ctx.pointwise(shape, dt, as_dtype(v, compute_dtype(dt)), hint="uniform")
+
+
 def register_all(register) -> None:
     """Files this module's rules in the registry (called once, by registry.build, in a fixed order)."""
     for r in RULES:

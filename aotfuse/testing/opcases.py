@@ -201,6 +201,14 @@ fn_case("arange", lambda x: (x + torch.arange(7), x * torch.arange(1, 15, 2, dty
 fn_case("rand", lambda x: (torch.floor(torch.rand_like(x)) + x,
                            torch.logical_and(torch.rand(5, 7) >= 0, torch.rand(5, 7) < 1)),
         _x(*S), ["aten.rand_like.default", "aten.rand.default"])
+# exponential_ on an empty tensor (PhiMoE's router jitter): every draw >= 0, and 0 * draw + x is x
+fn_case("exponential", lambda x: (torch.empty_like(x).exponential_() * 0 + x,
+                                  torch.empty(5, 7).exponential_(2.0) >= 0),
+        _x(*S), ["aten.exponential.default"])
+fn_case("uniform", lambda x: (torch.floor(torch.empty_like(x).uniform_()) + x,
+                              torch.logical_and(torch.empty(5, 7).uniform_(-2.0, 3.0) >= -2,
+                                                torch.empty(5, 7).uniform_(-2.0, 3.0) < 3)),
+        _x(*S), ["aten.uniform.default"])
 
 # ---------------------------------------------------------------- views
 
