@@ -53,3 +53,21 @@ def test_valid_padding_conv_training():
     res = aotfuse.build(model, (torch.randn(2, 3, 32, 32),), train=True, targets=("sm_90",))
     # before: the backward's convolution_backward extern with padding [0] was refused at run
     assert_training_matches(res.data, model, (torch.randn(2, 3, 32, 32),))
+
+
+def test_a_value_read_off_the_data_is_refused_by_name():
+    """A count taken with .item() (JetMoE's experts count their tokens so): export keeps it as an unbacked size;
+    lowering names the op and the model line (before: a ValueError from the size table)."""
+    import pytest
+
+    from aotfuse.errors import UnsupportedOpError
+
+    class Count(nn.Module):
+        def forward(self, x):
+            n = (x > 0).sum().item()
+            torch._check_is_size(n)
+            return x.sum() * n
+
+    with pytest.raises(UnsupportedOpError, match="_local_scalar_dense") as e:
+        aotfuse.build(Count(), (torch.randn(4, 6),), targets=("sm_90",))
+    assert "depends on the data" in str(e.value) and "test_probe_patterns.py" in str(e.value) and e.value.remedy

@@ -164,6 +164,11 @@ def foreign_symbols(symmap: Mapping) -> Iterator[None]:
         _FOREIGN.reset(tok)
 
 
+class DataDependentSize(ValueError):
+    """A size torch.export left as an unbacked symbol (u0: the count of a nonzero, an .item()): known only when
+    the data is; lowering refuses the op that makes it by name."""
+
+
 def size(s) -> Size:
     """A size as the IR holds it: an int, or an expression over our dim symbols. Accepts ints, sympy
     expressions and torch SymInts (read through their expression, torch's symbols mapped to ours)."""
@@ -179,7 +184,7 @@ def size(s) -> Size:
         fm = _FOREIGN.get()
         missing = [x for x in e.free_symbols if x not in fm]
         if missing:
-            raise ValueError(f"size {e} depends on {missing}, which are not dynamic dims of this build")
+            raise DataDependentSize(f"size {e} depends on {missing}, which are not dynamic dims of this build")
         return norm(sympy.expand(_ours(e.xreplace(fm))))
     if isinstance(s, sympy.Basic):
         return norm(s)

@@ -20,7 +20,7 @@ from .extern import mm_residual
 from .registry import registry
 from .residual import sites as residual_sites
 from .conv_layout import choose as conv_layout
-from ..ir.sizes import current_dims, size, sizes
+from ..ir.sizes import DataDependentSize, current_dims, size, sizes
 
 
 def _map_args(x, env):
@@ -95,7 +95,13 @@ def lower(cg: CapturedGraph, program: str = "forward") -> tuple[LoopGraph, Lower
         elif node.op == "call_function":
             if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat)):  # a size of a dynamic dim (or a
                 # ratio of sizes: BatchNorm's n / (n - 1)): its expression, a constant the kernels compute
-                env[node] = size(node.meta["val"])
+                try:
+                    env[node] = size(node.meta["val"])
+                except DataDependentSize as exc:  # a count read off the data (an .item(), a nonzero's length)
+                    raise UnsupportedOpError(str(node.target), node.name,
+                                             f"a size that depends on the data ({exc}) {_where(node)}",
+                                             remedy="keep every shape a function of the input shapes (a mask or "
+                                                    "a where instead of selecting the rows the data picks)") from exc
                 continue
             if node.target is operator.getitem:
                 env[node] = env[node.args[0]][node.args[1]]
