@@ -172,6 +172,14 @@ def llama4_text(train=False, dtype=torch.float32, seed=0):
     return _causal("Llama4ForCausalLM", "Llama4TextConfig", cfg, train, dtype, seed)
 
 
+def qwen3_moe(train=False, dtype=torch.float32, seed=0):
+    """Qwen3MoeForCausalLM: 4 small experts, top-2 with normalized weights, query/key RMSNorm, default grouped
+    experts."""
+    cfg = dict(_llama_cfg(True), head_dim=16, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    return _causal("Qwen3MoeForCausalLM", "Qwen3MoeConfig", cfg, train, dtype, seed)
+
+
 def mixtral_batched(train=False, dtype=torch.float32, seed=0):
     """Mixtral with experts_implementation="batched_mm": the experts as batched matmuls on weights gathered per
     (token, expert) pair (static shapes, no grouping; memory grows with tokens x hidden x ffn)."""
@@ -589,6 +597,17 @@ def efficientnet_realistic(train=False, dtype=torch.bfloat16, seed=0):
                                  attn=None, size=224, batch=64), seed)
 
 
+def qwen3_moe_realistic(train=False, dtype=torch.bfloat16, seed=0):
+    """Qwen3-30B-A3B's routing (top-8 of many small experts, normalized weights) at half its width: hidden 1024,
+    64 experts of 384, 16/4 heads of 128, vocab 32000, 4 layers, batch 2 x 2048 (32768 routed rows a layer, about
+    512 an expert)."""
+    cfg = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+               num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
+               num_experts=64, moe_intermediate_size=384, num_experts_per_tok=8, decoder_sparse_step=1,
+               mlp_only_layers=[], norm_topk_prob=True, router_aux_loss_coef=0.0, rope_theta=1000000.0)
+    return _causal("Qwen3MoeForCausalLM", "Qwen3MoeConfig", cfg, train, dtype, seed, batch=2, seq=2048)
+
+
 def mixtral_realistic(train=False, dtype=torch.bfloat16, seed=0):
     """Mixtral-8x7B's routing (8 experts, top-2, SwiGLU experts, GQA 4:1, heads of 128) at a quarter of its width (1024,
     experts of 3584, vocab 32000), 4 layers, batch 2 x 2048, transformers' default grouped experts. (The batched_mm
@@ -607,7 +626,8 @@ REALISTIC = {"phi3": phi3_realistic, "gemma2": gemma2_realistic, "gpt_neox": gpt
              "clip": clip_realistic, "falcon": falcon_realistic, "bloom": bloom_realistic,
              "lstm_lm": lstm_lm_realistic, "gemma3": gemma3_realistic, "opt": opt_realistic,
              "roberta": roberta_realistic, "distilbert": distilbert_realistic, "bart": bart_realistic,
-             "siglip": siglip_realistic, "efficientnet": efficientnet_realistic, "mixtral": mixtral_realistic}
+             "siglip": siglip_realistic, "efficientnet": efficientnet_realistic, "mixtral": mixtral_realistic,
+             "qwen3_moe": qwen3_moe_realistic}
 
 
 # ---------------------------------------------------------------- the list
@@ -654,6 +674,8 @@ SPARE: tuple[ZooEntry, ...] = (
     _more("bart", bart, "BartConfig", "BartForConditionalGeneration", note="seq2seq, learned positions"),
     _more("mixtral_batched", mixtral_batched, "MixtralConfig", "MixtralForCausalLM",
           note="MoE experts as batched matmuls on gathered weights"),
+    _more("qwen3_moe", qwen3_moe, "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+          note="many small experts, top-8 (grouped), query/key norms"),
     _more("llama4_text", llama4_text, "Llama4TextConfig", "Llama4ForCausalLM",
           note="complex rotary embedding (real pairs), a routed and a shared expert"),
 )
