@@ -42,6 +42,11 @@ CASES = {
     "empty_groups": (10, 8, 4, [0, 7, 0, 3]),
     "tail_rows": (11, 4, 8, [2, 5, 1]),
     "one_group": (5, 16, 8, [5]),
+    # several chunks (the device form cuts the rows into chunks of max(64, S / E)): groups across chunk
+    # boundaries, empty ones, many small ones beside a long one, rows past the end
+    "chunks": (300, 8, 16, [70, 0, 130, 60, 40]),
+    "small_and_long": (270, 8, 8, [1, 0, 2, 1, 1, 3, 0, 1, 1, 2, 250]),
+    "chunks_tail": (200, 16, 8, [64, 64, 30]),
 }
 
 
@@ -65,6 +70,21 @@ def test_grouped_mm_matches_group_loop(case, form, path):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # the op on the CPU dispatches to the host form; int64 offsets mean the same
     torch.testing.assert_close(gm.grouped_mm(a, b, offs.long()), gm._on_host(a, b, offs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_form_matches_group_loop_on_random_groupings(seed):
+    """Random sizes (zeros among them), random totals (rows past the end), both forms, against float64."""
+    g = torch.Generator().manual_seed(seed)
+    experts = int(torch.randint(1, 12, (1,), generator=g))
+    s = int(torch.randint(1, 400, (1,), generator=g))
+    sizes = torch.randint(0, 3, (experts,), generator=g) * torch.randint(0, 80, (experts,), generator=g)
+    sizes = (sizes.float() * (s / max(1, int(sizes.sum()))) * 0.9).long()  # leaves some rows past the end
+    offs = sizes.cumsum(0).to(torch.int32)
+    a, w = torch.randn(s, 8, generator=g), torch.randn(experts, 8, 5, generator=g)
+    torch.testing.assert_close(gm._on_device(a, w, offs).double(), _reference(a, w, offs), rtol=1e-5, atol=1e-5)
+    at, b = torch.randn(6, s, generator=g), torch.randn(s, 7, generator=g)
+    torch.testing.assert_close(gm._on_device(at, b, offs).double(), _reference(at, b, offs), rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_mm_rejects_mismatched_operands():

@@ -62,9 +62,9 @@ def _grouped(ctx, node, args, kwargs):
     groups = int(to.shape[0])
     form = f"{list(ta.shape)} by {list(tb.shape)}" + (" (weight gradient)" if len(tb.shape) == 2 else "")
     ctx.decisions.append({"grouped_mm": node.name, "form": form, "groups": groups, "dtype": dt, "why": (
-        "torch's grouped kernel on sm_90/sm_100 in bf16; elsewhere on CUDA each group's matmul over all rows, the "
-        f"others' rows dropped ({groups} times a grouped kernel's arithmetic, no host sync); on the CPU one mm per "
-        "group")})
+        "torch's grouped kernel on sm_90/sm_100 in bf16; elsewhere on CUDA one matmul per (chunk, group) pair of "
+        f"the sorted rows cut into {groups} chunks (about twice a grouped kernel's arithmetic, no host sync); on the "
+        "CPU one mm per group")})
     return ctx.extern("aotfuse.grouped_mm.default", (ta, tb, to), {}, out_shape(node), dt, False)
 
 

@@ -15,8 +15,9 @@ and transformers masks them.
   not, the next form runs.
 - Any other CUDA case (float32 experts, transformers' fallback op; bf16 on sm_80/86/89, where torch's call loops
   over the groups with the offsets copied to the host): the group of each row found on the device (searchsorted),
-  every group's matmul over all rows, the other groups' rows dropped by a where. E times the arithmetic of a
-  grouped kernel, but no host sync and exact per-row products, so graphs capture it too.
+  the rows cut into E chunks, one matmul per (chunk, group) pair the sorted rows make (at most 2E - 1 of them,
+  batched), each row kept from its own group's. About twice a grouped kernel's arithmetic and a static shape
+  everywhere: no host sync, so graphs capture it too.
 - CPU (the interpreter's path): one torch.mm per group over its slice, the offsets read on the host.
 
 Every form but the first writes the rows past offs[-1] as zeros. This module imports only torch.
@@ -94,20 +95,72 @@ def _on_host(a, b, offs):
     return out
 
 
+SLOT_BATCH_BYTES = 64 << 20  # the device form's transient operand copies per batch of slots
+
+
+def _slots(group: torch.Tensor, experts: int, chunk: int):
+    """The (chunk, group) pairs that rows sorted by group make, as three device tensors over a static number of
+    slots, nC + E - 1: each chunk's first group, plus one more per group boundary inside it (groups only grow
+    along the rows). Per slot: its chunk, its group (clamped) and whether it is a real pair (the rest are
+    padding; a chunk wholly past the last offset has none)."""
+    jagged = group.shape[0]
+    n_chunks = -(-jagged // chunk)
+    first = torch.arange(n_chunks, device=group.device) * chunk
+    lo = group[first]
+    hi = torch.clamp(group[torch.clamp(first + chunk - 1, max=jagged - 1)], max=experts - 1)
+    count = torch.clamp(hi - lo + 1, min=0)
+    ends = torch.cumsum(count, 0)
+    j = torch.arange(n_chunks + experts - 1, device=group.device)
+    c = torch.clamp(torch.searchsorted(ends, j, right=True), max=n_chunks - 1)
+    g = torch.clamp(lo[c] + j - (ends[c] - count[c]), min=0, max=experts - 1)
+    return c, g, j < ends[-1]
+
+
+def _padded(t: torch.Tensor, dim: int, size: int, fill) -> torch.Tensor:
+    if t.shape[dim] == size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim)
+
+
 def _on_device(a, b, offs):
-    """Every group's matmul over all rows, each row kept from its own group's (no host sync, graph-safe)."""
-    jagged = a.shape[0] if b.dim() == 3 else a.shape[1]
+    """Rows (columns) cut into chunks of about S / E; one matmul per (chunk, group) pair the sorted rows make, each
+    keeping only its group's rows: about twice a grouped kernel's arithmetic, every shape static, no host sync.
+    The pairs run as batched matmuls over operands gathered per pair (SLOT_BATCH_BYTES at a time)."""
+    experts = offs.shape[0]
+    rows = b.dim() == 3
+    jagged = a.shape[0] if rows else a.shape[1]
+    chunk = max(64, -(-jagged // max(experts, 1)))
+    n_chunks = -(-jagged // chunk)
     group = torch.searchsorted(offs.to(torch.int64), torch.arange(jagged, device=a.device), right=True)
-    if b.dim() == 3:
-        out = torch.zeros((a.shape[0], b.shape[2]), dtype=a.dtype, device=a.device)
-        for e in range(b.shape[0]):
-            out = torch.where((group == e).unsqueeze(1), torch.mm(a, b[e]), out)
-        return out
-    out = torch.empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    zero = torch.zeros((), dtype=a.dtype, device=a.device)
-    for e in range(offs.shape[0]):
-        torch.mm(torch.where((group == e).unsqueeze(0), a, zero), b, out=out[e])
-    return out
+    c, g, valid = _slots(group, experts, chunk)
+    groups = _padded(group, 0, n_chunks * chunk, experts).view(n_chunks, chunk)
+    if rows:  # [S, K] @ [E, K, N] -> [S, N]
+        k, n = a.shape[1], b.shape[2]
+        a3 = _padded(a, 0, n_chunks * chunk, 0).reshape(n_chunks, chunk, k)
+        out = torch.zeros((n_chunks, chunk, n), dtype=a.dtype, device=a.device)
+        per = max(1, SLOT_BATCH_BYTES // max(1, k * n * b.element_size()))
+    else:  # [M, S] @ [S, N] -> [E, M, N]
+        m, n = a.shape[0], b.shape[1]
+        a3 = _padded(a, 1, n_chunks * chunk, 0).reshape(m, n_chunks, chunk).permute(1, 0, 2)
+        b3 = _padded(b, 0, n_chunks * chunk, 0).reshape(n_chunks, chunk, n)
+        acc = torch.zeros((experts, m, n), dtype=torch.float32, device=a.device)  # partial sums across chunks
+        per = max(1, SLOT_BATCH_BYTES // max(1, m * n * 4))
+    for s0 in range(0, c.shape[0], per):
+        ci, gi, vi = c[s0:s0 + per], g[s0:s0 + per], valid[s0:s0 + per]
+        keep = (groups.index_select(0, ci) == gi.unsqueeze(1)) & vi.unsqueeze(1)  # [pairs, chunk]
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        if rows:
+            prod = torch.bmm(a3.index_select(0, ci), b.index_select(0, gi))
+            # each row takes its own pair's product; the other pairs of its chunk add exact zeros
+            out.index_add_(0, ci, torch.where(keep.unsqueeze(-1), prod, zero))
+        else:
+            cols = torch.where(keep.unsqueeze(1), a3.index_select(0, ci), zero)
+            acc.index_add_(0, gi, torch.bmm(cols, b3.index_select(0, ci)).float())
+    if rows:
+        return out.view(n_chunks * chunk, n)[:jagged]
+    return acc.to(a.dtype)
 
 
 @functools.cache
