@@ -250,3 +250,20 @@ def test_kernel_layout_keeps_aligned_operands_and_reorders_the_rest():
     moved = gm._kernel_layout(narrow)
     assert moved is not narrow and torch.equal(moved, narrow) and moved.stride() == (1, 16)
     assert gm._kernel_layout(torch.randn(6, 4, dtype=bf)) is None
+
+
+def test_routed_experts_with_a_dynamic_token_count():
+    """One archive at several token counts (tokens 2..64): the routed rows, the histogram's input and every
+    grouped matmul's jagged dim are expressions of the dim; the inverse permutation's empty_like lowers too."""
+    torch.manual_seed(5)
+    model = RoutedExperts().to(BF16).eval()
+    tokens = torch.export.Dim("tokens", min=2, max=64)
+    res = aotfuse.build(model, (torch.randn(24, 16, dtype=BF16),), targets=("sm_90",),
+                        dynamic_shapes=({0: tokens},))
+    art = aotfuse.load(res.data, device="cpu")
+    ref32 = RoutedExperts().eval()
+    ref32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    for t in (2, 5, 24, 64):
+        x = torch.randn(t, 16, dtype=BF16)
+        want32 = ref32(x.float())
+        assert _rel(art(x), want32) <= max(2e-2, 2 * _rel(model(x), want32)), t

@@ -17,9 +17,9 @@ rule = collector(RULES)
 
 @rule(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
           aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-          aten.new_empty_strided.default,
+          aten.new_empty_strided.default, aten.empty_permuted.default, aten.empty.memory_format,
           category="constant", note="an empty tensor (values unspecified, e.g. a backward's new_empty_strided "
-                                    "before its scatter) is zeros")
+                                    "before its scatter, an MoE's inverse permutation) is zeros")
 def _full(ctx, node, args, kwargs):
     shape = out_shape(node)
     dt = out_dtype(node)

@@ -408,6 +408,23 @@ module_case("linear_3d_gelu_tanh", lambda dt: nn.Sequential(_linear(dt), nn.GELU
             ["aten._addmm_activation.default", "aten.view.default"], HALF)
 
 
+# empty tensors every element of which is then written (an MoE's inverse permutation: inv = empty_like(perm);
+# inv[perm] = arange): torch.empty, empty_permuted and empty_like (which export turns into empty_permuted)
+def _written_empties(x):
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(5)
+    f = torch.empty((5, 7), dtype=x.dtype)
+    f[perm] = x
+    g = torch.empty_permuted((5, 7), (1, 0), dtype=x.dtype)
+    g[perm] = x * 2
+    return inv, f + 1, g
+
+
+fn_case("empty_written", _written_empties, _x(5, 7),
+        ["aten.empty_permuted.default", "aten.empty.memory_format", "aten.index_put.default"])
+
+
 # index_put (an extern: torch's kernel): x[idx] = v written functionally, and accumulate (repeated indices add up)
 fn_case("index_put", lambda x, v: (x.index_put((torch.tensor([4, 0, 2]),), v),
                                    x.index_put((torch.tensor([1, 1, 3]), torch.tensor([0, 6, 0])), v[:, 0] * 2,
@@ -708,7 +725,7 @@ UNTESTED: dict[str, tuple[str, str]] = {
     "aten.full_like.default": (DECOMPOSED, "our table: becomes aten.full of the static shape"),
     "aten.zeros_like.default": (DECOMPOSED, "becomes full_like, then aten.full"),
     "aten.ones_like.default": (DECOMPOSED, "becomes full_like, then aten.full"),
-    "aten.empty_like.default": (DECOMPOSED, "core-ATen table: becomes aten.empty_permuted (unsupported)"),
+    "aten.empty_like.default": (DECOMPOSED, "core-ATen table: becomes aten.empty_permuted (zeros)"),
     "aten.new_empty_strided.default": (TRAIN, "a backward's buffer before its scatter (y[:, 0] = c on an activation)"),
     "aten.arange.default": (DECOMPOSED, "core-ATen table: becomes aten.arange.start_step"),
     "aten.arange.start": (DECOMPOSED, "core-ATen table: becomes aten.arange.start_step"),
