@@ -156,6 +156,8 @@ class Knobs:
     gelu_formula: bool = bool(_env_int("AOTFUSE_GELU_FORMULA", 1))
     mm_residual: bool = bool(_env_int("AOTFUSE_MM_RESIDUAL", 1))
     mm_pad: bool = bool(_env_int("AOTFUSE_MM_PAD", 1))
+    # a sort of int64 indices below 2**15 (an MoE's routed experts) runs on int16 keys (lower/extern._narrow_sort)
+    narrow_sort: bool = bool(_env_int("AOTFUSE_NARROW_SORT", 1))
     conv_bias_split: bool = bool(_env_int("AOTFUSE_CONV_BIAS_SPLIT", 1))
     conv_layout: str = os.environ.get("AOTFUSE_CONV_LAYOUT", "auto") or "auto"
     train_step: str = os.environ.get("AOTFUSE_TRAIN_STEP", "split") or "split"

@@ -104,3 +104,59 @@ def _extern_targets(data: bytes) -> set:
 
     progs = read_payload(read_archive(data)).programs
     return {i.target for p in progs.values() for i in p.instructions if hasattr(i, "target")}
+
+
+class SortRouted(nn.Module):
+    """An MoE's sort of its routed experts (topk indices, many ties), an argmax sorted descending, and a sort of
+    a user's int64 tensor (values unknown: stays int64)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 6)
+
+    def forward(self, x, ids):
+        _, idx = torch.topk(self.gate(x), 2, dim=-1)
+        vals, perm = torch.sort(idx.reshape(-1))
+        top, order = torch.sort(self.gate(x).argmax(-1), descending=True)
+        big, bperm = torch.sort(ids)
+        return vals, perm, top, order, big, bperm
+
+
+def _sort_decisions(res) -> list:
+    from aotfuse.runtime.payload import read_report
+    from aotfuse.archive import read_archive
+
+    rep = read_report(read_archive(res.data))
+    return [d for d in rep.lowering if "narrow_sort" in d]
+
+
+def test_sorts_of_small_indices_run_on_int16_keys_and_match_eager():
+    torch.manual_seed(0)
+    model = SortRouted()
+    ex = (torch.randn(40, 16), torch.randint(-2**40, 2**40, (50,)))
+    res = aotfuse.build(model, ex, targets=("sm_90",))
+    assert len(_sort_decisions(res)) == 2  # the routed experts' and the argmax's, not the user's int64 tensor
+    art = aotfuse.load(res.data, device="cpu")
+    fresh = (torch.randn(40, 16), torch.randint(-2**40, 2**40, (50,)))
+    got, want = art(*fresh), model(*fresh)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == torch.int64 and torch.equal(g, w)
+    with __import__("aotfuse").knobs.override(narrow_sort=False):
+        assert not _sort_decisions(aotfuse.build(model, ex, targets=("sm_90",)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [40, 3000])  # torch's in-place small sort, and its radix sort (over 4096 keys)
+def test_int16_sorts_match_eager_on_cuda_with_graphs(tokens):
+    """The narrowed sort on CUDA gives eager's exact order, ties included, on both of torch's sort paths."""
+    torch.manual_seed(1)
+    model = SortRouted()
+    ex = (torch.randn(tokens, 16), torch.randint(-2**40, 2**40, (50,)))
+    art = aotfuse.load(aotfuse.build(model, ex, targets=("sm_90",)).data, device="cuda", cuda_graphs=True)
+    cuda_model = SortRouted().cuda()
+    cuda_model.load_state_dict(model.state_dict())
+    for seed in (2, 3):
+        g = torch.Generator().manual_seed(seed)
+        x, ids = torch.randn(tokens, 16, generator=g).cuda(), torch.randint(-2**40, 2**40, (50,), generator=g).cuda()
+        for got, want in zip(art(x, ids), cuda_model(x, ids)):
+            assert torch.equal(got, want)

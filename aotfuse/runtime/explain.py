@@ -26,6 +26,8 @@ def _lowering(d: dict) -> str | None:
         return f"  {d['producer']} -> {d['mm_residual']}: residual add {what} ({d['why']})"
     if "conv_layout" in d:  # lower/conv_layout.py
         return f"  {d['conv_layout']}: {d['why']}"
+    if "narrow_sort" in d:  # lower/extern.py
+        return f"  {d['narrow_sort']}: {d['why']}"
     if "grouped_mm" in d:  # lower/experts.py
         return f"  {d['grouped_mm']}: grouped matmul {d['form']} over {d['groups']} groups ({d['why']})"
     if "conv_bias" in d:  # lower/extern.py
