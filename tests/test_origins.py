@@ -59,3 +59,19 @@ def test_call_sites_and_attribution():
     attribute(gm, rec.sites)
     assert s.meta["aotfuse_call_site"][0] == "sort" and sm.meta["aotfuse_call_site"][0] == "softmax"
     assert "aotfuse_call_site" not in own.meta
+
+
+def test_attribution_needs_a_whole_name():
+    """A recorded call is an op's origin only up to a name boundary: exp's line is not exponential's (PhiMoE's
+    router draws were blamed on the loss's exp)."""
+    x = torch.randn(3, 4)
+    with call_sites() as rec:
+        torch.exp(x)
+    g = torch.fx.Graph()
+    a = g.placeholder("a")
+    draw = g.call_function(torch.ops.aten.exponential.default, (a,))
+    back = g.call_function(torch.ops.aten.exp.default, (a,))
+    g.output((draw, back))
+    gm = torch.fx.GraphModule({}, g)
+    attribute(gm, rec.sites)
+    assert "aotfuse_call_site" not in draw.meta and back.meta["aotfuse_call_site"][0] == "exp"

@@ -259,6 +259,23 @@ def test_constant_causal_mask_is_folded():
     assert torch.equal(aotfuse.load(res.data, device="cpu")(x), M()(x))
 
 
+def test_folded_empty_values_are_zeros():
+    """A constant subgraph that starts from an uninitialized tensor (written only in part afterwards) is folded
+    from zeros, so that the stored weight is the same from build to build (DeepSeek-V2's empty buffers did)."""
+    from aotfuse.export.fold import fold_unlowerable_constants
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            e = torch.empty(3, 5)  # rows 1 and 2 keep whatever the allocation held
+            return x + torch.cat([torch.ones(1, 5), e[1:]]).cumsum(-1)
+
+    for _ in range(2):
+        ep = torch.export.export(M(), (torch.randn(3, 5),), strict=False)
+        folded = fold_unlowerable_constants(ep.graph_module, lambda t: t is not torch.ops.aten.cumsum.default)
+        (_, _, val), = folded
+        assert torch.equal(val[1:], torch.zeros(2, 5)) and torch.equal(val[0], torch.arange(1.0, 6.0))
+
+
 def test_models_doc_is_current():
     import importlib.util
     from pathlib import Path

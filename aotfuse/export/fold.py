@@ -43,6 +43,11 @@ def _map(x, env):
     return x
 
 
+_EMPTIES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_permuted.default,
+            torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default,
+            torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default}
+
+
 def fold_unlowerable_constants(gm: torch.fx.GraphModule, lowerable, after: torch.fx.Node | None = None,
                                seeds: dict | None = None) -> list[tuple[str, str, torch.Tensor]]:
     """Replace each constant subgraph that holds an op `lowerable(target)` rejects by a placeholder.
@@ -66,6 +71,10 @@ def fold_unlowerable_constants(gm: torch.fx.GraphModule, lowerable, after: torch
     for n in graph.nodes:  # graph order is topological
         if n in const and n not in env:
             env[n] = n.target(*_map(n.args, env), **_map(dict(n.kwargs), env))
+            if n.target in _EMPTIES and isinstance(env[n], torch.Tensor):
+                # uninitialized memory: zeros, as lowering makes them, so that what is stored (where a later
+                # write leaves some untouched) is the same from build to build
+                env[n] = torch.zeros_like(env[n])
     if after is None:
         after = [n for n in graph.nodes if n.op == "placeholder"][-1]
     out = []

@@ -67,6 +67,7 @@ def attribute(gm: torch.fx.GraphModule, sites: dict[str, list[str]]) -> None:
         if model_frames(node.meta.get("stack_trace")):
             continue
         base = _op_base(node.target)
-        match = next((n for n in names if base.startswith(n)), None)
+        # a name ends where the op's name does or at a separator ("exp" is not "exponential"'s call)
+        match = next((n for n in names if base.startswith(n) and base[len(n):len(n) + 1] in ("", "_", ".")), None)
         if match is not None:
             node.meta["aotfuse_call_site"] = (match, tuple(sites[match]))
