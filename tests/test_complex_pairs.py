@@ -139,3 +139,18 @@ def test_complex_result_and_complex_input_are_refused():
 
     with pytest.raises(AotfuseError, match="complex"):
         aotfuse.build(In(), (torch.randn(4, dtype=torch.complex64),), targets=("sm_90",))
+
+
+def test_real_made_complex_broadcast_parts_and_complex_scalars():
+    """x.to(complex64) (imaginary part 0), torch.complex of parts that broadcast, products with complex numbers."""
+    class Mixed(nn.Module):
+        def forward(self, x, y):
+            z = x.to(torch.complex64) * torch.view_as_complex(y)
+            w = torch.complex(x, y[..., 0].mean(0))
+            return torch.view_as_real(z * 1j + w * (2 - 0.5j))
+
+    model = Mixed()
+    art = aotfuse.load(aotfuse.build(model, (torch.randn(3, 4), torch.randn(3, 4, 2)), targets=("sm_90",)).data,
+                       device="cpu")
+    x, y = torch.randn(3, 4), torch.randn(3, 4, 2)
+    torch.testing.assert_close(art(x, y), model(x, y), rtol=1e-5, atol=1e-5)

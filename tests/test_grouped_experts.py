@@ -267,3 +267,38 @@ def test_routed_experts_with_a_dynamic_token_count():
         x = torch.randn(t, 16, dtype=BF16)
         want32 = ref32(x.float())
         assert _rel(art(x), want32) <= max(2e-2, 2 * _rel(model(x), want32)), t
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_bad_value_stays_in_its_group(path):
+    """An inf in one group's rows (or in a row past the last offset) leaves every other group's result finite, as
+    the per-group loop does: both operands' other rows are dropped before the product, never multiplied by 0."""
+    fn = gm._on_host if path == "host" else gm._on_device
+    offs = torch.tensor([50, 150], dtype=torch.int32)
+    a, b = torch.randn(2, 200), torch.randn(200, 3)
+    b[60] = float("inf")  # group 1's
+    b[170] = float("inf")  # past the end
+    out = fn(a, b, offs)
+    assert torch.isfinite(out[0]).all()
+    rows, w = torch.randn(200, 4), torch.randn(2, 4, 3)
+    rows[60] = float("inf")
+    out = fn(rows, w, offs)
+    assert torch.isfinite(out[:50]).all() and torch.isfinite(out[150:]).all()
+
+
+def test_device_form_edge_cases():
+    """No rows at all; float64 kept at float64 precision in the weight gradient's sums."""
+    offs = torch.tensor([0, 0], dtype=torch.int32)
+    assert gm._on_device(torch.randn(0, 4), torch.randn(2, 4, 3), offs).shape == (0, 3)
+    assert torch.equal(gm._on_device(torch.randn(5, 0), torch.randn(0, 3), offs), torch.zeros(2, 5, 3))
+    offs = torch.tensor([90, 300], dtype=torch.int32)
+    a, b = torch.randn(7, 300, dtype=torch.float64), torch.randn(300, 5, dtype=torch.float64)
+    torch.testing.assert_close(gm._on_device(a, b, offs), _reference(a, b, offs), rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_layout_copies_a_misaligned_operand():
+    base = torch.randn(64 * 32 + 1, dtype=torch.bfloat16)
+    t = base[1:].view(64, 32)  # contiguous, its data 2 bytes past a 16-byte boundary
+    assert t.data_ptr() % 16 != 0
+    moved = gm._kernel_layout(t)
+    assert moved.data_ptr() % 16 == 0 and torch.equal(moved, t)

@@ -150,6 +150,16 @@ def test_exponential_has_its_distribution_and_is_fresh_per_call():
     assert torch.equal(c, art(x))
 
 
+def test_uniform_stays_below_its_upper_end_in_bf16():
+    """uniform_(-1, 1) in bf16: a draw that rounds up to 1 in bf16 is -1 instead (torch's range is [from, to))."""
+    res = aotfuse.build(Fn(lambda x: torch.empty_like(x).uniform_(-1.0, 1.0) + x * 0),
+                        (torch.randn(256, 256, dtype=torch.bfloat16),), targets=TARGETS)
+    art = aotfuse.load(res.data, device="cpu")
+    a = art(torch.randn(256, 256, dtype=torch.bfloat16))
+    assert a.dtype == torch.bfloat16 and bool((a >= -1).all()) and bool((a < 1).all())
+    assert abs(a.float().mean().item()) < 0.02
+
+
 # ---------------------------------------------------------------- the table covers the registry
 
 def _registered() -> dict[str, object]:

@@ -83,8 +83,17 @@ class _Rewriter:
         return self.stack(re, im)
 
     def scaled(self, z: torch.fx.Node, r) -> torch.fx.Node:
-        """z times a real operand (a tensor broadcast over the pair, or a number)."""
+        """z times a real operand (a tensor broadcast over the pair, or a number) or a complex number."""
+        if isinstance(r, complex):
+            zr, zi = self.real(z, 0), self.real(z, 1)
+
+            def lin(x, cx, y, cy):  # cx x + cy y
+                return self.call(aten.add.Tensor, (self.call(aten.mul.Tensor, (x, cx)), self.call(aten.mul.Tensor, (y, cy))))
+
+            return self.stack(lin(zr, r.real, zi, -r.imag), lin(zr, r.imag, zi, r.real))
         if isinstance(r, torch.fx.Node):
+            if r in self.pairs or is_complex_node(r):
+                raise KeyError(r)  # a complex operand only the product form takes
             r = self.call(aten.unsqueeze.default, (r, -1))
         return self.call(aten.mul.Tensor, (self.pairs[z], r))
 
@@ -105,8 +114,9 @@ class _Rewriter:
         if t is aten.polar.default:  # (abs, angle) -> (abs cos, abs sin)
             return self.stack(self.call(aten.mul.Tensor, (a[0], self.call(aten.cos.default, (a[1],)))),
                               self.call(aten.mul.Tensor, (a[0], self.call(aten.sin.default, (a[1],)))))
-        if t is aten.complex.default:
-            return self.stack(a[0], a[1])
+        if t is aten.complex.default:  # the parts broadcast to the result's shape first
+            shape = list(n.meta["val"].shape)
+            return self.stack(*(self.call(aten.expand.default, (x, shape)) for x in a[:2]))
         if t is aten.full.default and zd is not None:  # a complex constant (a scalar operand made a tensor)
             v = complex(a[1])
             kw = {**n.kwargs, "dtype": _REAL_OF[n.meta["val"].dtype]}
@@ -128,6 +138,9 @@ class _Rewriter:
         if t is aten._to_copy.default:
             dt = n.kwargs.get("dtype")
             kw = {k: v for k, v in n.kwargs.items() if k not in ("dtype", "memory_format")}
+            if a[0] not in self.pairs:  # a real tensor made complex: (x, 0)
+                x = self.call(aten._to_copy.default, (a[0],), {**kw, "dtype": _REAL_OF[dt]})
+                return self.stack(x, self.call(aten.mul.Tensor, (x, 0.0)))
             if dt is not None and dt.is_complex:
                 kw["dtype"] = _REAL_OF[dt]
             elif dt is not None:  # complex -> real drops the imaginary part, as torch does (with a warning)
@@ -185,7 +198,10 @@ def realify(gm: torch.fx.GraphModule) -> set[str]:
         if n.target is operator.getitem:
             raise UnsupportedOpError(str(n.target), n.name, "a complex value inside a tuple result")
         with graph.inserting_before(n):
-            new = rw.rewrite(n)
+            try:
+                new = rw.rewrite(n)
+            except KeyError:  # an operand the op's pair form needs complex is real (or the other way): no form
+                new = None
         if new is None:
             raise UnsupportedOpError(str(n.target), n.name,
                                      "complex tensors are computed as real pairs, and this op on a complex value has "

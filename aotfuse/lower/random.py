@@ -79,6 +79,10 @@ def _uniform(ctx, node, args, kwargs):
     v = ctx.load_compute(u, pv, dict(zip(pv, shape)))
     if (lo, hi) != (0.0, 1.0):
         v = Op("add", (Op("mul", (v, Const(hi - lo, "float32")), "float32"), Const(lo, "float32")), "float32")
+    # [from, to): a draw that rounds up to `to` in the result's dtype (bf16 has 8 bits) becomes `from`, as torch's
+    # CUDA kernel does
+    rounded = as_dtype(as_dtype(v, dt), "float32")
+    v = Op("where", (Op("ge", (rounded, Const(hi, "float32")), "bool"), Const(lo, "float32"), v), "float32")
     return ctx.pointwise(shape, dt, as_dtype(v, compute_dtype(dt)), hint="uniform")
 
 

@@ -72,10 +72,11 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor | None:
 
     if t.data_ptr() % 16 == 0 and ok(s):
         return t
+    # a fresh copy (contiguous() would return a contiguous view as it is, at a misaligned address)
     if (n[-1] * item) % 16 == 0:
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
     if (n[-2] * item) % 16 == 0:
-        return t.transpose(-2, -1).contiguous().transpose(-2, -1)
+        return t.transpose(-2, -1).clone(memory_format=torch.contiguous_format).transpose(-2, -1)
     return None
 
 
@@ -131,50 +132,63 @@ def _on_device(a, b, offs):
     experts = offs.shape[0]
     rows = b.dim() == 3
     jagged = a.shape[0] if rows else a.shape[1]
-    chunk = max(64, -(-jagged // max(experts, 1)))
+    if jagged == 0 or experts == 0:  # nothing to multiply: the result's zeros
+        return torch.zeros(result_shape(tuple(a.shape), tuple(b.shape), tuple(offs.shape)), dtype=a.dtype,
+                           device=a.device)
+    chunk = max(64, -(-jagged // experts))
     n_chunks = -(-jagged // chunk)
     group = torch.searchsorted(offs.to(torch.int64), torch.arange(jagged, device=a.device), right=True)
     c, g, valid = _slots(group, experts, chunk)
     groups = _padded(group, 0, n_chunks * chunk, experts).view(n_chunks, chunk)
+    item = a.element_size()
     if rows:  # [S, K] @ [E, K, N] -> [S, N]
         k, n = a.shape[1], b.shape[2]
         a3 = _padded(a, 0, n_chunks * chunk, 0).reshape(n_chunks, chunk, k)
         out = torch.zeros((n_chunks, chunk, n), dtype=a.dtype, device=a.device)
-        per = max(1, SLOT_BATCH_BYTES // max(1, k * n * b.element_size()))
+        per_slot = (k * n + chunk * (k + 2 * n)) * item  # the group's weights, the chunk's rows, its product
     else:  # [M, S] @ [S, N] -> [E, M, N]
         m, n = a.shape[0], b.shape[1]
         a3 = _padded(a, 1, n_chunks * chunk, 0).reshape(m, n_chunks, chunk).permute(1, 0, 2)
         b3 = _padded(b, 0, n_chunks * chunk, 0).reshape(n_chunks, chunk, n)
-        acc = torch.zeros((experts, m, n), dtype=torch.float32, device=a.device)  # partial sums across chunks
-        per = max(1, SLOT_BATCH_BYTES // max(1, m * n * 4))
+        wide = torch.promote_types(a.dtype, torch.float32)  # partial sums across chunks, rounded once
+        acc = torch.zeros((experts, m, n), dtype=wide, device=a.device)
+        per_slot = chunk * (m + n) * item + m * n * (item + torch.empty((), dtype=wide).element_size())
+    per = max(1, SLOT_BATCH_BYTES // max(1, per_slot))
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
     for s0 in range(0, c.shape[0], per):
         ci, gi, vi = c[s0:s0 + per], g[s0:s0 + per], valid[s0:s0 + per]
         keep = (groups.index_select(0, ci) == gi.unsqueeze(1)) & vi.unsqueeze(1)  # [pairs, chunk]
-        zero = torch.zeros((), dtype=a.dtype, device=a.device)
         if rows:
             prod = torch.bmm(a3.index_select(0, ci), b.index_select(0, gi))
             # each row takes its own pair's product; the other pairs of its chunk add exact zeros
             out.index_add_(0, ci, torch.where(keep.unsqueeze(-1), prod, zero))
         else:
+            # both operands masked: a value in another group's row (an inf) must not reach this group (0 * inf)
             cols = torch.where(keep.unsqueeze(1), a3.index_select(0, ci), zero)
-            acc.index_add_(0, gi, torch.bmm(cols, b3.index_select(0, ci)).float())
+            brows = torch.where(keep.unsqueeze(-1), b3.index_select(0, ci), zero)
+            acc.index_add_(0, gi, torch.bmm(cols, brows).to(acc.dtype))
     if rows:
         return out.view(n_chunks * chunk, n)[:jagged]
     return acc.to(a.dtype)
 
 
 @functools.cache
-def _grouped_kernel(device_index: int) -> bool:
-    """Whether torch's CUTLASS grouped kernel runs on this device: sm_90 and sm_100 only (torch 2.10-2.11's
-    GroupedBlas.cpp). Elsewhere torch._grouped_mm falls back to a loop over groups that copies the offsets to the
-    host: a sync per call, and an error inside a CUDA graph's capture."""
-    return torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+def _grouped_kernel(device_index: int) -> int:
+    """The device's major version where torch's CUTLASS grouped kernel runs (sm_90 and sm_100 only, torch
+    2.10-2.11's GroupedBlas.cpp), else 0. Elsewhere torch._grouped_mm falls back to a loop over groups that copies
+    the offsets to the host: a sync per call, and an error inside a CUDA graph's capture."""
+    major = torch.cuda.get_device_capability(device_index)[0]
+    return major if major in (9, 10) else 0
 
 
 def _grouped_mm(a, b, offs):
     _meta(a, b, offs)  # the same checks on every device
+    major = _grouped_kernel(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
+        if a.is_cuda else 0
+    # the weight-gradient form only where it was checked (sm_90): torch's issue 172439 reports non-zero results
+    # for empty groups on sm_100
     if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and \
-            _grouped_kernel(a.device.index if a.device.index is not None else torch.cuda.current_device()) and \
+            (major == 9 or (major == 10 and b.dim() == 3)) and \
             (b.shape[-1] * b.element_size()) % 16 == 0:  # its result's rows too are 16-byte multiples
         ka, kb = _kernel_layout(a), _kernel_layout(b)
         if ka is not None and kb is not None:
