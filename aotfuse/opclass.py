@@ -45,6 +45,7 @@ CONSTANT_OPS = {
     aten.zeros.default, aten.zeros_like.default, aten.ones.default, aten.ones_like.default,
     aten.scalar_tensor.default, aten.empty.memory_format, aten.empty_like.default, aten.new_zeros.default,
     aten.new_ones.default, aten.new_full.default, aten.new_empty.default, aten.new_empty_strided.default,
+    aten.empty_permuted.default,
 }
 # Externs: the runtime's table (graph ops it keeps whole), plus the library kernels torch may put in a
 # graph under other names. Those never lower (they would be an unsupported op), but the partition
