@@ -295,24 +295,18 @@ def _index_bound(n) -> int | None:
 
     src = _source(n)
     t = getattr(src, "target", None)
-    if t is operator.getitem and src.args[1] == 1:
+    if t is operator.getitem and src.args[1] == 1 and \
+            getattr(src.args[0], "target", None) in (aten.topk.default, aten.sort.default):
         op = src.args[0]
-        if getattr(op, "target", None) in (aten.topk.default, aten.sort.default):
-            x = op.args[0].meta.get("val")
-            if op.target is aten.topk.default:
-                dim = op.args[2] if len(op.args) > 2 else op.kwargs.get("dim", -1)
-            else:
-                dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim", -1)
-            size = x.shape[dim] if x is not None and x.dim() else None
-            return size if isinstance(size, int) else None
-    if t in (aten.argmax.default, aten.argmin.default):
-        x = src.args[0].meta.get("val")
-        dim = src.args[1] if len(src.args) > 1 else None
-        if x is None or dim is None:
-            return None
-        size = x.shape[dim]
-        return size if isinstance(size, int) else None
-    return None
+        at = 2 if op.target is aten.topk.default else 1  # the dim argument's position
+        x, dim = op.args[0], op.args[at] if len(op.args) > at else op.kwargs.get("dim", -1)
+    elif t in (aten.argmax.default, aten.argmin.default) and len(src.args) > 1 and src.args[1] is not None:
+        x, dim = src.args[0], src.args[1]
+    else:
+        return None
+    val = x.meta.get("val")
+    size = val.shape[dim] if val is not None and val.dim() else None
+    return size if isinstance(size, int) else None
 
 
 def _narrow_sort(ctx, node, args):

@@ -173,7 +173,7 @@ def _on_device(a, b, offs):
 
 
 @functools.cache
-def _grouped_kernel(device_index: int) -> int:
+def _grouped_kernel_major(device_index: int) -> int:
     """The device's major version where torch's CUTLASS grouped kernel runs (sm_90 and sm_100 only, torch
     2.10-2.11's GroupedBlas.cpp), else 0. Elsewhere torch._grouped_mm falls back to a loop over groups that copies
     the offsets to the host: a sync per call, and an error inside a CUDA graph's capture."""
@@ -183,7 +183,7 @@ def _grouped_kernel(device_index: int) -> int:
 
 def _grouped_mm(a, b, offs):
     _meta(a, b, offs)  # the same checks on every device
-    major = _grouped_kernel(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
+    major = _grouped_kernel_major(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
         if a.is_cuda else 0
     # the weight-gradient form only where it was checked (sm_90): torch's issue 172439 reports non-zero results
     # for empty groups on sm_100
