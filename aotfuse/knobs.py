@@ -42,6 +42,8 @@
 | dynamic_variants | AOTFUSE_DYNAMIC_VARIANTS | 1 | build, dynamic dims: kernel variants per sub-range of a dynamic reduction length (emit/space.variant_blocks); 0: one kernel for the whole range |
 | shape_cache | AOTFUSE_SHAPE_CACHE | 16 | runtime, archives with dynamic dims: shapes (tuples of dim values) kept linked per program, each with its executor (arena) and, on CUDA, its graphs; the least recently used shape beyond is released (runtime/shapes.py) |
 | graph_copy_bytes | AOTFUSE_GRAPH_COPY_BYTES | 4096 | runtime: graph inputs of at most this many bytes are copied into static buffers and outputs cloned (not a training backward's gradients) (a loss kept by the caller pins no output set); larger ones are read and returned in place (runtime/graphs.py says which) |
+| donate | AOTFUSE_DONATE | 1 | build, training: the backward program's buffers may lie in saved tensors after their last read (schedule/donors.py, schedule/memplan.py), which the runtime hands over when autograd frees them after the backward (not with retain_graph); 0: every buffer in the arena |
+| donate_min_bytes | AOTFUSE_DONATE_MIN_BYTES | 1048576 | build: the smallest buffer placed in a donated saved tensor (each is a view made per call; small ones barely move the peak) |
 | debug | AOTFUSE_DEBUG | 0 | 1: CLI shows tracebacks |
 | mm | AOTFUSE_MM | heavy | matmuls: `extern` (every matmul cuBLAS, a tanh GELU in cuBLASLt's epilogue, a residual add as cuBLASLt's C), `heavy` (as `extern`, except a matmul whose epilogue lowering found heavy, a tanh GELU or its backward (lower/epilogue.epilogue_region), is a Triton template when schedule/templates.py's cost model prefers it), `template` (every floating-point matmul a Triton template with its epilogue fused), `auto` (the cost model for every matmul). Default heavy: on an H100 (2026-11-27, scripts/knob_ab.py and scripts/zoo_gpu.py --variant, one process) the anchor GPT's training step 4674 -> 4598 us of kernels (5159 -> 5081 us per step), GPT-2 inference 4.76 -> 4.39 ms and training 18.18 -> 18.09, T5, Whisper, BERT, ViT, Llama unchanged (no heavy template, or within 1%); `auto` lost 1-5% on the training of Llama, ViT, T5 and Whisper (residual and prologue templates its estimates prefer). Each target compiles its own tiles (emit/mm_configs.target_configs); the choice is priced for the archive's newest target |
 | attention | AOTFUSE_ATTENTION | auto | inference attention (scaled_dot_product_attention): `auto` a Triton flash-attention template (emit/template_attn.py) where it is supported and up to head dim 64 (H200, 2026-11-26, scripts/attn_probe.py: 0.58-0.93 of sdpa's time on the anchor GPT's shapes, 0.78-0.82 with a kept mask), except at most 512 keys over at least 4 x 132 row blocks without a per-head mask, where sdpa's cuDNN kernels were faster (H100, 2026-11-27: ViT-B/16 6.23 -> 5.99 ms, BERT-base 9.48 -> 9.35); `template` wherever supported, `extern` always torch's sdpa; schedule/attention.py lists what keeps sdpa |
@@ -130,6 +132,8 @@ class Knobs:
     graph_streams: int = _env_int("AOTFUSE_GRAPH_STREAMS", 4)
     graph_instances: int = _env_int("AOTFUSE_GRAPH_INSTANCES", 4)
     graph_copy_bytes: int = _env_int("AOTFUSE_GRAPH_COPY_BYTES", 4096)
+    donate: bool = bool(_env_int("AOTFUSE_DONATE", 1))
+    donate_min_bytes: int = _env_int("AOTFUSE_DONATE_MIN_BYTES", 1 << 20)
     dynamic_variants: bool = _env_int("AOTFUSE_DYNAMIC_VARIANTS", 1) != 0
     shape_cache: int = _env_int("AOTFUSE_SHAPE_CACHE", 16)
     debug: bool = bool(_env_int("AOTFUSE_DEBUG", 0))

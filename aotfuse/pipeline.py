@@ -38,6 +38,7 @@ from .schedule.trivial import trivial_reductions
 from .schedule.reorder import reorder_reductions
 from .schedule.split import split_reductions
 from .lower import lower
+from .schedule.donors import donatable_inputs
 from .schedule.memplan import plan_memory
 
 Progress = Callable[[str, dict], None]
@@ -125,7 +126,9 @@ def _scale_kernels(step: _Compiled, info) -> list:
     return [scale_kernel(bufs[o.view.buf].dtype, math.prod(o.view.shape), loss) for o in outs]
 
 
-def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
+def _schedule_program(st: _Stages, name: str, cg, saved_by: tuple | None = None) -> _Compiled:
+    """saved_by: (the forward's _Compiled, its outputs before the saved tensors) for a backward that may
+    place buffers in the saved tensors it no longer reads (schedule/donors.py)."""
     sfx = _suffix(name)
     graph, lctx = st.run("lower" + sfx, lower, cg, name)
     n_lowered = len(graph.nodes)
@@ -141,7 +144,12 @@ def _schedule_program(st: _Stages, name: str, cg) -> _Compiled:
     # a group of reductions walks the reduced index in its largest input's storage order (channels-last GroupNorm rows)
     graph, reordered = st.run("reorder" + sfx, reorder_reductions, graph, sched)
     lctx.decisions.extend(reordered)
-    plan = st.run("memory_plan" + sfx, plan_memory, graph, sched)
+    donors, donor_why = None, ""
+    if saved_by is not None:
+        donors, donor_why = donatable_inputs(saved_by[0].graph, graph, saved_by[1])
+    plan = st.run("memory_plan" + sfx, plan_memory, graph, sched, donors)
+    if saved_by is not None and not donors:
+        plan = dataclasses.replace(plan, donation=donor_why)
     kernels = st.run("codegen" + sfx, lambda: {g.name: generate(g, graph, sched.stored)
                                                for g in sched.groups if g.kind != "extern"})
     return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, splits)
@@ -223,7 +231,10 @@ def _build(scope: contextlib.ExitStack, model: torch.nn.Module, example_inputs=(
                 "stage", _train_graphs, joint, part, knobs.backward_stages if backward_stages is None else backward_stages)
             stage_why = staging.why
             progs = [_schedule_program(st, "forward", fwd_cg)]
-            progs += [_schedule_program(st, name, cg) for name, cg in zip(train_info.programs[1:], bwd_cgs)]
+            # one backward program: it may place buffers in the saved tensors it has read for the last time
+            # (a staged backward's stages share them: not donated)
+            saved_by = (progs[0], 1 + len(train_info.mutated_buffers)) if knobs.donate and len(bwd_cgs) == 1 else None
+            progs += [_schedule_program(st, name, cg, saved_by) for name, cg in zip(train_info.programs[1:], bwd_cgs)]
     else:
         cg = st.run("export", capture, model, example_inputs, example_kwargs=example_kwargs, dynamic=dynamic)
         call = {"inputs": cg.call, "outputs": cg.outputs_tree}
@@ -290,7 +301,7 @@ def _report(p: _Compiled) -> Report:
                                  kernels[g.name].name if g.name in kernels else None,
                                  _blocks(kernels[g.name]) if g.name in kernels else None) for g in sched.groups),
         memory=MemorySummary(hint(plan.arena_bytes), plan.naive_bytes, len(plan.allocations), len(plan.bound),
-                             plan.peak_live_bytes, plan.how),
+                             plan.peak_live_bytes, plan.how, plan.donated_bytes, plan.donation),
     )
 
 

@@ -34,12 +34,12 @@ class CPUGraph:
     """A module-level class: one made per capture would be a reference cycle (as every class is) and keep
     the state alive."""
 
-    def __init__(self, ex, args, seed, state, outs):
-        self.ex, self.seed, self.state, self.outs = ex, seed, state, outs
+    def __init__(self, ex, args, seed, state, outs, donate=False):
+        self.ex, self.seed, self.state, self.outs, self.donate = ex, seed, state, outs, donate
         self.args = [by_address(a) for a in args]
 
     def replay(self):
-        fresh = self.ex.run(self.args, self.seed, self.state)
+        fresh = self.ex.run(self.args, self.seed, self.state, self.donate)
         pairs = [(o, f) for o, f in zip(self.outs, fresh) if o is not None]
         copy_all([o for o, _ in pairs], [f for _, f in pairs])
         del fresh, pairs
@@ -52,10 +52,12 @@ def _collect():
     gc.collect(1)
 
 
-def record(ex, args, seed, state, stream, pool=None, side=None):
+def record(ex, args, seed, state, stream, pool=None, side=None, donate=False):
+    # a capture runs nothing: a donating graph's inputs are spent only by its replays (the stand-in's capture
+    # run keeps them)
     outs = ex.run(args, seed, state)
     _collect()
-    return CPUGraph(ex, args, seed, state, outs), outs  # the same list: _capture sets passed-through ones to None
+    return CPUGraph(ex, args, seed, state, outs, donate), outs  # the same list: _capture sets passed-through ones to None
 
 
 class _Scribbling(CPUGraph):
@@ -88,13 +90,13 @@ class Pools:
     def new_pool(self):
         return ("pool", next(self._ids))
 
-    def record(self, ex, args, seed, state, stream, pool=None, side=None):
+    def record(self, ex, args, seed, state, stream, pool=None, side=None, donate=False):
         self.sides.append(side)
         outs = ex.run(args, seed, state)
         _collect()
         if pool is not None:
             self.captured.setdefault(pool, []).append(outs)
-        return _Scribbling(self, pool, ex, args, seed, state, outs), outs
+        return _Scribbling(self, pool, ex, args, seed, state, outs, donate), outs
 
 
 def patch(monkeypatch, recorder=record, stream_id=None) -> dict:

@@ -52,7 +52,7 @@ def test_gradients_match_eager_and_reach_autograd_stage_by_stage(gpt):
     ref = copy.deepcopy(model)
     events = []
     run = pm._run
-    pm._run = lambda progs, name, ins: (events.append(name), run(progs, name, ins))[1]
+    pm._run = lambda progs, name, ins, **kw: (events.append(name), run(progs, name, ins, **kw))[1]
     for n, p in pm.named_parameters():
         p.register_post_accumulate_grad_hook(lambda t, n=n: events.append(n))
     info = res.manifest.train

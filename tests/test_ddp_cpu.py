@@ -41,7 +41,7 @@ def _worker(rank: int, path: str, port: int, model, batches, results):
         pm = aotfuse.load(path, device="cpu").as_module()
         events = []  # the packaged programs run and DDP's bucket all-reduces, in order
         run = pm._run
-        pm._run = lambda progs, name, ins: (events.append(name), run(progs, name, ins))[1]
+        pm._run = lambda progs, name, ins, **kw: (events.append(name), run(progs, name, ins, **kw))[1]
         # small buckets: each a few parameters, all-reduced as soon as DDP has their gradients
         ours = torch.nn.parallel.DistributedDataParallel(pm, bucket_cap_mb=0.05)
         ours.register_comm_hook(None, lambda state, bucket: (events.append("all-reduce"),

@@ -274,7 +274,7 @@ def test_beyond_the_limit_a_held_call_runs_without_a_graph(cpu_graphs):
     gp = _gp(graph_instances=2)
     x, w, b = _data(2)
     kept = [gp([x, w, b + i]) for i in range(4)]  # the caller keeps every result
-    assert gp.stats == {"captures": 2, "replays": 2, "eager_calls": 2, "evictions": 0, "resets": 0}
+    assert gp.stats == {"captures": 2, "replays": 2, "eager_calls": 2, "evictions": 0, "resets": 0, "warmups": 0}
     for i, (y, z, _) in enumerate(kept):  # all valid, none overwritten
         want = _want(x, w, b + i)
         assert torch.allclose(y, want[0]) and torch.allclose(z, want[1])

@@ -40,8 +40,8 @@ def test_the_accounting_matches_what_each_program_returns(archives, stages):
     got = {}
     run = pm._run
 
-    def spy(progs, name, ins):
-        outs = run(progs, name, ins)
+    def spy(progs, name, ins, **kw):
+        outs = run(progs, name, ins, **kw)
         got[name] = _returned_bytes(list(outs), ins)
         return outs
     pm._run = spy

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from .kernels import Binary, KernelArg, KernelEntry, kernels_from_dict, kernels_to_dict, specialize_kernel
 from .manifest import DimSpec, InputSpec, Manifest, OutputSpec, TrainInfo
-from .program import (DIMS_VERSION, MAX_SUPPORTED_VERSION, MIN_SUPPORTED_VERSION, PROGRAM_VERSION, Alloc, Extern,
+from .program import (DIMS_VERSION, DONOR_VERSION, MAX_SUPPORTED_VERSION, MIN_SUPPORTED_VERSION, PROGRAM_VERSION, Alloc, Extern,
                       ExternOut, Free, Instruction, Launch, Program, ProgramInput, Return, TensorRef, WeightSpec,
                       check_program_version, program_dims, specialize)
 from .report import (FusionRecord, FusionSummary, GroupRecord, InlineRecord, MemorySummary, Report)
 from .sizes import SizeExpr, check_size, compile_size, evaluate, free_dims
 
 __all__ = ["Binary", "KernelArg", "KernelEntry", "kernels_from_dict", "kernels_to_dict", "specialize_kernel",
-           "DimSpec", "InputSpec", "Manifest", "OutputSpec", "TrainInfo", "DIMS_VERSION", "MAX_SUPPORTED_VERSION",
+           "DimSpec", "InputSpec", "Manifest", "OutputSpec", "TrainInfo", "DIMS_VERSION", "DONOR_VERSION", "MAX_SUPPORTED_VERSION",
            "MIN_SUPPORTED_VERSION", "PROGRAM_VERSION", "Alloc", "Extern", "ExternOut", "Free", "Instruction", "Launch",
            "Program", "ProgramInput", "Return", "TensorRef", "WeightSpec", "check_program_version", "program_dims",
            "specialize", "FusionRecord", "FusionSummary", "GroupRecord", "InlineRecord", "MemorySummary", "Report",

@@ -133,19 +133,23 @@ class MemorySummary:
     bound_extern_results: int
     peak_live_bytes: int = 0  # most bytes live at once (no plan is smaller); 0 in older reports
     plan: str = ""  # which offset plan won (schedule/memplan.py): "greedy-by-size" | "slots"
+    donated_bytes: int = 0  # a training backward's buffers placed in saved tensors it no longer reads
+    donation: str = ""  # what that placement did, or why none (a backward's report only)
 
     def to_dict(self) -> dict:
         d = {"arena_bytes": self.arena_bytes, "naive_bytes": self.naive_bytes, "buffers": self.buffers,
              "bound_extern_results": self.bound_extern_results}
         put_optional(d, "peak_live_bytes", self.peak_live_bytes, 0)
+        put_optional(d, "donated_bytes", self.donated_bytes, 0)
+        put_optional(d, "donation", self.donation, "")
         return put_optional(d, "plan", self.plan, "")
 
     @classmethod
     def from_dict(cls, d: Any) -> "MemorySummary":
         d = fields(d, "report memory", ("arena_bytes", "naive_bytes", "buffers", "bound_extern_results"),
-                   ("peak_live_bytes", "plan"))
+                   ("peak_live_bytes", "plan", "donated_bytes", "donation"))
         return cls(d["arena_bytes"], d["naive_bytes"], d["buffers"], d["bound_extern_results"],
-                   d.get("peak_live_bytes", 0), d.get("plan", ""))
+                   d.get("peak_live_bytes", 0), d.get("plan", ""), d.get("donated_bytes", 0), d.get("donation", ""))
 
 
 @dataclasses.dataclass(frozen=True)

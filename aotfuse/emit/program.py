@@ -38,7 +38,10 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
 
     def alloc(name: str, own: bool) -> Alloc:  # own: an allocation of its own, not in the arena
         b = bufs[name]
-        return Alloc(name, -1 if own else spelled(alloc_of[name].offset), _sizes(b.shape), b.dtype)
+        if own:
+            return Alloc(name, -1, _sizes(b.shape), b.dtype)
+        a = alloc_of[name]
+        return Alloc(name, spelled(a.offset), _sizes(b.shape), b.dtype, a.donor)
 
     # multi-output externs: the call's further results (ir.loop.Extern.result), defined by its instruction
     results: dict[str, list] = {}

@@ -295,6 +295,7 @@ class Executor:
         # outputs (and the buffers they view) are allocated per call, never in the shared arena
         self._per_call_bufs = {o.t for o in program.returned}
         self.arena_allocs: list[tuple] = []
+        self.donor_need: dict[int, int] = {}  # donated input slot -> bytes of it the program's allocs reach
         self.n_externs = 0
         self.per_call: set[int] = set(self.input_slots) | ({self.rng_slot} if self.rng_slot is not None else set())
         self.steps = [s for s in (self._link(ins, launchers) for ins in instructions) if s is not None]
@@ -323,6 +324,16 @@ class Executor:
             dt = torch_dtype(ins.dtype)
             slot = self._slot(ins.buf)
             self.slot_dtypes[slot] = dt
+            if ins.donor is not None:  # in a donated input's bytes when the call donates, else its own
+                donor = self._slots.get(ins.donor)
+                if donor is None or donor not in self.input_slots:
+                    raise ArchiveError(f"alloc {ins.buf!r} lies in {ins.donor!r}, which is not a program input")
+                self.per_call.add(slot)
+                n = dt.itemsize
+                for d in ins.shape:
+                    n *= d
+                self.donor_need[donor] = max(self.donor_need.get(donor, 0), ins.offset + n)
+                return ("donor", slot, donor, ins.offset, n, ins.shape, dt)
             if ins.offset < 0 or ins.buf in self._per_call_bufs:
                 self.per_call.add(slot)
                 return ("new", slot, ins.shape, dt)
@@ -413,7 +424,12 @@ class Executor:
 
     # ---------------------------------------------------------------- run
     def run(self, inputs: list[torch.Tensor], seed: torch.Tensor | None = None,
-            state: State | None = None) -> list[torch.Tensor]:
+            state: State | None = None, donate: bool = False) -> list[torch.Tensor]:
+        """donate: the caller hands over the inputs the program's donated allocs lie in (a training backward's
+        saved tensors that autograd frees after it): once the program has read such an input for the last
+        time it writes other buffers over it. Each donated input must be a row-major tensor, 16-byte
+        aligned, large enough, and share its storage with no other input nor weight; one that is not keeps
+        its values (its allocs get memory of their own). False: every such alloc gets memory of its own."""
         stream = current_stream(self.device.index) if self.device.type == "cuda" else 0
         st = state or self._state_for_caller(stream)
         with st.lock:
@@ -422,18 +438,19 @@ class Executor:
                 if key != st.matmul_policy:  # torch's matmul settings changed since the state was bound
                     st.bind_matmuls(self, key)
             try:
-                return self._run(st, inputs, seed, stream)
+                return self._run(st, inputs, seed, stream, donate)
             finally:
                 env = st.env
                 for s in self._per_call_list:  # drop this call's tensors; the outputs are the caller's
                     env[s] = None
 
-    def _run(self, st: State, inputs, seed, stream: int) -> list[torch.Tensor]:
+    def _run(self, st: State, inputs, seed, stream: int, donate: bool = False) -> list[torch.Tensor]:
         env, addr, dev = st.env, st.addr, self.device
         by_addr = dev.type == "cuda"  # GPU launchers take (grid, stream, addresses); the interpreter's tensors
         for s, t in zip(self.input_slots, inputs):
             env[s] = t
             addr[s] = t.data_ptr()
+        donated = self._donatable(env) if donate and self.donor_need else ()
         if self.rng_slot is not None:
             t = seed if seed is not None else new_seed(dev)
             env[self.rng_slot] = t
@@ -457,12 +474,40 @@ class Executor:
                 addr[slot] = t.data_ptr()
             elif kind == "extern":
                 self._extern(st, step, env, addr)
+            elif kind == "donor":
+                _, slot, donor, off, n, shape, dt = step
+                if donor in donated:
+                    t = env[donor].reshape(-1).view(torch.uint8)[off:off + n].view(dt).view(shape)
+                else:
+                    t = torch.empty(shape, dtype=dt, device=dev)
+                env[slot] = t
+                addr[slot] = t.data_ptr()
             elif kind == "free":
                 for s in step[1]:
                     env[s] = None
             else:
                 return [v.of(env) for v in step[1]]
         raise ArchiveError("program has no return instruction")
+
+    def _donatable(self, env: list) -> set[int]:
+        """The donated input slots whose tensors this call may write over (see run)."""
+        owners: dict[int, int] = {}
+        for s in self.input_slots:
+            t = env[s]
+            if t.numel():
+                p = t.untyped_storage().data_ptr()
+                owners[p] = owners.get(p, 0) + 1
+        for _, w in self.weight_slots:
+            if w.numel():
+                p = w.untyped_storage().data_ptr()
+                owners[p] = owners.get(p, 0) + 1
+        ok = set()
+        for s, need in self.donor_need.items():
+            t = env[s]
+            if (t.numel() and t.is_contiguous() and t.data_ptr() % 16 == 0 and t.numel() * t.element_size() >= need
+                    and owners[t.untyped_storage().data_ptr()] == 1):
+                ok.add(s)
+        return ok
 
     @staticmethod
     def _decode(a, env):

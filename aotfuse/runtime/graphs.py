@@ -86,7 +86,7 @@ from .graph_memory import allocated_bytes, nbytes
 from .graph_cache import InstanceCache, OutputSet, PoolChains, copy_all
 
 KEY_RATIO = 8  # large inputs are read in place (keyed) when at least 1/8 of the outputs' bytes
-STATS = ("captures", "replays", "eager_calls", "evictions", "resets")
+STATS = ("captures", "replays", "eager_calls", "evictions", "resets", "warmups")
 
 
 def _clear_library_workspaces() -> None:
@@ -192,12 +192,13 @@ class GraphedProgram:
     def released(self) -> bool:
         return self._released
 
-    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, inputs: list[torch.Tensor], donate: bool = False) -> list[torch.Tensor]:
+        """donate: as Executor.run's (a training backward whose saved tensors autograd frees after it)."""
         fam = self._family(current_stream(self.device.index))
         with fam.lock:
             if fam.released:  # dropped between lookup and lock: take a fresh one
-                return self(inputs)
-            outs = fam.run(inputs)
+                return self(inputs, donate)
+            outs = fam.run(inputs, donate)
         for k, j, o in self._through:  # a view of the caller's input, as the executor returns
             if outs[k] is None:
                 x = inputs[j]
@@ -249,22 +250,25 @@ def _side_stream(device: torch.device):
     return torch.cuda.Stream(device)
 
 
-def _record(ex: Executor, args: list, seed, state, stream, pool=None, side=None) -> tuple:
+def _record(ex: Executor, args: list, seed, state, stream, pool=None, side=None, donate: bool = False) -> tuple:
     """Capture one run of the program on `args` into a CUDA graph: (graph, its outputs). pool: a memory
     pool shared with other graphs (graph_cache.PoolChain); None: a private one. side: the stream to
     capture on (graphs sharing a pool capture on one: the allocator reuses a freed block only for an
-    allocation on the stream it was freed on); None: a new one."""
+    allocation on the stream it was freed on); None: a new one. donate: the graph writes over the donated
+    inputs (Executor.run); no warm-up run then (it would spend them before the replay reads them): the
+    caller ran the program without a graph first (_Family.run)."""
     side = _side_stream(ex.device) if side is None else side
     side.wait_stream(stream)
-    with torch.cuda.stream(side), torch.no_grad():
-        ex.run(args, seed, state)  # warm-up: lazy library set-up stays out of the graph
+    if not donate:
+        with torch.cuda.stream(side), torch.no_grad():
+            ex.run(args, seed, state)  # warm-up: lazy library set-up stays out of the graph
     graph = torch.cuda.CUDAGraph()
     _clear_library_workspaces()
     try:
         with torch.cuda.stream(side), torch.no_grad():
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                outs = ex.run(args, seed, state)
+                outs = ex.run(args, seed, state, donate)
             finally:
                 graph.capture_end()
     finally:
@@ -359,10 +363,11 @@ class _Family:
         self.seed = torch.empty(1, dtype=torch.int64, device=prog.device) if prog.ex.program.rng else None
         self.cache = InstanceCache(prog.instances, self.chains.held_after if self.chains is not None else None)
         self.bound_ptrs: list | None = None
+        self.warm: dict = {}  # donating keys that ran once without a graph (insertion-ordered, bounded)
         self.stats = collections.Counter(dict.fromkeys(STATS, 0))  # keys fixed: read while other threads count
         self.released = False
 
-    def run(self, inputs: list[torch.Tensor]) -> list:
+    def run(self, inputs: list[torch.Tensor], donate: bool = False) -> list:
         p = self.prog
         ptrs = [inputs[i].data_ptr() for i in p.bound_order]
         if ptrs != self.bound_ptrs:  # a parameter's tensor changed: graphs of the old ones go
@@ -371,10 +376,22 @@ class _Family:
                 self._drop(list(self.cache.entries))
             self.bound_ptrs = ptrs
         key = tuple(inputs[i].data_ptr() for i in p.keyed)
+        if donate and p.ex.donor_need:
+            key += ("donate",)  # its graphs write over the donated inputs: never replayed for a call that keeps them
+            if key not in self.warm:
+                # a donating key's first call runs without a graph: it sets lazy libraries up, so its capture
+                # (at the key's next call) needs no warm-up run, which would spend the inputs the replay reads
+                self.warm[key] = None
+                while len(self.warm) > 4 * max(1, p.instances):
+                    self.warm.pop(next(iter(self.warm)))
+                self.stats["warmups"] += 1
+                return p.ex.run(list(inputs), None, self.state, True)
+        else:
+            donate = False
         action, g = self.cache.choose(key)
         if action == "eager":
             self.stats["eager_calls"] += 1
-            return p.ex.run(list(inputs), None, self.state)
+            return p.ex.run(list(inputs), None, self.state, donate)
         if len(self.static) != len(p.copied):
             ins = p.ex.program.inputs
             self.static = {i: torch.empty_strided(inputs[i].shape, inputs[i].stride(), dtype=torch_dtype(ins[i].dtype),
@@ -389,23 +406,23 @@ class _Family:
             if g is not None:
                 self.stats["evictions"] += 1
                 self._drop([g])
-            g = self._capture(inputs, key)
+            g = self._capture(inputs, key, donate)
             self.cache.add(g)
         g.graph.replay()
         self.stats["replays"] += 1
         return g.outputs.hand_out()
 
-    def _capture(self, inputs: list[torch.Tensor], key: tuple) -> _Graph:
+    def _capture(self, inputs: list[torch.Tensor], key: tuple, donate: bool = False) -> _Graph:
         p = self.prog
         args = [self.static.get(i, x) for i, x in enumerate(inputs)]
         if self.chains is None:
-            graph, outs = _record(p.ex, args, self.seed, self.state, self.stream)
+            graph, outs = _record(p.ex, args, self.seed, self.state, self.stream, donate=donate)
             g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes, p.alias_small))
         else:
             with self.chains.lock:  # members listed in the order they were captured into the pool
                 chain = self.chains.open_for(p.order)
                 graph, outs = _record(p.ex, args, self.seed, self.state, self.stream, chain.handle,
-                                      p.arenas.capture_stream(self.stream_id))
+                                      p.arenas.capture_stream(self.stream_id), donate)
                 g = _Graph(graph, key, OutputSet(self._kept(outs), p.copy_bytes, p.alias_small), p.order)
                 self.chains.add(chain, g)
         self.stats["captures"] += 1

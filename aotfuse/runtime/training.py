@@ -62,8 +62,15 @@ class _Packaged(torch.autograd.Function):
         module = ctx.module
         saved = ctx.saved_tensors
         tangent = grad_loss.reshape(()).to(module._loss_dtype).contiguous()
-        grads = module._run(ctx.progs, "backward", list(saved) + [tangent])
+        grads = module._run(ctx.progs, "backward", list(saved) + [tangent], donate=_frees_saved())
         return (None, *_by_owner(module, ctx, _unshared(grads)))
+
+
+def _frees_saved() -> bool:
+    """Whether autograd frees this node's saved tensors after its backward (no retain_graph, no
+    create_graph): only then may the backward program write over the ones it has read (Alloc.donor)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep is not None and not keep()
 
 
 def _by_owner(module, ctx, grads) -> tuple:
@@ -401,12 +408,12 @@ class PackagedModule(nn.Module):
             for (launch, k), grid, g in zip(self._scalers, grids, grads):
                 launch(grid, 0, [g, tangent, *_size_args(k, progs.env)])
 
-    def _run(self, progs, program: str, inputs: list):
+    def _run(self, progs, program: str, inputs: list, donate: bool = False):
         with self._art.device_scope():
             g = progs.graphs.get(program) if progs.graphs is not None else None
             if g is not None and not g.released:
-                return g(inputs)
-            return progs.executors[program].run(inputs)
+                return g(inputs, donate)
+            return progs.executors[program].run(inputs, donate=donate)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for name, p in zip(self._names, self._param_list):

@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from ..contract.manifest import backward_programs
-from ..contract.program import DIMS_VERSION, PDL_VERSION, TILES_VERSION, check_program_version
+from ..contract.program import DIMS_VERSION, DONOR_VERSION, PDL_VERSION, TILES_VERSION, check_program_version
 from ..dtypes import ITEMSIZE, TORCH as DTYPES, name_of
 from ..errors import ArchiveError
 from .externs import ALLOWED
@@ -186,6 +186,9 @@ class _Walk:
         # _symbolic_plan), at least this shape's reach and at most the allocations stacked
         self.dynamic = prog.get("version", 0) >= 5
         self.arena_live: dict[str, tuple[int, int]] = {}  # live arena buffers: name -> [start, end) bytes
+        self.donated: dict[str, int] = {}  # inputs whose bytes allocs took (version 8) -> their bytes
+        self.donor_live: dict[str, tuple[str, int, int]] = {}  # live buffers in them: name -> (donor, start, end)
+        self.pending: set[str] = set()  # donated inputs the next launch or extern may still read
         self.own_bytes = 0  # allocations outside the arena (offset -1) and extern results
         self.outputs: tuple = ()
         self.inputs = self._bind_inputs(prog["inputs"])
@@ -195,7 +198,7 @@ class _Walk:
     # -- bindings before the first instruction
     def _define(self, name, buf: _Buf, where: str) -> None:
         _str(name, where)
-        if name in self.live or name in self.freed:
+        if name in self.live or name in self.freed or name in self.donated:
             _fail(where, f"buffer {name!r} is defined twice")
         self.live[name] = buf
 
@@ -251,6 +254,10 @@ class _Walk:
             if op == "return" and i != len(instrs) - 1:
                 _fail(where, "return is not the last instruction")
             handler(self, i, ins, where)
+            if op in ("launch", "extern") and self.pending:
+                for d in self.pending:
+                    del self.live[d]
+                self.pending.clear()
         if instrs[-1].get("op") != "return":
             _fail(self.where, "program has no return instruction at the end")
         self._check_totals()
@@ -269,6 +276,8 @@ class _Walk:
             return buf
         if type(name) is str and name in self.freed:
             _fail(where, f"buffer {name!r} is used after its free at instruction {self.freed[name]}")
+        if type(name) is str and name in self.donated:
+            _fail(where, f"input {name!r} is used after an alloc took its bytes (a donated input is never read again)")
         _fail(where, f"buffer {_short(name)} is not defined")
 
     def _view(self, v, where: str) -> tuple[_Buf, dict]:
@@ -304,6 +313,9 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
     buf = _Buf(_dtype(ins["dtype"], f"{where}: dtype"), _shape(ins["shape"], f"{where}: shape"), "alloc")
     nbytes = buf.numel * ITEMSIZE[buf.dtype]
     off = _int(ins["offset"], f"{where}: offset", -1, MAX_BYTES)
+    if "donor" in ins:
+        _donated(w, ins, buf, off, nbytes, where)
+        return
     if off < 0:
         w.own_bytes += nbytes
     else:
@@ -319,6 +331,29 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
     w._define(ins["buf"], buf, where)
     if off >= 0:
         w.arena_live[ins["buf"]] = (off, off + nbytes)
+
+
+def _donated(w: _Walk, ins: dict, buf: _Buf, off: int, nbytes: int, where: str) -> None:
+    """An alloc in a program input's bytes (version 8): the input is never read again (any later use of it
+    fails as a use after its donation), and buffers in its bytes never overlap while both live."""
+    if w.prog["version"] < DONOR_VERSION:
+        _fail(where, f"a version {w.prog['version']} program has no donated allocs (version {DONOR_VERSION}+)")
+    donor = _str(ins["donor"], f"{where}: donor")
+    if donor not in w.donated:
+        d = w._use(donor, f"{where}: donor")
+        if d.kind != "input":
+            _fail(where, f"donor {donor!r} is a {d.kind} buffer; only a program input's bytes may be donated")
+        w.donated[donor] = d.numel * ITEMSIZE[d.dtype]
+        w.pending.add(donor)  # the next launch or extern may still read it (in place), none after it
+    if off < 0 or off % KERNEL_PTR_ALIGN:
+        _fail(where, f"offset {off} in donor {donor!r} is not a multiple of {KERNEL_PTR_ALIGN}")
+    if off + nbytes > w.donated[donor]:
+        _fail(where, f"bytes {off}..{off + nbytes} lie outside donor {donor!r} of {w.donated[donor]} bytes")
+    for other, (dn, lo, hi) in w.donor_live.items():
+        if dn == donor and off < hi and lo < off + nbytes:
+            _fail(where, f"bytes {off}..{off + nbytes} of donor {donor!r} overlap live buffer {other!r} at {lo}..{hi}")
+    w._define(ins["buf"], buf, where)
+    w.donor_live[ins["buf"]] = (donor, off, off + nbytes)
 
 
 def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
@@ -482,6 +517,7 @@ def _free(w: _Walk, i: int, ins: dict, where: str) -> None:
         w._use(b, where)
         del w.live[b]
         w.arena_live.pop(b, None)
+        w.donor_live.pop(b, None)
         w.freed[b] = i
 
 

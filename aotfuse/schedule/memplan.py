@@ -8,6 +8,13 @@ lifetime meets its own; Pisarchyk & Lee's "greedy by size"), which packs big and
 the holes others leave. The earlier plan, slots reused whole in schedule order, is computed too and
 the smaller arena wins (`MemoryPlan.how`). On a ResNet-18 training step's backward (batch 64, 224 px)
 slots needed 1045 MiB for 589 MiB of peak live bytes.
+
+Donated inputs (`donors`, a training backward's saved tensors that the forward hands over whole and that
+nothing else holds: schedule/donors.py): after an input's last read its bytes are free, so a buffer defined
+later may lie in them (`Allocation.donor`, its offset within the input) instead of in the arena. Buffers are
+placed largest first, each into the smallest donor it fits at the lowest offset free for its lifetime; the
+rest form the arena as above. The runtime hands the bytes over only when autograd frees the saved tensors
+after this backward; otherwise such a buffer is allocated on its own (runtime/executor.py).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ class Allocation:
     nbytes: int
     define: int  # step index
     last_use: int
+    donor: str | None = None  # an input whose bytes hold this buffer (offset within them); None: the arena
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +51,16 @@ class MemoryPlan:
     separate: tuple[str, ...] = ()  # output buffers allocated on their own, outside the arena
     peak_live_bytes: int = 0  # most bytes live at once: no plan's arena is smaller
     how: str = "slots"  # "greedy-by-size" | "slots": the plan that gave the smaller arena
+    donated_bytes: int = 0  # bytes of buffers placed in donated inputs (aligned), not in the arena
+    donation: str = ""  # what donation did or why it did nothing (explain); "" when no donors were offered
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
+def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None = None) -> MemoryPlan:
+    """donors: program inputs whose bytes may hold buffers defined after the input's last read -> their bytes."""
     nodes = {n.name: n for n in graph.nodes}
     bufs = graph.buffer_map
     outputs = {o.view.buf for o in graph.outputs}
@@ -104,11 +115,126 @@ def plan_memory(graph: LoopGraph, sched: Schedule) -> MemoryPlan:
         how = "greedy-by-size"
         if arena > acc:  # the slot plan packed better: keep it (offsets of its slots)
             placed, arena, how = {b: offsets[s] for b, s in slot_of.items()}, acc, "slots"
-    allocs = tuple(Allocation(b, placed[b], placed[b], bufs[b].nbytes, defined_at[b], last_use.get(b, end))
+    in_donor: dict[str, tuple[str, int]] = {}
+    donated, donation = 0, ""
+    if donors:
+        if not all(static(bufs[b].nbytes) for b in slot_of) or not all(static(n) for n in donors.values()):
+            donation = "none: sizes vary with the dims"
+        else:
+            read_at = dict(last_use)
+            for step, g in enumerate(sched.groups):  # an extern's keyword tensors are reads too
+                for n in g.nodes:
+                    if isinstance(nodes[n], Extern):
+                        for b in _kwarg_bufs(nodes[n]):
+                            read_at[b] = max(read_at.get(b, -1), step)
+            inplace = _in_place(graph, sched, nodes, donors, read_at)
+            in_donor, rest_at, rest_arena, donation = _donate(need, {b: int(bufs[b].nbytes) for b in slot_of}, life,
+                                                              {d: int(n) for d, n in donors.items()}, read_at, arena,
+                                                              inplace)
+            if in_donor:
+                placed, arena, how = rest_at, rest_arena, "greedy-by-size, with donated inputs"
+                donated = sum(need[b] for b in in_donor)
+    allocs = tuple(Allocation(b, in_donor[b][1] if b in in_donor else placed[b],
+                              in_donor[b][1] if b in in_donor else placed[b], bufs[b].nbytes, defined_at[b],
+                              last_use.get(b, end), in_donor[b][0] if b in in_donor else None)
                    for b in slot_of)
     naive = sum(_align(hint(bufs[b].nbytes)) for b in defined_at if b not in outputs)
     return MemoryPlan(allocs, arena, naive, bound, tuple(frees),
-                      tuple(b for b in defined_at if b in outputs and b not in bound), _peak(need, life, end), how)
+                      tuple(b for b in defined_at if b in outputs and b not in bound), _peak(need, life, end), how,
+                      donated, donation)
+
+
+def _in_place(graph: LoopGraph, sched: Schedule, nodes: dict, donors, read_at: dict) -> set[tuple[str, str]]:
+    """(buffer, donor) pairs where the buffer may take the donor's bytes in the very step that reads the donor
+    for the last time: a pointwise kernel (one program per block of elements, its nodes emitted in order, each
+    stored after its body) whose every read of the donor is at the element the program is at ('point'), and
+    none of them in a node after the one that stores the buffer, which has the donor's element count and
+    itemsize. Element i is then read, by the program that owns it, before i is written at the same bytes
+    (a cross-entropy backward writes the logits' gradient over the saved logits)."""
+    from ..dtypes import ITEMSIZE
+    from ..ir.loop import Pointwise
+    from .deps import MemoryDep, classify_read, node_reads
+
+    bufs = graph.buffer_map
+    out = set()
+    for d in donors:
+        step = read_at.get(d)
+        if step is None:
+            continue
+        g = sched.groups[step]
+        if g.kind != "pointwise":
+            continue
+        nd = bufs[d].numel
+        members = [nodes[n] for n in g.nodes]
+        readers = []
+        for k, n in enumerate(members):
+            deps = [x for x in node_reads(n) if x.buf == d]
+            if not deps:
+                continue
+            if not isinstance(n, Pointwise) or not all(
+                    isinstance(x, MemoryDep) and classify_read(n, x.index, nd, 1) == "point" for x in deps):
+                readers = None
+                break
+            readers.append(k)
+        if not readers:
+            continue
+        for k, n in enumerate(members):
+            if (k >= readers[-1] and isinstance(n, Pointwise) and n.name in sched.stored and static(nd)
+                    and bufs[n.name].numel == nd and ITEMSIZE[bufs[n.name].dtype] == ITEMSIZE[bufs[d].dtype]):
+                out.add((n.name, d))
+    return out
+
+
+def _donate(need: dict[str, int], nbytes: dict[str, int], life: dict[str, tuple[int, int]], donors: dict[str, int],
+            last_use: dict[str, int], arena_before: int, inplace: set = frozenset()) -> tuple[dict, dict, int, str]:
+    """Buffers placed in donated inputs: ({buffer: (donor, offset)}, the rest's arena offsets, its bytes, why).
+
+    Largest first (ties by definition step, then name: deterministic), each buffer of at least
+    knobs.donate_min_bytes goes into the smallest donor whose last read is before its definition and that
+    has room at some offset free for its lifetime (the lowest such offset); a buffer no donor takes stays
+    in the arena, which greedy-by-size then plans for the rest. Small buffers stay in the arena: each donated
+    buffer is a view made per call, and they barely move the peak. Nothing is donated when it would not
+    shrink the arena."""
+    from ..knobs import knobs
+
+    regions = {d: [] for d in donors}  # donor -> placed (offset, end, define, last_use)
+    free_after = {d: last_use.get(d, -1) for d in donors}  # an input nothing reads is free from the first step
+    out: dict[str, tuple[str, int]] = {}
+    for b in sorted(need, key=lambda b: (-need[b], life[b][0], b)):
+        if nbytes[b] < knobs.donate_min_bytes:
+            continue
+        d0, l0 = life[b]
+        best = None
+        for d in sorted(donors, key=lambda d: (donors[d], d)):
+            if free_after[d] > d0 or (free_after[d] == d0 and (b, d) not in inplace):
+                continue
+            if free_after[d] == d0:  # in place: element i over element i (offset 0), nothing else there yet
+                if not any(d2 <= l0 and d0 <= l2 for _, _, d2, l2 in regions[d]):
+                    best = (d, 0)
+                    break
+                continue
+            off = 0
+            for o, e in sorted((o, e) for o, e, d2, l2 in regions[d] if d2 <= l0 and d0 <= l2):
+                if off + nbytes[b] <= o:
+                    break
+                off = max(off, e)
+            if off + nbytes[b] <= donors[d]:
+                best = (d, off)
+                break
+        if best is not None:
+            regions[best[0]].append((best[1], best[1] + need[b], d0, l0))
+            out[b] = best
+    if not out:
+        return {}, {}, arena_before, "none: no buffer of the backward fits a saved tensor after its last read"
+    rest = {b: n for b, n in need.items() if b not in out}
+    at, arena = _greedy_by_size(rest, {b: life[b] for b in rest})
+    if arena >= arena_before:
+        return {}, {}, arena_before, (f"none: {len(out)} buffers would fit saved tensors, but the arena would not "
+                                      f"shrink ({arena_before} B)")
+    used = sorted({d for d, _ in out.values()})
+    moved = sum(need[b] for b in out)
+    return out, at, arena, (f"{len(out)} buffers ({moved / 2 ** 20:.1f} MiB) in {len(used)} of {len(donors)} "
+                            f"donatable saved tensors; arena {arena_before / 2 ** 20:.1f} -> {arena / 2 ** 20:.1f} MiB")
 
 
 def _symbolic_plan(nbytes: dict, life: dict[str, tuple[int, int]]) -> tuple[dict, object]:
@@ -228,6 +354,13 @@ def _peak(need: dict[str, int], life: dict[str, tuple[int, int]], end: int) -> i
         cur += x
         peak = max(peak, cur)
     return peak
+
+
+def _kwarg_bufs(node: Extern) -> list[str]:
+    from ..ir.loop import TensorArg
+    from .deps import _flatten
+
+    return [a.buf for a in _flatten(tuple(v for _, v in node.kwargs)) if isinstance(a, TensorArg)]
 
 
 def _reads(node) -> list[str]:
