@@ -32,7 +32,7 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, d=64, n=3, vocab=700):
+    def __init__(self, d=64, n=3, vocab=3000):
         super().__init__()
         self.blocks = torch.nn.ModuleList([Block(d) for _ in range(n)])
         self.head = torch.nn.Linear(d, vocab)
@@ -43,7 +43,7 @@ class Net(torch.nn.Module):
         return F.cross_entropy(self.head(x), y)
 
 
-ROWS, D, VOCAB = 1024, 64, 700
+ROWS, D, VOCAB = 1024, 64, 3000
 
 
 def _batch(seed, device="cpu"):
@@ -232,15 +232,25 @@ def _arch():
     return (f"sm_{major}{minor}",)
 
 
-def _step_peak(pm, batch) -> int:
+def _held(data: bytes) -> int:
+    """Bytes a loaded train module holds after a few steps with graphs (weights, arena, output sets), and
+    the peak of those steps, above what was allocated before the load."""
+    import gc
+
+    gc.collect()
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    for p in pm.parameters():
-        p.grad = None
-    pm(*batch).backward()
+    pm = aotfuse.load(data, device="cuda").as_module()
+    for s in range(4):
+        for p in pm.parameters():
+            p.grad = None
+        pm(*_batch(60 + s, "cuda")).backward()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    held, peak = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
+    del pm
+    return held, peak
 
 
 @pytest.mark.gpu
@@ -274,11 +284,7 @@ def test_gpu_graphs_donate_match_eager_and_lower_the_peak():
     ref(*batch).backward()
     _close(first, _grads(ref), 2e-3)
     _close(_grads(pm), _grads(ref), 2e-3)
-    # the step's peak (steady state, graphs replayed) is below the same model's without donation
-    pp = aotfuse.load(plain.data, device="cuda").as_module()
-    for m in (pm, pp):
-        for s in range(3):
-            _step_peak(m, _batch(60 + s, "cuda"))
-    with_d, without = _step_peak(pm, _batch(70, "cuda")), _step_peak(pp, _batch(70, "cuda"))
-    saved = res.report.backward.memory
-    assert with_d < without, (with_d, without, saved)
+    # what the module holds between steps (the shared arena is the backward's) and the peak of its first
+    # steps are below the same model's without donation
+    (held, peak), (held0, peak0) = _held(res.data), _held(plain.data)
+    assert held < held0 and peak < peak0, (held, held0, peak, peak0, res.report.backward.memory)
