@@ -71,6 +71,8 @@ def sink_recomputation(graph: torch.fx.Graph, tangent: torch.fx.Node, keep=()) -
                 moving.add(a)
                 push(a)
         for m in moving:
+            if op_class(m) == "view":
+                continue  # its base lives as long as the view's readers read it, wherever the view node sits
             for a in m.all_input_nodes:
                 if a not in moving and not is_free(a) and \
                         max((pos[u] for u in a.users if u not in moving), default=Fraction(-1)) < at:
