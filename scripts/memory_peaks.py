@@ -22,7 +22,7 @@ def arena_peak(program) -> tuple[int, int, dict]:
     live: dict = {}
     best = (0, -1, {})
     for k, ins in enumerate(program.instructions):
-        if isinstance(ins, Alloc) and ins.offset != -1 and ins.donor is None:  # a donated input's bytes: not the arena
+        if isinstance(ins, Alloc) and ins.offset != -1 and ins.host is None:  # in another buffer's bytes: not the arena
             live[ins.buf] = (nbytes(ins.shape, ins.dtype), tuple(ins.shape), ins.dtype)
         elif isinstance(ins, Free):
             for b in ins.bufs:

@@ -1,11 +1,12 @@
-"""A training backward reuses the bytes of saved tensors it has read for the last time (schedule/donors.py,
-schedule/memplan.py `_donate`, Alloc.donor, Executor.run(donate=...), runtime/training.py `_frees_saved`).
+"""Buffers in the bytes of idle buffers (schedule/hosts.py, Alloc.host): a training backward's saved tensors
+after their last read (schedule/donors.py, Executor.run(donate=...), runtime/training.py `_frees_saved`), and
+outputs before they are written.
 
-CPU: the plan (the arena shrinks, in-place reuse for the cross-entropy gradient), gradients against eager
-over steps, that the saved tensors really are written over when autograd frees them and never when the
-graph is kept (retain_graph), gradient accumulation and two forwards alive, the runtime's refusals
-(shared storage), and load validation of donated allocs. GPU: the same under CUDA graphs, and the step's
-peak memory against the same model built without donation."""
+CPU: the plan (the arena shrinks, in-place reuse for the cross-entropy gradient and for an output written
+over its producer's result), gradients and outputs against eager, that the saved tensors really are written
+over when autograd frees them and never when the graph is kept (retain_graph), gradient accumulation and two
+forwards alive, the runtime's refusals (shared storage), and load validation of hosted allocs. GPU: the
+same under CUDA graphs, and the memory held against the same model built without hosts."""
 from __future__ import annotations
 
 import copy
@@ -53,10 +54,10 @@ def _batch(seed, device="cpu"):
     return x.to(device), y.to(device)
 
 
-def _build(donate=True, min_bytes=64 * 1024, targets=("sm_90",)):
+def _build(donate=True, min_bytes=64 * 1024, targets=("sm_90",), hosts=True):
     torch.manual_seed(0)
     model = Net()
-    with override(donate=donate, donate_min_bytes=min_bytes):
+    with override(donate=donate, donate_min_bytes=min_bytes, output_hosts=hosts):
         res = aotfuse.build(model, _batch(0), train=True, targets=targets)
     return model, res
 
@@ -67,24 +68,26 @@ def built():
 
 
 def _donor_allocs(program: Program) -> list[Alloc]:
-    return [i for i in program.instructions if isinstance(i, Alloc) and i.donor is not None]
+    """Allocs in a program input's bytes."""
+    names = {i.buf for i in program.inputs}
+    return [i for i in program.instructions if isinstance(i, Alloc) and i.host in names]
 
 
 def test_the_backward_places_buffers_in_saved_tensors_and_its_arena_shrinks(built):
     _, res = built
-    _, plain = _build(donate=False)
+    _, plain = _build(donate=False, hosts=False)
     mem, before = res.report.backward.memory, plain.report.backward.memory
-    assert mem.donated_bytes > 0 and "donatable saved tensors" in mem.donation, mem
+    assert mem.donated_bytes > 0 and "saved tensors" in mem.donation, mem
     assert mem.arena_bytes < before.arena_bytes, (mem, before)
     assert before.donated_bytes == 0 and before.donation == ""
     art = aotfuse.load(res.data, device="cpu")
     bwd = art.executors["backward"].program
     assert bwd.version == DONOR_VERSION and _donor_allocs(bwd)
-    assert art.executors["forward"].program.version < DONOR_VERSION  # nothing donated there: its bytes unchanged
     # the logits' gradient is written over the saved logits in the kernel that reads them last (in place)
-    names = {i.buf for i in bwd.inputs}
-    assert all(a.donor in names for a in _donor_allocs(bwd))
     assert any(a.offset == 0 and a.shape == (ROWS, VOCAB) for a in _donor_allocs(bwd))
+    # without hosts the programs keep their version and bytes
+    plain_art = aotfuse.load(plain.data, device="cpu")
+    assert all(p.program.version < DONOR_VERSION for p in plain_art.executors.values())
 
 
 def _saved_refs():
@@ -187,8 +190,9 @@ def test_load_refuses_a_read_after_donation_and_overlaps(built):
     parts = {n: ar.part(n) for n in ar.part_names}
     prog = msgpack.unpackb(parts["program.backward"], raw=False)
     ins = prog["instructions"]
-    k = next(i for i, x in enumerate(ins) if x["op"] == "alloc" and "donor" in x)
-    donor = ins[k]["donor"]
+    names = {i["buf"] for i in prog["inputs"]}
+    k = next(i for i, x in enumerate(ins) if x["op"] == "alloc" and x.get("host") in names)
+    donor = ins[k]["host"]
 
     def load_with(p):
         new = dict(parts, **{"program.backward": msgpack.packb(p, use_bin_type=True)})
@@ -208,10 +212,11 @@ def test_load_refuses_a_read_after_donation_and_overlaps(built):
     with pytest.raises(ArchiveError):
         load_with(outside)
     own = copy.deepcopy(prog)  # only a program input's bytes may be donated
-    own["instructions"].insert(k, {"op": "alloc", "buf": "own", "offset": -1, "shape": [1 << 20], "dtype": "float32"})
-    own["instructions"][k + 1]["donor"] = "own"
-    with pytest.raises(ArchiveError, match="only a program input"):
-        load_with(own)
+    arena = copy.deepcopy(prog)  # a buffer of the arena hosts nothing
+    j = next(i for i, x in enumerate(ins) if x["op"] == "alloc" and "host" not in x and x["offset"] >= 0)
+    arena["instructions"].insert(j + 1, dict(arena["instructions"][k], host=ins[j]["buf"], buf="extra_buffer"))
+    with pytest.raises(ArchiveError, match="only a program input or a buffer allocated on its own"):
+        load_with(arena)
     twice = copy.deepcopy(prog)  # a second buffer over the first while both live
     a = dict(twice["instructions"][k], buf="extra_buffer")
     twice["instructions"].insert(k + 1, a)
@@ -219,10 +224,97 @@ def test_load_refuses_a_read_after_donation_and_overlaps(built):
         load_with(twice)
 
 
+class Head(torch.nn.Module):
+    """An MLP, then a large head with Gemma-2's soft cap: the logits' matmul result, the MLP's temporaries and
+    the output are what a plan without hosts holds at once."""
+
+    def __init__(self, d=64, vocab=3000):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, 8 * d)
+        self.fc2 = torch.nn.Linear(8 * d, d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = x + self.fc2(F.silu(self.fc1(x)))
+        return torch.tanh(self.head(h) / 30.0) * 30.0
+
+
+def _infer(hosts: bool, targets=("sm_90",)):
+    torch.manual_seed(1)
+    model = Head().eval()
+    with override(output_hosts=hosts, donate_min_bytes=64 * 1024):
+        return model, aotfuse.build(model, (torch.randn(ROWS, D),), targets=targets)
+
+
+@pytest.fixture(scope="module")
+def inferred():
+    return _infer(True)
+
+
+def test_an_output_hosts_what_dies_before_it_is_written(inferred):
+    model, res = inferred
+    _, plain = _infer(False)
+    mem = res.report.memory
+    assert "in 1 outputs" in mem.donation and mem.arena_bytes < plain.report.memory.arena_bytes / 4, mem
+    art = aotfuse.load(res.data, device="cpu")
+    prog = art.executors["forward"].program
+    out = prog.returned[0].t
+    hosted = [i for i in prog.instructions if isinstance(i, Alloc) and i.host == out]
+    # allocated first; the capped logits are written over the matmul's result (in place, offset 0)
+    assert isinstance(prog.instructions[0], Alloc) and prog.instructions[0].buf == out
+    assert any(a.offset == 0 and a.shape == (ROWS, 3000) for a in hosted), hosted
+    for seed in range(2):
+        x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            want = model(x)
+        got = art(x)
+        assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_load_refuses_a_host_written_over_a_live_buffer(inferred):
+    import msgpack
+
+    from aotfuse.archive import read_archive, write_archive
+
+    _, res = inferred
+    ar = read_archive(res.data)
+    parts = {n: ar.part(n) for n in ar.part_names}
+    prog = msgpack.unpackb(parts["program.forward"], raw=False)
+    ins = prog["instructions"]
+    out = ins[0]["buf"]
+
+    def load_with(p):
+        new = dict(parts, **{"program.forward": msgpack.packb(p, use_bin_type=True)})
+        return aotfuse.load(write_archive(copy.deepcopy(ar.manifest), new, dict(ar.weights)), device="cpu")
+
+    load_with(prog)
+    w = next(i for i, x in enumerate(ins) if x["op"] == "launch" and out in x["args"])  # the write of the output
+    k = next(i for i, x in enumerate(ins) if x["op"] == "alloc" and x.get("host") == out and i < w)
+    tenant = ins[k]["buf"]
+    unread = copy.deepcopy(prog)  # a buffer that lies in the output and is not read by the write: still live
+    unread["instructions"].insert(w, {"op": "alloc", "buf": "late", "offset": ins[k]["offset"], "host": out,
+                                      "shape": ins[k]["shape"], "dtype": ins[k]["dtype"]})
+    with pytest.raises(ArchiveError):  # overlaps the live tenant, or is written over while live
+        load_with(unread)
+    after = copy.deepcopy(prog)  # a buffer placed in the output after it was written
+    after["instructions"].insert(w + 2, {"op": "alloc", "buf": "late", "offset": 0, "host": out, "shape": [4],
+                                         "dtype": "float32"})
+    with pytest.raises(ArchiveError, match="no longer idle"):
+        load_with(after)
+    kept = copy.deepcopy(prog)  # the buffer the write read in place is not freed right after it
+    nxt = kept["instructions"][w + 1]
+    if nxt["op"] == "free" and tenant in nxt["bufs"]:
+        nxt["bufs"].remove(tenant)
+        if not nxt["bufs"]:
+            kept["instructions"].pop(w + 1)
+        with pytest.raises(ArchiveError, match="not freed here"):
+            load_with(kept)
+
+
 def test_contract_round_trip_and_version():
     a = Alloc("b", 256, (4, 4), "float32", "in0")
     assert Alloc.from_dict(a.to_dict()) == a
-    assert "donor" not in Alloc("b", 0, (4,), "float32").to_dict()
+    assert "host" not in Alloc("b", 0, (4,), "float32").to_dict()
 
 
 # ---------------------------------------------------------------- GPU
@@ -257,7 +349,7 @@ def _held(data: bytes) -> int:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_graphs_donate_match_eager_and_lower_the_peak():
     model, res = _build(targets=_arch())
-    _, plain = _build(donate=False, targets=_arch())
+    _, plain = _build(donate=False, targets=_arch(), hosts=False)
     pm = aotfuse.load(res.data, device="cuda").as_module()
     ref = copy.deepcopy(model).cuda()
     for step in range(4):
@@ -284,7 +376,25 @@ def test_gpu_graphs_donate_match_eager_and_lower_the_peak():
     ref(*batch).backward()
     _close(first, _grads(ref), 2e-3)
     _close(_grads(pm), _grads(ref), 2e-3)
-    # what the module holds between steps (the shared arena is the backward's) and the peak of its first
-    # steps are below the same model's without donation
+    # what the module holds between steps and the peak of its first steps are below the same model's without
+    # hosts (the shared arena: the forward's and the backward's)
     (held, peak), (held0, peak0) = _held(res.data), _held(plain.data)
     assert held < held0 and peak < peak0, (held, held0, peak, peak0, res.report.backward.memory)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_an_output_hosting_buffers_matches_eager_under_graphs():
+    model, res = _infer(True, _arch())
+    _, plain = _infer(False, _arch())
+    model = model.cuda()
+    for data in (res.data, plain.data):
+        art = aotfuse.load(data, device="cuda")
+        for seed in range(3):
+            x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(seed)).cuda()
+            with torch.no_grad():
+                want = model(x)
+            got = art(x)
+            assert float((got - want).float().norm() / want.float().norm()) < 1e-4
+        del art
+    assert res.report.memory.arena_bytes < plain.report.memory.arena_bytes

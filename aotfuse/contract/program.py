@@ -3,7 +3,7 @@
 One `Program` per packaged program (`program.forward`, `program.backward`). Instructions:
 
   Alloc  {buf, offset, shape, dtype}      a buffer: a view of the per-call arena (offset -1: its own allocation);
-                                          version 8: [, donor]: a view of that input's bytes instead
+                                          version 8: [, host]: a view of that buffer's bytes instead
   Launch {kernel, grid, args: [buf...]}   one fused kernel (see kernels.py for its ABI); version 5: [, sizes]
   Extern {target, args, kwargs, out, out_view, out_variant, shape, dtype[, outs]}   an allow-listed ATen op
   Free   {bufs: [...]}                    drop references after their last use
@@ -39,10 +39,11 @@ one that has them is DIMS_VERSION, set by `Program` itself (`__post_init__`). Ve
                       (emit/pdl.py), which the runtime may launch with programmatic stream serialization.
                       Written only by archives that have such a binary (PDL_VERSION; the build raises
                       every program's version). An older reader refuses it rather than ignore the field
-  8  (2026-11-28)     an alloc's optional `donor`: the buffer lies in the bytes of that program input
-                      from `offset` (a training backward's saved tensor it no longer reads: the runtime
-                      donates it when autograd frees the saved tensors after this backward, and
-                      allocates the buffer on its own otherwise). `Program` raises a program that has
+  8  (2026-11-28)     an alloc's optional `host`: the buffer lies in the bytes of that buffer from `offset`:
+                      a program input after its last read (a training backward's saved tensor: the runtime
+                      writes there only when autograd frees the saved tensors after this backward, and
+                      allocates the buffer on its own otherwise), or a buffer allocated on its own (an
+                      output) before the instruction that writes it. `Program` raises a program that has
                       one to this version; an older reader refuses it
 """
 from __future__ import annotations
@@ -58,7 +59,7 @@ PROGRAM_VERSION = 4  # what this aotfuse writes for a program without size expre
 DIMS_VERSION = 5  # ... and for one with size expressions or launch sizes (dynamic dims)
 TILES_VERSION = 6  # ... and for any program of an archive with a binary that has its own tiles
 PDL_VERSION = 7  # ... and for any program of an archive with a binary compiled with the PDL wait
-DONOR_VERSION = 8  # ... and for a program with an alloc in a donated input's bytes (Alloc.donor)
+DONOR_VERSION = 8  # ... and for a program with an alloc in another buffer's bytes (Alloc.host)
 MIN_SUPPORTED_VERSION = 1  # the oldest it reads
 MAX_SUPPORTED_VERSION = DONOR_VERSION  # the newest it reads
 
@@ -129,28 +130,29 @@ def decode_arg(a: Any) -> Arg:
 class Alloc:
     op: ClassVar[str] = "alloc"
     buf: str
-    offset: SizeExpr  # byte offset in the arena (or in the donor's bytes), 16-byte aligned; -1: allocated on its own
+    offset: SizeExpr  # byte offset in the arena (or in the host's bytes), 16-byte aligned; -1: allocated on its own
     shape: tuple[SizeExpr, ...]
     dtype: str
-    # version 8: a program input whose bytes hold this buffer (from `offset`): an input the program no longer
-    # reads after this point, which the caller may donate (Executor.run(donate=True)); written only when set
-    donor: str | None = None
+    # version 8: the buffer whose bytes hold this one (from `offset`): a program input the program no longer
+    # reads, which the caller may donate (Executor.run(donate=True)), or an output not yet written; written
+    # only when set
+    host: str | None = None
 
     def to_dict(self) -> dict:
         out = {"op": "alloc", "buf": self.buf, "offset": self.offset, "shape": list(self.shape), "dtype": self.dtype}
-        if self.donor is not None:
-            out["donor"] = self.donor
+        if self.host is not None:
+            out["host"] = self.host
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Alloc":
-        d = fields(d, "alloc", ("op", "buf", "offset", "shape", "dtype"), ("donor",))
-        donor = d.get("donor")
-        if donor is not None and type(donor) is not str:
-            raise ArchiveError(f"alloc {d['buf']!r}: donor {donor!r} is not a buffer name",
+        d = fields(d, "alloc", ("op", "buf", "offset", "shape", "dtype"), ("host",))
+        host = d.get("host")
+        if host is not None and type(host) is not str:
+            raise ArchiveError(f"alloc {d['buf']!r}: host {host!r} is not a buffer name",
                                remedy="the archive is damaged; rebuild it")
         return cls(d["buf"], check_size(d["offset"], "alloc offset"), size_tuple(d["shape"], "alloc shape"),
-                   d["dtype"], donor)
+                   d["dtype"], host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +375,7 @@ class Program:
     def __post_init__(self):
         if self.version < DIMS_VERSION and uses_dims(self):
             object.__setattr__(self, "version", DIMS_VERSION)
-        if self.version < DONOR_VERSION and any(isinstance(i, Alloc) and i.donor is not None for i in self.instructions):
+        if self.version < DONOR_VERSION and any(isinstance(i, Alloc) and i.host is not None for i in self.instructions):
             object.__setattr__(self, "version", DONOR_VERSION)
 
     @property
@@ -404,7 +406,7 @@ class Program:
                     check_size(d["arena_bytes"], f"{where}: arena_bytes"), d.get("rng"),
                     tuple(instruction_from_dict(i) for i in d["instructions"]))
         if p.version != version:
-            what = (f"an alloc in a donated input (version {DONOR_VERSION}+)" if p.version == DONOR_VERSION
+            what = (f"an alloc in another buffer's bytes (version {DONOR_VERSION}+)" if p.version == DONOR_VERSION
                     else f"size expressions or launch sizes (version {DIMS_VERSION}+)")
             raise ArchiveError(f"{where}: a version {version} program has {what}",
                                remedy="the archive is damaged; rebuild it")
@@ -493,7 +495,7 @@ def specialize(program: Program, env: Mapping[str, int]) -> Program:
 
     def ins(i):
         if isinstance(i, Alloc):
-            return Alloc(i.buf, ev(i.offset), evs(i.shape), i.dtype, i.donor)
+            return Alloc(i.buf, ev(i.offset), evs(i.shape), i.dtype, i.host)
         if isinstance(i, Launch):
             kernel, grid = i.pick(ev(i.on), env) if i.choose else (i.kernel, i.grid)
             return Launch(kernel, evs(grid), i.args, evs(i.sizes))

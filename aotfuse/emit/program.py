@@ -41,13 +41,16 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
         if own:
             return Alloc(name, -1, _sizes(b.shape), b.dtype)
         a = alloc_of[name]
-        return Alloc(name, spelled(a.offset), _sizes(b.shape), b.dtype, a.donor)
+        return Alloc(name, spelled(a.offset), _sizes(b.shape), b.dtype, a.host)
 
     # multi-output externs: the call's further results (ir.loop.Extern.result), defined by its instruction
     results: dict[str, list] = {}
     for n in graph.nodes:
         if isinstance(n, Extern) and n.result is not None:
             results.setdefault(n.result[0], []).append(n)
+    # outputs that host buffers dying before they are written (schedule/hosts.py): allocated first
+    hosting = set(plan.hosting_outputs)
+    instrs += [alloc(name, True) for name in plan.hosting_outputs]
     for step, g in enumerate(sched.groups):
         if g.kind == "extern":
             ext: Extern = nodes[g.nodes[0]]
@@ -56,7 +59,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
                     instrs.append(Free(tuple(frees[step])))
                 continue
             b = bufs[ext.name]
-            if ext.name in alloc_of or ext.name in separate:
+            if (ext.name in alloc_of or ext.name in separate) and ext.name not in hosting:
                 instrs.append(alloc(ext.name, ext.name not in alloc_of))
             outs = tuple(ExternOut(r.name, program_arg(r.out), _sizes(bufs[r.name].shape), bufs[r.name].dtype)
                          for r in sorted(results.get(ext.name, ()), key=lambda r: r.result[1]))
@@ -64,7 +67,7 @@ def build_program(graph: LoopGraph, sched: Schedule, kernels: dict[str, KernelSo
                                     ext.name, program_arg(ext.out), ext.out_variant, _sizes(b.shape), b.dtype, outs))
         else:
             k = kernels[g.name]
-            instrs += [alloc(a.buf, a.buf in separate) for a in k.args if a.role == "out"]
+            instrs += [alloc(a.buf, a.buf in separate) for a in k.args if a.role == "out" and a.buf not in hosting]
             choose = tuple(LaunchCase(upto, v.name, tuple(v.grid), tuple(v.sizes) if v.aligned_sizes else ())
                            for upto, v in k.variants)
             instrs.append(Launch(k.name, tuple(k.grid), tuple(a.buf for a in k.args), sizes=tuple(k.sizes),

@@ -324,16 +324,18 @@ class Executor:
             dt = torch_dtype(ins.dtype)
             slot = self._slot(ins.buf)
             self.slot_dtypes[slot] = dt
-            if ins.donor is not None:  # in a donated input's bytes when the call donates, else its own
-                donor = self._slots.get(ins.donor)
-                if donor is None or donor not in self.input_slots:
-                    raise ArchiveError(f"alloc {ins.buf!r} lies in {ins.donor!r}, which is not a program input")
+            if ins.host is not None:  # in another buffer's bytes (schedule/hosts.py)
+                host = self._slots.get(ins.host)
+                if host is None:
+                    raise ArchiveError(f"alloc {ins.buf!r} lies in {ins.host!r}, which is not defined before it")
                 self.per_call.add(slot)
                 n = dt.itemsize
                 for d in ins.shape:
                     n *= d
-                self.donor_need[donor] = max(self.donor_need.get(donor, 0), ins.offset + n)
-                return ("donor", slot, donor, ins.offset, n, ins.shape, dt)
+                if host in self.input_slots:  # a donated input: its bytes only when the call donates it
+                    self.donor_need[host] = max(self.donor_need.get(host, 0), ins.offset + n)
+                    return ("donor", slot, host, ins.offset, n, ins.shape, dt)
+                return ("hosted", slot, host, ins.offset, n, ins.shape, dt)  # an output not yet written
             if ins.offset < 0 or ins.buf in self._per_call_bufs:
                 self.per_call.add(slot)
                 return ("new", slot, ins.shape, dt)
@@ -474,10 +476,10 @@ class Executor:
                 addr[slot] = t.data_ptr()
             elif kind == "extern":
                 self._extern(st, step, env, addr)
-            elif kind == "donor":
-                _, slot, donor, off, n, shape, dt = step
-                if donor in donated:
-                    t = env[donor].reshape(-1).view(torch.uint8)[off:off + n].view(dt).view(shape)
+            elif kind == "donor" or kind == "hosted":
+                _, slot, host, off, n, shape, dt = step
+                if kind == "hosted" or host in donated:
+                    t = env[host].view(-1).view(torch.uint8)[off:off + n].view(dt).view(shape)
                 else:
                     t = torch.empty(shape, dtype=dt, device=dev)
                 env[slot] = t

@@ -129,9 +129,9 @@ def _program_lines(name: str, rep: Report, refused_only: bool, res: tuple | None
                f"{m.bound_extern_results} extern results bound as returned")
     if m.plan:
         out.append(f"   offsets by {m.plan}; at most {m.peak_live_bytes} B live at once (no arena "
-                   f"{'without donated inputs ' if m.donated_bytes else ''}is smaller)")
+                   f"{'without hosts ' if m.donated_bytes else ''}is smaller)")
     if m.donation:
-        out.append(f"   saved tensors reused after their last read: {m.donation}"
+        out.append(f"   buffers in idle inputs or outputs (schedule/hosts.py): {m.donation}"
                    + (f" ({m.donated_bytes} B of buffers)" if m.donated_bytes else ""))
     return out
 

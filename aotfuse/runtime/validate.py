@@ -187,8 +187,12 @@ class _Walk:
         self.dynamic = prog.get("version", 0) >= 5
         self.arena_live: dict[str, tuple[int, int]] = {}  # live arena buffers: name -> [start, end) bytes
         self.donated: dict[str, int] = {}  # inputs whose bytes allocs took (version 8) -> their bytes
-        self.donor_live: dict[str, tuple[str, int, int]] = {}  # live buffers in them: name -> (donor, start, end)
+        self.host_bytes: dict[str, int] = {}  # buffers whose bytes allocs took (inputs and own allocs) -> bytes
+        self.hosted_live: dict[str, tuple[str, int, int]] = {}  # live buffers in them: name -> (host, start, end)
         self.pending: set[str] = set()  # donated inputs the next launch or extern may still read
+        self.own: set[str] = set()  # buffers allocated on their own (offset -1): outputs may host others
+        self.written: dict[str, int] = {}  # hosts an instruction wrote -> its index
+        self.must_free: set[str] = set()  # buffers in a host just written: the next instruction frees them
         self.own_bytes = 0  # allocations outside the arena (offset -1) and extern results
         self.outputs: tuple = ()
         self.inputs = self._bind_inputs(prog["inputs"])
@@ -253,8 +257,15 @@ class _Walk:
                 _fail(where, f"unknown program instruction {op!r}")
             if op == "return" and i != len(instrs) - 1:
                 _fail(where, "return is not the last instruction")
+            if self.must_free and (op != "free" or type(ins.get("bufs")) is not list
+                                   or not self.must_free <= set(map(str, ins["bufs"]))):
+                _fail(where, f"buffer {sorted(self.must_free)[0]!r} lay in a host the previous instruction wrote "
+                             "and is not freed here")
             handler(self, i, ins, where)
-            if op in ("launch", "extern") and self.pending:
+            self.must_free = set()
+            if op in ("launch", "extern"):
+                if self.host_bytes:
+                    _host_writes(self, i, ins, where)
                 for d in self.pending:
                     del self.live[d]
                 self.pending.clear()
@@ -313,11 +324,12 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
     buf = _Buf(_dtype(ins["dtype"], f"{where}: dtype"), _shape(ins["shape"], f"{where}: shape"), "alloc")
     nbytes = buf.numel * ITEMSIZE[buf.dtype]
     off = _int(ins["offset"], f"{where}: offset", -1, MAX_BYTES)
-    if "donor" in ins:
-        _donated(w, ins, buf, off, nbytes, where)
+    if "host" in ins:
+        _hosted(w, ins, buf, off, nbytes, where)
         return
     if off < 0:
         w.own_bytes += nbytes
+        w.own.add(ins["buf"])
     else:
         if off % KERNEL_PTR_ALIGN:
             _fail(where, f"arena offset {off} is not a multiple of {KERNEL_PTR_ALIGN}")
@@ -333,27 +345,67 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
         w.arena_live[ins["buf"]] = (off, off + nbytes)
 
 
-def _donated(w: _Walk, ins: dict, buf: _Buf, off: int, nbytes: int, where: str) -> None:
-    """An alloc in a program input's bytes (version 8): the input is never read again (any later use of it
-    fails as a use after its donation), and buffers in its bytes never overlap while both live."""
+def _hosted(w: _Walk, ins: dict, buf: _Buf, off: int, nbytes: int, where: str) -> None:
+    """An alloc in another buffer's bytes (version 8). The host is a program input (donated: never used after
+    the launch or extern that follows its first hosted alloc) or a buffer allocated on its own that no
+    instruction has written yet (an output: when one writes it, the buffers in its bytes must be read by that
+    instruction, in place, and freed right after it). Buffers in one host never overlap while both live."""
     if w.prog["version"] < DONOR_VERSION:
-        _fail(where, f"a version {w.prog['version']} program has no donated allocs (version {DONOR_VERSION}+)")
-    donor = _str(ins["donor"], f"{where}: donor")
-    if donor not in w.donated:
-        d = w._use(donor, f"{where}: donor")
-        if d.kind != "input":
-            _fail(where, f"donor {donor!r} is a {d.kind} buffer; only a program input's bytes may be donated")
-        w.donated[donor] = d.numel * ITEMSIZE[d.dtype]
-        w.pending.add(donor)  # the next launch or extern may still read it (in place), none after it
+        _fail(where, f"a version {w.prog['version']} program has no hosted allocs (version {DONOR_VERSION}+)")
+    host = _str(ins["host"], f"{where}: host")
+    if host not in w.host_bytes:
+        d = w._use(host, f"{where}: host")
+        if d.kind == "input":
+            w.donated[host] = d.numel * ITEMSIZE[d.dtype]
+            w.pending.add(host)  # the next launch or extern may still read it (in place), none after it
+        elif d.kind != "alloc" or host not in w.own or host in w.hosted_live:
+            _fail(where, f"host {host!r} is a {d.kind} buffer; only a program input or a buffer allocated on its "
+                         "own may hold others")
+        w.host_bytes[host] = d.numel * ITEMSIZE[d.dtype]
+    if host in w.written:
+        _fail(where, f"host {host!r} was written at instruction {w.written[host]}: its bytes are no longer idle")
     if off < 0 or off % KERNEL_PTR_ALIGN:
-        _fail(where, f"offset {off} in donor {donor!r} is not a multiple of {KERNEL_PTR_ALIGN}")
-    if off + nbytes > w.donated[donor]:
-        _fail(where, f"bytes {off}..{off + nbytes} lie outside donor {donor!r} of {w.donated[donor]} bytes")
-    for other, (dn, lo, hi) in w.donor_live.items():
-        if dn == donor and off < hi and lo < off + nbytes:
-            _fail(where, f"bytes {off}..{off + nbytes} of donor {donor!r} overlap live buffer {other!r} at {lo}..{hi}")
+        _fail(where, f"offset {off} in host {host!r} is not a multiple of {KERNEL_PTR_ALIGN}")
+    if off + nbytes > w.host_bytes[host]:
+        _fail(where, f"bytes {off}..{off + nbytes} lie outside host {host!r} of {w.host_bytes[host]} bytes")
+    for other, (hn, lo, hi) in w.hosted_live.items():
+        if hn == host and off < hi and lo < off + nbytes:
+            _fail(where, f"bytes {off}..{off + nbytes} of host {host!r} overlap live buffer {other!r} at {lo}..{hi}")
     w._define(ins["buf"], buf, where)
-    w.donor_live[ins["buf"]] = (donor, off, off + nbytes)
+    w.hosted_live[ins["buf"]] = (host, off, off + nbytes)
+
+
+def _writes_reads(w: _Walk, ins: dict) -> tuple[list, set]:
+    """The buffers a (validated) launch or extern writes, and those it reads."""
+    if ins["op"] == "launch":
+        specs = w.kernels[ins["kernel"]]["args"]
+        pairs = list(zip(ins["args"], specs))
+        return [b for b, a in pairs if a["role"] == "out"], {b for b, a in pairs if a["role"] != "out"}
+    reads = set()
+
+    def walk(a):
+        if type(a) is dict and "t" in a:
+            reads.add(a["t"])
+        elif type(a) is list:
+            for x in a:
+                walk(x)
+    walk(ins["args"])
+    walk(list(ins["kwargs"].values()))
+    return ([ins["out"]] if ins.get("out_variant") else []), reads
+
+
+def _host_writes(w: _Walk, i: int, ins: dict, where: str) -> None:
+    """After a launch or extern: a host it writes is written from now on; buffers still in its bytes must be
+    read by this instruction (in place) and freed by the next one."""
+    writes, reads = _writes_reads(w, ins)
+    for b in writes:
+        if b not in w.host_bytes or b in w.donated:
+            continue
+        tenants = {t for t, (h, _, _) in w.hosted_live.items() if h == b}
+        if tenants - reads:
+            _fail(where, f"writes host {b!r} while {sorted(tenants - reads)[0]!r} lies in its bytes")
+        w.must_free |= tenants
+        w.written.setdefault(b, i)
 
 
 def _launch(w: _Walk, i: int, ins: dict, where: str) -> None:
@@ -517,7 +569,7 @@ def _free(w: _Walk, i: int, ins: dict, where: str) -> None:
         w._use(b, where)
         del w.live[b]
         w.arena_live.pop(b, None)
-        w.donor_live.pop(b, None)
+        w.hosted_live.pop(b, None)
         w.freed[b] = i
 
 

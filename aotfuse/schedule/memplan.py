@@ -9,12 +9,10 @@ the holes others leave. The earlier plan, slots reused whole in schedule order, 
 the smaller arena wins (`MemoryPlan.how`). On a ResNet-18 training step's backward (batch 64, 224 px)
 slots needed 1045 MiB for 589 MiB of peak live bytes.
 
-Donated inputs (`donors`, a training backward's saved tensors that the forward hands over whole and that
-nothing else holds: schedule/donors.py): after an input's last read its bytes are free, so a buffer defined
-later may lie in them (`Allocation.donor`, its offset within the input) instead of in the arena. Buffers are
-placed largest first, each into the smallest donor it fits at the lowest offset free for its lifetime; the
-rest form the arena as above. The runtime hands the bytes over only when autograd frees the saved tensors
-after this backward; otherwise such a buffer is allocated on its own (runtime/executor.py).
+Hosts (schedule/hosts.py): a donated input (`donors`, a training backward's saved tensors: schedule/donors.py)
+after its last read, and an output allocated on its own before the step that writes it, hold nothing: buffers
+whose lifetime fits such a window may lie in their bytes (`Allocation.host`, the offset within them) instead of
+in the arena, which is then planned for the rest.
 """
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ import dataclasses
 import sympy
 
 from .fusion import Schedule
+from .hosts import INF, Host, in_place, place
 from ..ir.indexing import FloorDiv
 from ..ir.loop import Extern, LoopGraph
 from ..ir.sizes import hint, norm, static
@@ -38,7 +37,7 @@ class Allocation:
     nbytes: int
     define: int  # step index
     last_use: int
-    donor: str | None = None  # an input whose bytes hold this buffer (offset within them); None: the arena
+    host: str | None = None  # a buffer whose bytes hold this one (offset within them): schedule/hosts.py; None: the arena
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +50,9 @@ class MemoryPlan:
     separate: tuple[str, ...] = ()  # output buffers allocated on their own, outside the arena
     peak_live_bytes: int = 0  # most bytes live at once: no plan's arena is smaller
     how: str = "slots"  # "greedy-by-size" | "slots": the plan that gave the smaller arena
-    donated_bytes: int = 0  # bytes of buffers placed in donated inputs (aligned), not in the arena
-    donation: str = ""  # what donation did or why it did nothing (explain); "" when no donors were offered
+    donated_bytes: int = 0  # bytes of buffers placed in hosts (aligned), not in the arena
+    donation: str = ""  # what hosting did or why it did nothing (explain); "" when no host was offered
+    hosting_outputs: tuple[str, ...] = ()  # outputs that host buffers: allocated at the top of the program
 
 
 def _align(n: int) -> int:
@@ -60,7 +60,8 @@ def _align(n: int) -> int:
 
 
 def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None = None) -> MemoryPlan:
-    """donors: program inputs whose bytes may hold buffers defined after the input's last read -> their bytes."""
+    """donors: program inputs whose bytes may hold buffers defined after the input's last read -> their bytes.
+    Outputs allocated on their own host buffers that die before they are written (knobs.output_hosts)."""
     nodes = {n.name: n for n in graph.nodes}
     bufs = graph.buffer_map
     outputs = {o.view.buf for o in graph.outputs}
@@ -115,10 +116,15 @@ def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None
         how = "greedy-by-size"
         if arena > acc:  # the slot plan packed better: keep it (offsets of its slots)
             placed, arena, how = {b: offsets[s] for b, s in slot_of.items()}, acc, "slots"
-    in_donor: dict[str, tuple[str, int]] = {}
+    in_host: dict[str, tuple[str, int]] = {}
     donated, donation = 0, ""
-    if donors:
-        if not all(static(bufs[b].nbytes) for b in slot_of) or not all(static(n) for n in donors.values()):
+    separate = tuple(b for b in defined_at if b in outputs and b not in bound)
+    from ..knobs import knobs
+
+    offered = dict(donors or {})
+    out_hosts = [b for b in separate if knobs.output_hosts and static(bufs[b].nbytes)]
+    if offered or out_hosts:
+        if not all(static(bufs[b].nbytes) for b in slot_of) or not all(static(n) for n in offered.values()):
             donation = "none: sizes vary with the dims"
         else:
             read_at = dict(last_use)
@@ -127,114 +133,27 @@ def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None
                     if isinstance(nodes[n], Extern):
                         for b in _kwarg_bufs(nodes[n]):
                             read_at[b] = max(read_at.get(b, -1), step)
-            inplace = _in_place(graph, sched, nodes, donors, read_at)
-            in_donor, rest_at, rest_arena, donation = _donate(need, {b: int(bufs[b].nbytes) for b in slot_of}, life,
-                                                              {d: int(n) for d, n in donors.items()}, read_at, arena,
-                                                              inplace)
-            if in_donor:
-                placed, arena, how = rest_at, rest_arena, "greedy-by-size, with donated inputs"
-                donated = sum(need[b] for b in in_donor)
-    allocs = tuple(Allocation(b, in_donor[b][1] if b in in_donor else placed[b],
-                              in_donor[b][1] if b in in_donor else placed[b], bufs[b].nbytes, defined_at[b],
-                              last_use.get(b, end), in_donor[b][0] if b in in_donor else None)
+            hosts = [Host(d, int(n), "input", read_at.get(d, -1), INF) for d, n in offered.items()]
+            hosts += [Host(b, int(bufs[b].nbytes), "output", -1, defined_at[b]) for b in out_hosts]
+
+            def inplace(h: Host, b: str) -> bool:
+                if h.kind == "input":
+                    return in_place(graph, sched, nodes, h.name, b, h.lo)
+                return in_place(graph, sched, nodes, b, h.name, h.hi)
+
+            in_host, rest_at, rest_arena, donation = place(need, {b: int(bufs[b].nbytes) for b in slot_of}, life,
+                                                           hosts, inplace, arena, _greedy_by_size)
+            if in_host:
+                placed, arena, how = rest_at, rest_arena, "greedy-by-size, with hosts"
+                donated = sum(need[b] for b in in_host)
+    allocs = tuple(Allocation(b, in_host[b][1] if b in in_host else placed[b],
+                              in_host[b][1] if b in in_host else placed[b], bufs[b].nbytes, defined_at[b],
+                              last_use.get(b, end), in_host[b][0] if b in in_host else None)
                    for b in slot_of)
+    hosting = tuple(sorted({h for h, _ in in_host.values() if h in outputs}))
     naive = sum(_align(hint(bufs[b].nbytes)) for b in defined_at if b not in outputs)
-    return MemoryPlan(allocs, arena, naive, bound, tuple(frees),
-                      tuple(b for b in defined_at if b in outputs and b not in bound), _peak(need, life, end), how,
-                      donated, donation)
-
-
-def _in_place(graph: LoopGraph, sched: Schedule, nodes: dict, donors, read_at: dict) -> set[tuple[str, str]]:
-    """(buffer, donor) pairs where the buffer may take the donor's bytes in the very step that reads the donor
-    for the last time: a pointwise kernel (one program per block of elements, its nodes emitted in order, each
-    stored after its body) whose every read of the donor is at the element the program is at ('point'), and
-    none of them in a node after the one that stores the buffer, which has the donor's element count and
-    itemsize. Element i is then read, by the program that owns it, before i is written at the same bytes
-    (a cross-entropy backward writes the logits' gradient over the saved logits)."""
-    from ..dtypes import ITEMSIZE
-    from ..ir.loop import Pointwise
-    from .deps import MemoryDep, classify_read, node_reads
-
-    bufs = graph.buffer_map
-    out = set()
-    for d in donors:
-        step = read_at.get(d)
-        if step is None:
-            continue
-        g = sched.groups[step]
-        if g.kind != "pointwise":
-            continue
-        nd = bufs[d].numel
-        members = [nodes[n] for n in g.nodes]
-        readers = []
-        for k, n in enumerate(members):
-            deps = [x for x in node_reads(n) if x.buf == d]
-            if not deps:
-                continue
-            if not isinstance(n, Pointwise) or not all(
-                    isinstance(x, MemoryDep) and classify_read(n, x.index, nd, 1) == "point" for x in deps):
-                readers = None
-                break
-            readers.append(k)
-        if not readers:
-            continue
-        for k, n in enumerate(members):
-            if (k >= readers[-1] and isinstance(n, Pointwise) and n.name in sched.stored and static(nd)
-                    and bufs[n.name].numel == nd and ITEMSIZE[bufs[n.name].dtype] == ITEMSIZE[bufs[d].dtype]):
-                out.add((n.name, d))
-    return out
-
-
-def _donate(need: dict[str, int], nbytes: dict[str, int], life: dict[str, tuple[int, int]], donors: dict[str, int],
-            last_use: dict[str, int], arena_before: int, inplace: set = frozenset()) -> tuple[dict, dict, int, str]:
-    """Buffers placed in donated inputs: ({buffer: (donor, offset)}, the rest's arena offsets, its bytes, why).
-
-    Largest first (ties by definition step, then name: deterministic), each buffer of at least
-    knobs.donate_min_bytes goes into the smallest donor whose last read is before its definition and that
-    has room at some offset free for its lifetime (the lowest such offset); a buffer no donor takes stays
-    in the arena, which greedy-by-size then plans for the rest. Small buffers stay in the arena: each donated
-    buffer is a view made per call, and they barely move the peak. Nothing is donated when it would not
-    shrink the arena."""
-    from ..knobs import knobs
-
-    regions = {d: [] for d in donors}  # donor -> placed (offset, end, define, last_use)
-    free_after = {d: last_use.get(d, -1) for d in donors}  # an input nothing reads is free from the first step
-    out: dict[str, tuple[str, int]] = {}
-    for b in sorted(need, key=lambda b: (-need[b], life[b][0], b)):
-        if nbytes[b] < knobs.donate_min_bytes:
-            continue
-        d0, l0 = life[b]
-        best = None
-        for d in sorted(donors, key=lambda d: (donors[d], d)):
-            if free_after[d] > d0 or (free_after[d] == d0 and (b, d) not in inplace):
-                continue
-            if free_after[d] == d0:  # in place: element i over element i (offset 0), nothing else there yet
-                if not any(d2 <= l0 and d0 <= l2 for _, _, d2, l2 in regions[d]):
-                    best = (d, 0)
-                    break
-                continue
-            off = 0
-            for o, e in sorted((o, e) for o, e, d2, l2 in regions[d] if d2 <= l0 and d0 <= l2):
-                if off + nbytes[b] <= o:
-                    break
-                off = max(off, e)
-            if off + nbytes[b] <= donors[d]:
-                best = (d, off)
-                break
-        if best is not None:
-            regions[best[0]].append((best[1], best[1] + need[b], d0, l0))
-            out[b] = best
-    if not out:
-        return {}, {}, arena_before, "none: no buffer of the backward fits a saved tensor after its last read"
-    rest = {b: n for b, n in need.items() if b not in out}
-    at, arena = _greedy_by_size(rest, {b: life[b] for b in rest})
-    if arena >= arena_before:
-        return {}, {}, arena_before, (f"none: {len(out)} buffers would fit saved tensors, but the arena would not "
-                                      f"shrink ({arena_before} B)")
-    used = sorted({d for d, _ in out.values()})
-    moved = sum(need[b] for b in out)
-    return out, at, arena, (f"{len(out)} buffers ({moved / 2 ** 20:.1f} MiB) in {len(used)} of {len(donors)} "
-                            f"donatable saved tensors; arena {arena_before / 2 ** 20:.1f} -> {arena / 2 ** 20:.1f} MiB")
+    return MemoryPlan(allocs, arena, naive, bound, tuple(frees), separate, _peak(need, life, end), how,
+                      donated, donation, hosting)
 
 
 def _symbolic_plan(nbytes: dict, life: dict[str, tuple[int, int]]) -> tuple[dict, object]:
