@@ -329,7 +329,6 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
         return
     if off < 0:
         w.own_bytes += nbytes
-        w.own.add(ins["buf"])
     else:
         if off % KERNEL_PTR_ALIGN:
             _fail(where, f"arena offset {off} is not a multiple of {KERNEL_PTR_ALIGN}")
@@ -343,6 +342,8 @@ def _alloc(w: _Walk, i: int, ins: dict, where: str) -> None:
     w._define(ins["buf"], buf, where)
     if off >= 0:
         w.arena_live[ins["buf"]] = (off, off + nbytes)
+    else:
+        w.own.add(ins["buf"])
 
 
 def _hosted(w: _Walk, ins: dict, buf: _Buf, off: int, nbytes: int, where: str) -> None:
