@@ -148,8 +148,8 @@ def _schedule_program(st: _Stages, name: str, cg, saved_by: tuple | None = None)
     if saved_by is not None:
         donors, donor_why = donatable_inputs(saved_by[0].graph, graph, saved_by[1])
     plan = st.run("memory_plan" + sfx, plan_memory, graph, sched, donors)
-    if saved_by is not None and not donors:
-        plan = dataclasses.replace(plan, donation=donor_why)
+    if saved_by is not None and not donors:  # what the outputs hosted, and why no saved tensor could
+        plan = dataclasses.replace(plan, donation="; ".join(x for x in (plan.donation, f"saved tensors: {donor_why}") if x))
     kernels = st.run("codegen" + sfx, lambda: {g.name: generate(g, graph, sched.stored)
                                                for g in sched.groups if g.kind != "extern"})
     return _Compiled(name, cg, graph, lctx, n_lowered, inlined, sched, plan, kernels, splits)
