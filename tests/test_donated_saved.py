@@ -311,6 +311,30 @@ def test_load_refuses_a_host_written_over_a_live_buffer(inferred):
             load_with(kept)
 
 
+class _LaterReader(torch.nn.Module):
+    """An output (o1, fused through y) stored before a later store's body loads the dying matmul result through
+    a member that is not stored (sin(t), read by two outputs): o1 must not be written over t (review, 2026-11-28)."""
+
+    def forward(self, x, w, y):
+        t = x @ w
+        a = torch.sin(t)
+        return y * 3, a * y, a + y
+
+
+def test_in_place_only_for_the_kernels_last_store():
+    torch.manual_seed(0)
+    n = 64
+    with override(donate_min_bytes=4096):
+        res = aotfuse.build(_LaterReader(), tuple(torch.randn(n, n) for _ in range(3)), targets=("sm_90",))
+    art = aotfuse.load(res.data, device="cpu")
+    prog = art.executors["forward"].program
+    first = prog.returned[0].t
+    assert not any(isinstance(i, Alloc) and i.host == first for i in prog.instructions)
+    ins = tuple(torch.randn(n, n) for _ in range(3))
+    for g, r in zip(art(*ins), _LaterReader()(*ins)):
+        assert float((g.double() - r.double()).norm() / r.double().norm()) < 1e-6
+
+
 def test_contract_round_trip_and_version():
     a = Alloc("b", 256, (4, 4), "float32", "in0")
     assert Alloc.from_dict(a.to_dict()) == a

@@ -13,10 +13,11 @@ name), each into the smallest host whose idle window holds its lifetime, at the 
 lifetime; the rest form the arena (greedy by size). Small buffers stay in the arena: a hosted buffer is a view
 made per call, and they barely move the peak. Nothing is hosted when the arena would not shrink.
 
-In place (`in_place_pairs`): where one buffer dies and the other is born in the same pointwise kernel, the
-newborn may take the dying one's bytes at offset 0 when the kernel reads the dying buffer only at its own
-elements ('point' reads, each program reads element i before it writes element i), none of those reads in a
-node after the one that stores the newborn, and both have the same element count and itemsize. A
+In place (`in_place`): where one buffer dies and the other is born in the same pointwise kernel, the newborn
+may take the dying one's bytes at offset 0 when the kernel reads the dying buffer only at its own elements
+('point' reads: each program reads element i before it writes element i), the newborn's store is the kernel's
+last (nothing is emitted after it, so no read of the dying buffer can follow it), and both have the same
+element count and itemsize. A
 cross-entropy backward writes the logits' gradient over the saved logits (a donated input); Gemma-2's soft
 cap writes its logits over the matmul's (an output hosting its producer's result).
 """
@@ -56,6 +57,11 @@ def in_place(graph: LoopGraph, sched: Schedule, nodes: dict, dying: str, born: s
     members = [nodes[n] for n in g.nodes]
     at = g.nodes.index(born)
     if not isinstance(members[at], Pointwise):
+        return False
+    # the kernel's last store: emit/kernel_src.py stores the stored members in order and emits a member that
+    # is not stored where a later store first needs it, so a read of `dying` could otherwise come after the
+    # store (a member fused horizontally, or a shared producer emitted for a later output)
+    if any(n in sched.stored for n in g.nodes[at + 1:]):
         return False
     for k, n in enumerate(members):
         deps = [x for x in node_reads(n) if x.buf == dying]
