@@ -110,31 +110,32 @@ def _close(a, b, tol=1e-4):
         assert float((x - y).norm() / y.norm().clamp_min(1e-30)) <= tol
 
 
+def _forward_keeping_saved(pm, batch):
+    """(loss, the tensors autograd saved, copies of their values), .grad cleared first."""
+    for p in pm.parameters():
+        p.grad = None
+    kept, hooks = _saved_refs()
+    with hooks:
+        loss = pm(*batch)
+    return loss, kept, [t.clone() for t in kept]
+
+
 def test_gradients_match_eager_and_saved_tensors_are_spent_only_when_autograd_frees_them(built):
     model, res = built
     pm = aotfuse.load(res.data, device="cpu").as_module()
     ref = copy.deepcopy(model)
     for step in range(2):
         x, y = _batch(10 + step)
-        for m in (pm, ref):
-            for p in m.parameters():
-                p.grad = None
-        kept, hooks = _saved_refs()
-        with hooks:
-            loss = pm(x, y)
-        before = [t.clone() for t in kept]
+        for p in ref.parameters():
+            p.grad = None
+        loss, kept, before = _forward_keeping_saved(pm, (x, y))
         loss.backward()
         ref(x, y).backward()
         _close(_grads(pm), _grads(ref))
         assert any(not torch.equal(a, b) for a, b in zip(kept, before)), "nothing was donated"
     # retain_graph: the saved tensors keep their values, and a second backward gives the same gradients
     x, y = _batch(20)
-    for p in pm.parameters():
-        p.grad = None
-    kept, hooks = _saved_refs()
-    with hooks:
-        loss = pm(x, y)
-    before = [t.clone() for t in kept]
+    loss, kept, before = _forward_keeping_saved(pm, (x, y))
     loss.backward(retain_graph=True)
     first = _grads(pm)
     assert all(torch.equal(a, b) for a, b in zip(kept, before))
@@ -180,23 +181,29 @@ def test_a_saved_tensor_sharing_storage_is_not_written_over(built):
     assert a not in ex._donatable(env)
 
 
-def test_load_refuses_a_read_after_donation_and_overlaps(built):
+def _program_editor(data: bytes, name: str):
+    """(the program `name` as plain data, load(program): the archive loaded with that program instead)."""
     import msgpack
 
     from aotfuse.archive import read_archive, write_archive
 
-    _, res = built
-    ar = read_archive(res.data)
+    ar = read_archive(data)
     parts = {n: ar.part(n) for n in ar.part_names}
-    prog = msgpack.unpackb(parts["program.backward"], raw=False)
+
+    def load_with(p):
+        new = dict(parts, **{f"program.{name}": msgpack.packb(p, use_bin_type=True)})
+        return aotfuse.load(write_archive(copy.deepcopy(ar.manifest), new, dict(ar.weights)), device="cpu")
+
+    return msgpack.unpackb(parts[f"program.{name}"], raw=False), load_with
+
+
+def test_load_refuses_a_read_after_donation_and_overlaps(built):
+    _, res = built
+    prog, load_with = _program_editor(res.data, "backward")
     ins = prog["instructions"]
     names = {i["buf"] for i in prog["inputs"]}
     k = next(i for i, x in enumerate(ins) if x["op"] == "alloc" and x.get("host") in names)
     donor = ins[k]["host"]
-
-    def load_with(p):
-        new = dict(parts, **{"program.backward": msgpack.packb(p, use_bin_type=True)})
-        return aotfuse.load(write_archive(copy.deepcopy(ar.manifest), new, dict(ar.weights)), device="cpu")
 
     load_with(prog)  # as built: valid
     late = copy.deepcopy(prog)  # the donor used after the launch that followed its donation
@@ -272,20 +279,10 @@ def test_an_output_hosts_what_dies_before_it_is_written(inferred):
 
 
 def test_load_refuses_a_host_written_over_a_live_buffer(inferred):
-    import msgpack
-
-    from aotfuse.archive import read_archive, write_archive
-
     _, res = inferred
-    ar = read_archive(res.data)
-    parts = {n: ar.part(n) for n in ar.part_names}
-    prog = msgpack.unpackb(parts["program.forward"], raw=False)
+    prog, load_with = _program_editor(res.data, "forward")
     ins = prog["instructions"]
     out = ins[0]["buf"]
-
-    def load_with(p):
-        new = dict(parts, **{"program.forward": msgpack.packb(p, use_bin_type=True)})
-        return aotfuse.load(write_archive(copy.deepcopy(ar.manifest), new, dict(ar.weights)), device="cpu")
 
     load_with(prog)
     w = next(i for i, x in enumerate(ins) if x["op"] == "launch" and out in x["args"])  # the write of the output
