@@ -68,7 +68,7 @@ class _Packaged(torch.autograd.Function):
 
 def _frees_saved() -> bool:
     """Whether autograd frees this node's saved tensors after its backward (no retain_graph, no
-    create_graph): only then may the backward program write over the ones it has read (Alloc.donor)."""
+    create_graph): only then may the backward program write over the ones it has read (Alloc.host)."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return keep is not None and not keep()
 
