@@ -6,7 +6,8 @@ Per program: the arena's size and the instruction where the planned buffers live
 largest of them; for a training archive also the forward's saved tensors (distinct returned buffers) of at least
 `--min-mib`. The twenty-fourth session read Phi-3's and Gemma-2's training peaks off this (recomputations hoisted
 to the top of the backward, a tied table's gradient held three times) and Llama's inference peak (the arena held
-while the logits are written). scripts/stage_memory.py gives the per-program totals a CUDA graph holds.
+while the logits are written). Buffers placed in idle inputs or outputs (Alloc.host, schedule/hosts.py) are not
+the arena's and are not counted. scripts/stage_memory.py gives the per-program totals a CUDA graph holds.
 """
 from __future__ import annotations
 
