@@ -177,7 +177,8 @@ class GraphedProgram:
 
     @property
     def stats(self) -> dict:
-        """captures, replays, eager_calls (no graph could serve), evictions, resets (bound changed)."""
+        """captures, replays, eager_calls (no graph could serve), evictions, resets (bound changed), warmups (a
+        donating key's first call, run without a graph: _Family.run)."""
         with self._lock:
             total = collections.Counter(self._retired)
             for fam in self._families.values():
