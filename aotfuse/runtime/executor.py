@@ -284,6 +284,8 @@ class Executor:
         self.input_slots = [self._slot(i.buf) for i in program.inputs]
         self.rng_slot = self._slot(program.rng) if program.rng else None
         self.weight_slots = [(self._slot(buf), weights[fqn]) for buf, fqn in program.weights.items()]
+        # the weights' storages (fixed for the executor): a donated input sharing one keeps its values (_donatable)
+        self._weight_storages = [t.untyped_storage().data_ptr() for _, t in self.weight_slots if t.numel()]
         # the dtype of each slot's buffer, where the program says it (matmul externs read their operands')
         self.slot_dtypes: dict[int, torch.dtype] = {s: torch_dtype(i.dtype) for s, i in
                                                     zip(self.input_slots, program.inputs) if i.dtype in DTYPES}
@@ -499,10 +501,8 @@ class Executor:
             if t.numel():
                 p = t.untyped_storage().data_ptr()
                 owners[p] = owners.get(p, 0) + 1
-        for _, w in self.weight_slots:
-            if w.numel():
-                p = w.untyped_storage().data_ptr()
-                owners[p] = owners.get(p, 0) + 1
+        for p in self._weight_storages:
+            owners[p] = owners.get(p, 0) + 1
         ok = set()
         for s, need in self.donor_need.items():
             t = env[s]

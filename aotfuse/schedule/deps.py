@@ -43,9 +43,9 @@ def update_reverse(index: dict, item, old, new) -> None:
 
 
 def node_reads(node: Node) -> tuple[Dep, ...]:
-    if isinstance(node, Extern):
+    if isinstance(node, Extern):  # every tensor it is passed, positional or keyword
         bufs = []
-        for a in _flatten(node.args):
+        for a in _flatten(tuple(node.args) + tuple(v for _, v in node.kwargs)):
             if isinstance(a, TensorArg) and a.buf not in bufs:
                 bufs.append(a.buf)
         return tuple(StarDep(b) for b in bufs)

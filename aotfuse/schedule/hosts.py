@@ -17,16 +17,18 @@ In place (`in_place`): where one buffer dies and the other is born in the same p
 may take the dying one's bytes at offset 0 when the kernel reads the dying buffer only at its own elements
 ('point' reads: each program reads element i before it writes element i), the newborn's store is the kernel's
 last (nothing is emitted after it, so no read of the dying buffer can follow it), and both have the same
-element count and itemsize. A
-cross-entropy backward writes the logits' gradient over the saved logits (a donated input); Gemma-2's soft
-cap writes its logits over the matmul's (an output hosting its producer's result).
+element count and itemsize. A cross-entropy backward writes the logits' gradient over the saved logits (a
+donated input); Gemma-2's soft cap writes its logits over the matmul's (an output hosting its producer's result).
 """
 from __future__ import annotations
 
 import dataclasses
 
+from ..dtypes import ITEMSIZE
 from ..ir.loop import LoopGraph, Pointwise
 from ..ir.sizes import static
+from ..knobs import knobs
+from .deps import MemoryDep, classify_read, node_reads
 from .fusion import Schedule
 
 INF = 1 << 62
@@ -44,9 +46,6 @@ class Host:
 def in_place(graph: LoopGraph, sched: Schedule, nodes: dict, dying: str, born: str, step: int) -> bool:
     """Whether `born`, stored by the pointwise group at `step`, may take the bytes of `dying`, which that group
     reads for the last time (see the module doc)."""
-    from ..dtypes import ITEMSIZE
-    from .deps import MemoryDep, classify_read, node_reads
-
     g = sched.groups[step]
     if g.kind != "pointwise" or born not in g.nodes or born not in sched.stored:
         return False
@@ -78,8 +77,6 @@ def place(need: dict[str, int], nbytes: dict[str, int], life: dict[str, tuple[in
     """({buffer: (host, offset)}, the rest's arena offsets, the rest's arena bytes, why). inplace(host, buffer):
     whether the buffer may meet the host's window at its edge (in place, offset 0); greedy: the arena plan
     for the rest (memplan._greedy_by_size)."""
-    from ..knobs import knobs
-
     regions: dict[str, list] = {h.name: [] for h in hosts}  # host -> placed (offset, end, define, last_use)
     out: dict[str, tuple[str, int]] = {}
     by_size = sorted(hosts, key=lambda h: (h.nbytes, h.name))

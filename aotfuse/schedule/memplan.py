@@ -22,6 +22,7 @@ import sympy
 
 from .fusion import Schedule
 from .hosts import INF, Host, in_place, place
+from ..knobs import knobs
 from ..ir.indexing import FloorDiv
 from ..ir.loop import Extern, LoopGraph
 from ..ir.sizes import hint, norm, static
@@ -119,21 +120,13 @@ def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None
     in_host: dict[str, tuple[str, int]] = {}
     donated, donation = 0, ""
     separate = tuple(b for b in defined_at if b in outputs and b not in bound)
-    from ..knobs import knobs
-
     offered = dict(donors or {})
     out_hosts = [b for b in separate if knobs.output_hosts and static(bufs[b].nbytes)]
     if offered or out_hosts:
         if not all(static(bufs[b].nbytes) for b in slot_of) or not all(static(n) for n in offered.values()):
             donation = "none: sizes vary with the dims"
         else:
-            read_at = dict(last_use)
-            for step, g in enumerate(sched.groups):  # an extern's keyword tensors are reads too
-                for n in g.nodes:
-                    if isinstance(nodes[n], Extern):
-                        for b in _kwarg_bufs(nodes[n]):
-                            read_at[b] = max(read_at.get(b, -1), step)
-            hosts = [Host(d, int(n), "input", read_at.get(d, -1), INF) for d, n in offered.items()]
+            hosts = [Host(d, int(n), "input", last_use.get(d, -1), INF) for d, n in offered.items()]
             hosts += [Host(b, int(bufs[b].nbytes), "output", -1, defined_at[b]) for b in out_hosts]
 
             def inplace(h: Host, b: str) -> bool:
@@ -273,13 +266,6 @@ def _peak(need: dict[str, int], life: dict[str, tuple[int, int]], end: int) -> i
         cur += x
         peak = max(peak, cur)
     return peak
-
-
-def _kwarg_bufs(node: Extern) -> list[str]:
-    from ..ir.loop import TensorArg
-    from .deps import _flatten
-
-    return [a.buf for a in _flatten(tuple(v for _, v in node.kwargs)) if isinstance(a, TensorArg)]
 
 
 def _reads(node) -> list[str]:
