@@ -8,7 +8,7 @@ tensor is donatable when the forward hands over a whole buffer of its own:
 
 - a buffer the forward computes (not an input or a weight: those are the caller's or the archive's),
 - returned whole (offset 0, row-major, every element) and once (no other output, saved or not, views it),
-- of static size,
+- of any size (with dynamic dims its bytes are an expression of them),
 
 and the backward neither returns it (a gradient that is the saved value itself) nor lacks it. The memory
 plan (schedule/memplan.py) then places backward buffers in those bytes after their last read.
@@ -18,15 +18,15 @@ from __future__ import annotations
 import collections
 
 from ..ir.loop import LoopGraph
-from ..ir.sizes import static
+from ..ir.sizes import hint, norm, same
 
 
 def _row_major(shape, stride) -> bool:
     acc = 1
     for d, s in zip(reversed(shape), reversed(stride)):
-        if d != 1 and s != acc:
+        if not same(d, 1) and not same(s, acc):
             return False
-        acc *= d
+        acc = acc * d
     return True
 
 
@@ -47,13 +47,13 @@ def donatable_inputs(forward: LoopGraph, backward: LoopGraph, n_front: int) -> t
         buf = fbufs.get(v.buf)
         if buf is None or v.buf in outside or uses[v.buf] != 1 or name in returned:
             continue
-        if not static(buf.nbytes) or v.offset != 0 or tuple(v.shape) != tuple(buf.shape) or \
-                not _row_major(v.shape, v.stride):
+        if not same(v.offset, 0) or len(v.shape) != len(buf.shape) or \
+                not all(same(a, b) for a, b in zip(v.shape, buf.shape)) or not _row_major(v.shape, v.stride):
             continue
         b = bbufs.get(name)
-        if b is None or b.dtype != buf.dtype or int(b.nbytes) != int(buf.nbytes):
+        if b is None or b.dtype != buf.dtype or not same(b.nbytes, buf.nbytes):
             continue
-        out[name] = int(buf.nbytes)
+        out[name] = norm(buf.nbytes)
     if not out:
         return {}, "none: no saved tensor is a whole buffer of the forward's own that nothing else returns"
-    return out, f"{len(out)} of {len(saved)} saved tensors ({sum(out.values()) / 2 ** 20:.1f} MiB)"
+    return out, f"{len(out)} of {len(saved)} saved tensors ({sum(map(hint, out.values())) / 2 ** 20:.1f} MiB)"

@@ -26,7 +26,7 @@ import dataclasses
 
 from ..dtypes import ITEMSIZE
 from ..ir.loop import LoopGraph, Pointwise
-from ..ir.sizes import static
+from ..ir.sizes import same
 from ..knobs import knobs
 from .deps import MemoryDep, classify_read, node_reads
 from .fusion import Schedule
@@ -51,7 +51,7 @@ def in_place(graph: LoopGraph, sched: Schedule, nodes: dict, dying: str, born: s
         return False
     bufs = graph.buffer_map
     nd = bufs[dying].numel
-    if not static(nd) or bufs[born].numel != nd or ITEMSIZE[bufs[born].dtype] != ITEMSIZE[bufs[dying].dtype]:
+    if not same(bufs[born].numel, nd) or ITEMSIZE[bufs[born].dtype] != ITEMSIZE[bufs[dying].dtype]:
         return False
     members = [nodes[n] for n in g.nodes]
     at = g.nodes.index(born)
@@ -111,10 +111,14 @@ def place(need: dict[str, int], nbytes: dict[str, int], life: dict[str, tuple[in
     if arena >= arena_before:
         return {}, {}, arena_before, (f"none: {len(out)} buffers would fit idle inputs or outputs, but the arena "
                                       f"would not shrink ({arena_before} B)")
+    return out, at, arena, describe(out, need, hosts, arena_before, arena)
+
+
+def describe(out: dict, need: dict[str, int], hosts: list[Host], before: int, after: int) -> str:
+    """What placement did, for explain: buffers and MiB per kind of host, the arena before and after."""
     kinds = {h.name: h.kind for h in hosts}
     moved = {k: sum(need[b] for b, (h, _) in out.items() if kinds[h] == k) for k in ("input", "output")}
     used = {k: len({h for h, _ in out.values() if kinds[h] == k}) for k in ("input", "output")}
     parts = [f"{moved[k] / 2 ** 20:.1f} MiB in {used[k]} {'saved tensors' if k == 'input' else 'outputs'}"
              for k in ("input", "output") if used[k]]
-    return out, at, arena, (f"{len(out)} buffers: {', '.join(parts)}; arena {arena_before / 2 ** 20:.1f} -> "
-                            f"{arena / 2 ** 20:.1f} MiB")
+    return f"{len(out)} buffers: {', '.join(parts)}; arena {before / 2 ** 20:.1f} -> {after / 2 ** 20:.1f} MiB"

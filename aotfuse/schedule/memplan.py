@@ -21,7 +21,7 @@ import dataclasses
 import sympy
 
 from .fusion import Schedule
-from .hosts import INF, Host, in_place, place
+from .hosts import INF, Host, describe, in_place, place
 from ..knobs import knobs
 from ..ir.indexing import FloorDiv
 from ..ir.loop import Extern, LoopGraph
@@ -117,28 +117,42 @@ def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None
         how = "greedy-by-size"
         if arena > acc:  # the slot plan packed better: keep it (offsets of its slots)
             placed, arena, how = {b: offsets[s] for b, s in slot_of.items()}, acc, "slots"
-    in_host: dict[str, tuple[str, int]] = {}
+    in_host: dict[str, tuple[str, object]] = {}
     donated, donation = 0, ""
     separate = tuple(b for b in defined_at if b in outputs and b not in bound)
     offered = dict(donors or {})
-    out_hosts = [b for b in separate if knobs.output_hosts and static(bufs[b].nbytes)]
+    out_hosts = [b for b in separate if knobs.output_hosts]
     if offered or out_hosts:
-        if not all(static(bufs[b].nbytes) for b in slot_of) or not all(static(n) for n in offered.values()):
-            donation = "none: sizes vary with the dims"
-        else:
-            hosts = [Host(d, int(n), "input", last_use.get(d, -1), INF) for d, n in offered.items()]
-            hosts += [Host(b, int(bufs[b].nbytes), "output", -1, defined_at[b]) for b in out_hosts]
+        host_bytes = dict(offered) | {b: bufs[b].nbytes for b in out_hosts}
+        hosts = [Host(d, hint(n), "input", last_use.get(d, -1), INF) for d, n in offered.items()]
+        hosts += [Host(b, hint(bufs[b].nbytes), "output", -1, defined_at[b]) for b in out_hosts]
 
-            def inplace(h: Host, b: str) -> bool:
-                if h.kind == "input":
-                    return in_place(graph, sched, nodes, h.name, b, h.lo)
-                return in_place(graph, sched, nodes, b, h.name, h.hi)
+        def inplace(h: Host, b: str) -> bool:
+            if h.kind == "input":
+                return in_place(graph, sched, nodes, h.name, b, h.lo)
+            return in_place(graph, sched, nodes, b, h.name, h.hi)
 
-            in_host, rest_at, rest_arena, donation = place(need, {b: int(bufs[b].nbytes) for b in slot_of}, life,
-                                                           hosts, inplace, arena, _greedy_by_size)
-            if in_host:
-                placed, arena, how = rest_at, rest_arena, "greedy-by-size, with hosts"
-                donated = sum(need[b] for b in in_host)
+        before = hint(arena)
+        in_host, rest_at, rest_arena, donation = place(need, {b: hint(bufs[b].nbytes) for b in slot_of}, life,
+                                                       hosts, inplace, before, _greedy_by_size)
+        if in_host and not (static(arena) and all(static(n) for n in host_bytes.values())):
+            # offsets in a host as expressions of the dims, as the arena's (_symbolic_plan); a host is used only
+            # where its tenants fit it at every size in range
+            in_host, dropped = _symbolic_hosts(in_host, {b: bufs[b].nbytes for b in in_host}, life, host_bytes)
+            rest = {b: bufs[b].nbytes for b in slot_of if b not in in_host}
+            rest_at, rest_arena = _symbolic_plan(rest, {b: life[b] for b in rest})
+            if not in_host or hint(rest_arena) >= before:
+                in_host = {}
+                donation = "none: " + (dropped if not in_host else "the arena would not shrink at the example") + \
+                    " (sizes vary with the dims)"
+            else:
+                donation = describe(in_host, need, hosts, before, hint(rest_arena)) + \
+                    (f"; {dropped}" if dropped else "") + " (offsets as expressions of the dims)"
+        if in_host:
+            placed, arena = rest_at, rest_arena
+            how = "greedy-by-size, with hosts" if static(arena) else \
+                "greedy-by-size, offsets as expressions of the dims, with hosts"
+            donated = sum(need[b] for b in in_host)
     allocs = tuple(Allocation(b, in_host[b][1] if b in in_host else placed[b],
                               in_host[b][1] if b in in_host else placed[b], bufs[b].nbytes, defined_at[b],
                               last_use.get(b, end), in_host[b][0] if b in in_host else None)
@@ -164,6 +178,16 @@ def _symbolic_plan(nbytes: dict, life: dict[str, tuple[int, int]]) -> tuple[dict
     room = {b: _room(n) for b, n in nbytes.items()}
     hints = {b: hint(_poly_expr(r)) for b, r in room.items()}
     at, _ = _greedy_by_size(hints, life)
+    off = _stacked(room, at, hints, life)
+    arena: dict = {}
+    for b in off:
+        _cmax(arena, _cadd(off[b], room[b]))
+    return {b: norm(_poly_expr(o)) for b, o in off.items()}, norm(_poly_expr(arena))
+
+
+def _stacked(room: dict, at: dict, hints: dict, life: dict) -> dict[str, dict]:
+    """Offsets as {term: coefficient} (see _symbolic_plan) from a placement at the example (`at`, with the rooms'
+    sizes there, `hints`): each the term-wise maximum of (offset + room) over the buffers directly below it."""
     order = sorted(room, key=lambda b: (at[b], at[b] + hints[b], b))
 
     def meets(a, b):
@@ -180,10 +204,55 @@ def _symbolic_plan(nbytes: dict, life: dict[str, tuple[int, int]]) -> tuple[dict
                 continue  # implied by a buffer between them
             _cmax(acc, _cadd(off[y], room[y]))
         off[x] = acc
-    arena: dict = {}
-    for b in order:
-        _cmax(arena, _cadd(off[b], room[b]))
-    return {b: norm(_poly_expr(off[b])) for b in order}, norm(_poly_expr(arena))
+    return off
+
+
+def _symbolic_hosts(in_host: dict, nbytes: dict, life: dict, host_bytes: dict) -> tuple[dict, str]:
+    """The placement in hosts made at the example (`place`), with offsets as expressions of the dims (_stacked):
+    ({buffer: (host, offset)}, what was dropped). A buffer stays in its host only if it ends within it at every
+    size in range (_le_everywhere); those that do not go back to the arena, and the offsets of the rest are
+    worked out again without them (they only go down) until every one left fits."""
+    by_host: dict[str, list[str]] = {}
+    for b, (h, _) in in_host.items():
+        by_host.setdefault(h, []).append(b)
+    out, dropped = {}, 0
+    for h, bs in sorted(by_host.items()):
+        while bs:
+            room = {b: _room(nbytes[b]) for b in bs}
+            at = {b: in_host[b][1] for b in bs}
+            off = _stacked(room, at, {b: hint(_poly_expr(room[b])) for b in bs}, life)
+            short = [b for b in bs if not _le_everywhere(_poly_expr(off[b]) + sympy.sympify(nbytes[b]), host_bytes[h])]
+            if not short:
+                out.update((b, (h, norm(_poly_expr(off[b])))) for b in bs)
+                break
+            dropped += len(short)
+            bs = [b for b in bs if b not in short]
+    why = f"{dropped} buffers that would not fit their host at every size in range stay in the arena" if dropped else ""
+    return out, why
+
+
+def _le_everywhere(small, big) -> bool:
+    """Whether small <= big for every value of the dims in their ranges (a sufficient test): with each dim written
+    as its lower end plus a non-negative t, big - small is a polynomial in the t's with no negative coefficient.
+    False for what is not a polynomial (a rounded atom)."""
+    from ..ir.sizes import current_dims
+
+    d = sympy.expand(sympy.sympify(big) - sympy.sympify(small))
+    if d.has(FloorDiv):
+        return False
+    dims = current_dims()
+    syms = sorted(d.free_symbols, key=str)
+    if not syms:
+        return bool(d >= 0)
+    if any(s not in dims for s in syms):
+        return False
+    ts = [sympy.Symbol(f"t_{s}", nonnegative=True) for s in syms]
+    shifted = sympy.expand(d.subs({s: dims[s].lo + t for s, t in zip(syms, ts)}, simultaneous=True))
+    try:
+        p = sympy.Poly(shifted, *ts)
+    except sympy.PolynomialError:
+        return False
+    return all(c >= 0 for c in p.coeffs())
 
 
 DYN_ALIGN = 16  # bytes: what vectorized kernel loads need (the kernels assume 16-byte aligned pointers)
