@@ -9,7 +9,8 @@ Per shape: latency per call (CUDA events, stream drained before each call, media
 warm-up) of eager, torch.compile(dynamic=True), torch.compile(mode="reduce-overhead", dynamic=True) and
 the archive; the archive's first call at that shape (one CUDA-graph capture, no compile) and the host
 time of a call at batch 1 (perf_counter around the call, no sync: what the caller's thread spends);
-the largest difference from eager's logits. Prints a table last.
+the largest difference from eager's logits; per contender, the peak memory above what was allocated before its
+first call at the shape (its compile or capture included). Prints a table last.
 """
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ def _host_us(fn, x, iters: int) -> float:
         out.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(out)
+
+
+def _mem_base(dev) -> int:
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev)
+
+
+def _mem_peak(dev, base: int) -> float:
+    """MiB above what was allocated before a contender's first call at a shape (its capture or compile included;
+    what it still holds from earlier shapes is in the base)."""
+    torch.cuda.synchronize(dev)
+    return (torch.cuda.max_memory_allocated(dev) - base) / 2 ** 20
 
 
 def main():
@@ -93,18 +107,22 @@ def main():
             row = {"shape": f"{b}x{t}"}
             ref = model(x).float()
             for name, fn in fns.items():
+                base = _mem_base(dev)
                 t1 = time.perf_counter()
                 fn(x)
                 torch.cuda.synchronize()
                 row[f"{name}_first_s"] = time.perf_counter() - t1
                 row[name] = _lat(fn, x, a.iters)
+                row[f"{name}_peak_mb"] = _mem_peak(dev, base)
             if "aotfuse" in modes:
+                base = _mem_base(dev)
                 t1 = time.perf_counter()
                 y = call(x)
                 torch.cuda.synchronize()
                 row["aotfuse_first_ms"] = (time.perf_counter() - t1) * 1e3  # one capture at a new shape
                 del y  # not held while timing: a held result would make the next call take a second graph
                 row["aotfuse"] = _lat(call, x, a.iters)
+                row["aotfuse_peak_mb"] = _mem_peak(dev, base)
                 row["max_abs_diff"] = float((call(x).float() - ref).abs().max())
                 row["ref_max"] = float(ref.abs().max())
                 if b == 1:
@@ -118,14 +136,17 @@ def main():
     print(f"\n{name}, torch {torch.__version__}, {a.spec}, archive {a.archive} (load {load_s:.2f} s), "
           f"median of {a.iters} calls (CUDA events, stream drained before each)")
     print("| shape | eager ms | compile(dynamic) ms | reduce-overhead ms | aotfuse ms | vs reduce-overhead | vs compile | "
-          "aotfuse first call at the shape ms | max abs diff (logits max) | host us per call (aotfuse / r-o) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "aotfuse first call at the shape ms | max abs diff (logits max) | host us per call (aotfuse / r-o) | "
+          "peak MiB above what was held: eager / compile / reduce-overhead / aotfuse |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ro, co, ao = r.get("reduce-overhead", float("nan")), r.get("compile", float("nan")), r.get("aotfuse", float("nan"))
         host = f"{r['host_us']:.0f} / {r.get('ro_host_us', float('nan')):.0f}" if "host_us" in r else "-"
         print(f"| {r['shape']} | {r.get('eager', float('nan')):.3f} | {co:.3f} | {ro:.3f} | {ao:.3f} | {ro / ao:.2f}x | "
               f"{co / ao:.2f}x | {r.get('aotfuse_first_ms', float('nan')):.1f} | "
-              f"{r.get('max_abs_diff', float('nan')):.2e} ({r.get('ref_max', float('nan')):.1f}) | {host} |")
+              f"{r.get('max_abs_diff', float('nan')):.2e} ({r.get('ref_max', float('nan')):.1f}) | {host} | "
+              + " / ".join(f"{r.get(m + '_peak_mb', float('nan')):.0f}" for m in ("eager", "compile", "reduce-overhead",
+                                                                                 "aotfuse")) + " |")
     print("shape cache:", stats)
     print(f"peak memory allocated: {torch.cuda.max_memory_allocated(dev) / 2**20:.0f} MiB")
     if a.json:
