@@ -15,6 +15,7 @@ import torch
 
 import aotfuse
 from aotfuse.contract.program import Alloc
+from aotfuse.ir.indexing import FloorDiv
 from aotfuse.ir.sizes import Dim, dim_symbol, dims_scope
 from aotfuse.knobs import override
 from aotfuse.schedule.memplan import _le_everywhere
@@ -105,6 +106,12 @@ def test_fit_at_every_size_in_range():
         assert not _le_everywhere(16 * s0 * s1 + 32 * s0 * s0, 48 * s0 * s1)  # s0 up to 4096
         assert _le_everywhere(6000 * s0, 6000 * s0)  # in place: the same bytes
         assert not _le_everywhere(sympy.Symbol("other", positive=True), 4 * s0)  # not a dim of this build
+        # a square term paid for by the range's end: 2 * s1**2 <= 64000 * s1 - 33792 * s1 while s1 <= 512
+        assert _le_everywhere(2 * s0 * s1 ** 2 + 33792 * s0 * s1, 64000 * s0 * s1)
+        assert not _le_everywhere(200 * s0 * s1 ** 2 + 33792 * s0 * s1, 64000 * s0 * s1)  # false at s1 = 512
+        # a rounded atom counts as its upper bound
+        assert _le_everywhere(37888 * s0 * s1 + 16 * FloorDiv(2 * s0 * s1 ** 2 + 15, 16), 64000 * s0 * s1)
+        assert not _le_everywhere(16 * s0, 64000 * FloorDiv(s0 + 15, 16))  # a host of rounded size: refused
     with dims_scope([Dim(s0, "x.0", 300, 4096, 300)]):
         assert _le_everywhere(sympy.Integer(72000), 256 * s0)
 

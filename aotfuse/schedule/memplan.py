@@ -232,12 +232,15 @@ def _symbolic_hosts(in_host: dict, nbytes: dict, life: dict, host_bytes: dict) -
 
 
 def _le_everywhere(small, big) -> bool:
-    """Whether small <= big for every value of the dims in their ranges (a sufficient test): with each dim written
-    as its lower end plus a non-negative t, big - small is a polynomial in the t's with no negative coefficient.
-    False for what is not a polynomial (a rounded atom)."""
+    """Whether small <= big for every value of the dims in their ranges (a sufficient test). A rounded atom of
+    `small`, 16 * FloorDiv(x + 15, 16), counts as its upper bound x + 15; `big` must be a polynomial. With each dim
+    written as its lower end plus t (0 <= t <= hi - lo), big - small is a polynomial in the t's; each of its
+    negative terms must be paid for by positive terms whose monomials divide it, a factor t_i being at most
+    hi - lo (64000 t - 2 t**2 >= 0 while t <= 2046)."""
     from ..ir.sizes import current_dims
 
-    d = sympy.expand(sympy.sympify(big) - sympy.sympify(small))
+    small = sympy.sympify(small).replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
+    d = sympy.expand(sympy.sympify(big) - small)
     if d.has(FloorDiv):
         return False
     dims = current_dims()
@@ -247,12 +250,26 @@ def _le_everywhere(small, big) -> bool:
     if any(s not in dims for s in syms):
         return False
     ts = [sympy.Symbol(f"t_{s}", nonnegative=True) for s in syms]
+    span = [dims[s].hi - dims[s].lo for s in syms]
     shifted = sympy.expand(d.subs({s: dims[s].lo + t for s, t in zip(syms, ts)}, simultaneous=True))
     try:
-        p = sympy.Poly(shifted, *ts)
+        terms = sympy.Poly(shifted, *ts).terms()
     except sympy.PolynomialError:
         return False
-    return all(c >= 0 for c in p.coeffs())
+    have = {m: c for m, c in terms if c > 0}
+    for m, c in sorted(((m, -c) for m, c in terms if c < 0), key=lambda mc: -sum(mc[0])):
+        for q in sorted((q for q in have if all(a <= b for a, b in zip(q, m))), key=lambda q: -sum(q)):
+            f = 1
+            for k, (a, b) in enumerate(zip(q, m)):
+                f *= span[k] ** (b - a)
+            take = min(c * f, have[q])  # c * m <= c * f * q, paid from q's coefficient
+            have[q] -= take
+            c -= take / f if f else c
+            if c <= 0:
+                break
+        if c > 0:
+            return False
+    return True
 
 
 DYN_ALIGN = 16  # bytes: what vectorized kernel loads need (the kernels assume 16-byte aligned pointers)
