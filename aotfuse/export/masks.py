@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from .fold import _map, _pure
+from .mask_range import shape_at_range_end, value_at_range_end
 
 aten = torch.ops.aten
 META_KEY = "aotfuse_mask"
@@ -167,25 +168,37 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
         L, S = _hint(q.meta["val"].shape[-2]), _hint(k.meta["val"].shape[-2])
         mval = mask.meta.get("val")
         rec = {"attention": node.name, "mask": mask.name}
-        if mval is not None and any(isinstance(d, torch.SymInt) for d in mval.shape):
-            # a mask whose size is a dynamic dim: a value at the example would say nothing of other sizes
-            # (a sliding window wider than the example looks causal there): kept, computed per call
-            rec.update(kept=True, why="the mask's size is a dynamic dim: kept (computed per call)")
+        dynamic = mval is not None and any(isinstance(d, torch.SymInt) for d in mval.shape)
+        val = err = None
+        if dynamic:
+            # a value at the example says nothing of other sizes (a sliding window wider than the example looks
+            # causal there); a prefix-consistent mask's value at the range's end says it for every size
+            ends = shape_at_range_end((q.meta["val"].shape[-2], k.meta["val"].shape[-2]))
+            val, why_not = value_at_range_end(mask, ev.seeds, MAX_MASK_ELEMENTS) if ends else (None, "no upper end")
+            if val is None:
+                rec.update(kept=True, why=f"the mask's size is a dynamic dim: kept (computed per call): {why_not}")
+            else:
+                L, S = ends
+                rec["at_range_end"] = True
         elif mval is not None and mval.numel() > MAX_MASK_ELEMENTS:
             rec.update(kept=True, why=f"mask of {mval.numel()} elements: not evaluated at build time")
         else:
             try:
                 val = ev.value(mask)
-                err = None
             except Exception as exc:  # an op that will not run on the CPU at build time: leave the mask
-                val, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+                err = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+        if "kept" not in rec:
             kind = None if not isinstance(val, torch.Tensor) else classify(val, L, S)
             if err is not None:
                 rec.update(kept=True, why=f"the constant mask could not be evaluated at build time ({err})")
             elif val is None:
                 rec.update(kept=True, why="the mask depends on the inputs")
             elif kind is None:
-                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal")
+                rec.update(kept=True, why="a constant mask that is neither all-kept nor causal" +
+                           (" at the range's end" if dynamic else ""))
+            elif kind.startswith("window:") and dynamic:
+                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys at the range's end) with dynamic dims: "
+                                          "the mask stays (not supported yet)")
             elif kind.startswith("window:") and wi is None:
                 why, fused = _sdpa_window(gm.graph, node, int(kind[7:]))
                 if why:
@@ -216,8 +229,10 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
                 if kind == "causal":
                     _set(node, ci, "is_causal", True)
                 changed = True
-                rec.update(kept=False, why="constant all-kept mask dropped" if kind == "all" else
-                           "constant causal mask (tril) -> is_causal=True")
+                rec.update(kept=False, why=("constant all-kept mask dropped" if kind == "all" else
+                                            "constant causal mask (tril) -> is_causal=True") +
+                           (" at every size in range (its ops keep each element whatever the sizes: evaluated at the "
+                            "range's end, export/mask_range.py)" if dynamic else ""))
         node.meta[META_KEY] = rec
         decisions.append(rec)
     if changed:

@@ -111,10 +111,32 @@ def _plain_signature(fn: ast.FunctionDef) -> bool:
                 or fn.returns or any(x.annotation for x in args))
 
 
+_SIZE_CLS = None
+
+
 def _constexpr(v: int):
+    """A size as a constexpr whose arithmetic with a tensor gives the tensor: tl.constexpr's own operators wrap
+    `s1 * s1 - xindex` in a constexpr, on which a kernel's `(...).to(tl.int64)` fails (the compiler, which
+    sees a runtime int there, makes it a tensor)."""
+    global _SIZE_CLS
     import triton.language as tl
 
-    return tl.constexpr(v)
+    if _SIZE_CLS is None:
+        def lift(name):
+            base = getattr(tl.constexpr, name)
+
+            def op(self, *other):
+                r = base(self, *other)
+                inner = r.value if isinstance(r, tl.constexpr) else r
+                return inner if isinstance(inner, tl.tensor) else _SIZE_CLS(inner) if isinstance(r, tl.constexpr) else r
+            return op
+        names = [n for n in dir(tl.constexpr) if n.startswith("__") and n[2:-2] in _ARITH]
+        _SIZE_CLS = type("_Size", (tl.constexpr,), {n: lift(n) for n in names})
+    return _SIZE_CLS(v)
+
+
+_ARITH = {p + n for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+                          "rshift") for p in ("", "r")} | {"neg", "pos", "invert", "lt", "le", "gt", "ge", "eq", "ne"}
 
 
 _INDEX_PATCHED = False
