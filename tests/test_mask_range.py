@@ -5,6 +5,8 @@ eager at the range's ends and in between, where a mask that looked causal at the
 it) must stay."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -91,3 +93,36 @@ def test_dynamic_mask_at_every_size(kind):
         with torch.no_grad():
             want = model(x, keep)
         assert rel(art(x, keep), want) < 1e-5, (b, t)
+
+
+def test_training_dynamic_causal_mask_becomes_causal_and_gradients_match():
+    torch.manual_seed(0)
+    model = DynMask("causal_packed")
+    ref = copy.deepcopy(model)
+
+    class Loss(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, keep, y):
+            return F.mse_loss(self.m(x, keep), y)
+
+    def batch(b, t, seed):
+        x, keep = _inputs(b, t, seed)
+        return x, keep, torch.randn(b, t, 32, generator=torch.Generator().manual_seed(seed + 100))
+
+    res = aotfuse.build(Loss(model), batch(2, T_EX, 0), train=True, targets=("sm_90",),
+                        dynamic_shapes=DYN + ["y.0=2..4", f"y.1={T_LO}..{T_HI}"])
+    calls = _attention_calls(res.data)
+    assert calls and all(_mask_and_causal(c) == (None, True) for c in calls), [_mask_and_causal(c) for c in calls]
+    assert "at every size in range" in explain(res.data)
+    pm = aotfuse.load(res.data, device="cpu").as_module()
+    for b, t, seed in ((2, T_LO, 1), (3, 9, 2), (4, T_HI, 3)):
+        args = batch(b, t, seed)
+        for p in list(pm.parameters()) + list(ref.parameters()):
+            p.grad = None
+        pm(*args).backward()
+        F.mse_loss(ref(*args[:2]), args[2]).backward()
+        for p, q in zip(pm.parameters(), ref.parameters()):
+            assert rel(p.grad, q.grad) < 1e-4, (b, t)
