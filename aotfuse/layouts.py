@@ -66,11 +66,36 @@ def feeds_attention(node) -> bool:
     return False
 
 
+def _expr(n):
+    """A size or stride as a sympy expression, read without a guard (a SymInt's own expression)."""
+    import sympy
+
+    node = getattr(n, "node", None)
+    return node.expr if node is not None and hasattr(node, "expr") else sympy.Integer(int(n))
+
+
+def _row_major(shape, stride) -> bool:
+    """Whether strides are row-major for the shape, compared as expressions (no guard on a dynamic dim); a dim of
+    static size 1 takes any stride."""
+    import sympy
+
+    acc = sympy.Integer(1)
+    for d, st in zip(reversed(shape), reversed(stride)):
+        if not (type(d) is int and d == 1) and sympy.expand(_expr(st) - acc) != 0:
+            return False
+        acc = acc * _expr(d)
+    return True
+
+
 def attention_perm(node) -> tuple[int, ...] | None:
-    """BTHE when the FX node is a [B, H, T, E] value eager lays out [B, T, H, E] and it feeds a fused attention."""
+    """BTHE when the FX node is a [B, H, T, E] value eager lays out [B, T, H, E] and it feeds a fused attention.
+    Strides are compared as expressions, so a dynamic batch or sequence decides the same without a guard."""
     val = getattr(node, "meta", {}).get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.is_contiguous():
+    if not isinstance(val, torch.Tensor) or val.dim() != 4:
         return None
-    if not all(type(d) is int for d in val.shape) or not val.permute(BTHE).is_contiguous():
+    shape, stride = tuple(val.shape), tuple(val.stride())
+    if _row_major(shape, stride):
+        return None
+    if not _row_major(tuple(shape[i] for i in BTHE), tuple(stride[i] for i in BTHE)):
         return None
     return BTHE if feeds_attention(node) else None

@@ -48,6 +48,8 @@ class DynMask(nn.Module):
             return (ar[None, :] <= ar[:, None]) | (ar[None, :] < t // 2)
         if self.kind == "from_the_end":  # a flipped anti-causal mask: flip counts from the end
             return torch.flip((ar[None, :] >= ar[:, None]), dims=(0, 1))
+        if self.kind == "negative_index":  # ar[-1] is t - 1: all kept below the range's end (review, 2026-11-28)
+            return (ar[None, :] <= ar[:, None]) | (ar[torch.tensor([-1])] < T_HI - 1)
         if self.kind == "padding":
             return keep[:, None, None, :]
         raise ValueError(self.kind)
@@ -70,7 +72,8 @@ DYN = [f"x.0=2..4", f"x.1={T_LO}..{T_HI}", "keep.0=2..4", f"keep.1={T_LO}..{T_HI
 # kind -> (mask dropped, causal, a word of the reason it stays)
 EXPECT = {"causal_packed": (True, True, None), "all_true": (True, False, None),
           "wide_window": (False, False, "sliding window"), "size_in_value": (False, False, "a size as a value"),
-          "from_the_end": (False, False, "flip"), "padding": (False, False, "reads input")}
+          "from_the_end": (False, False, "flip"), "negative_index": (False, False, "counting from the end"),
+          "padding": (False, False, "reads input")}
 
 
 @pytest.mark.parametrize("kind", list(EXPECT))

@@ -31,7 +31,7 @@ from .argreduce import update as arg_update
 from .online import finish as online_finish, init as online_init, pairs as online_pairs
 from .online import update as online_update
 from .pdl import kernel_text
-from .predicate import condition_bounds, index_only, merge, resolve_clamps
+from .predicate import condition_bounds, index_only, merge, narrowed, resolve_clamps
 from .printer import (PTR_TYPE, TL_DTYPE, dim_value, grid_size, index_value, kernel_dims, ktext, literal,
                       header, op_source, print_index)
 # the iteration space's symbols and block heuristic, also read through this module (ks.SX, ks.block_choice)
@@ -246,7 +246,7 @@ class _Emitter:
                 return f"tl.load({self.args[e.buf]} + {idx}, rmask, other=0{self.policy(e.buf)})"
             if self.preds:  # a branch of a structural select: masked by its predicates, clamps resolved
                 bounds = self.preds[-1][1]
-                resolved = resolve_clamps(e.index, bounds, self._extents())
+                resolved = narrowed(resolve_clamps(e.index, bounds, self._extents()), bounds, self._ranges())
                 idx = print_index(resolved, {SX: "xindex", SR: "rindex"})
                 if not sympy.sympify(resolved).free_symbols:
                     # the branch reads one element (torchvision's Swin mask: a constant filled into a slice):
@@ -317,6 +317,11 @@ class _Emitter:
                         resolve_clamps(leaf.index, bounds, ext) != sympy.sympify(leaf.index):
                     return True
         return False
+
+    def _ranges(self) -> dict:
+        """The kernel's x and r index symbols -> their extents (sizes, dims expressions included)."""
+        return {sym: n for sym, n in ((SX, getattr(self, "xnumel", 0)), (SR, getattr(self, "rnumel", 0)))
+                if not (static(n) and int(n) == 0)}
 
     def _extents(self) -> dict:
         """The kernel's x and r extents, bounded over the dims' ranges (a dynamic extent by its largest value)."""

@@ -150,3 +150,21 @@ def resolve_clamps(index, bounds: Bounds, extents: dict):
         return e
 
     return walk(index)
+
+
+def narrowed(index, bounds: Bounds, ranges: dict):
+    """`index` simplified again knowing what the predicate says of the remainders it compares (`x % 128 < 64`
+    under the branch of a rotate-half): with sizes that are dims, a view's unravel through the half slice
+    ((1024*s1*b + 64*s1*h + x % 128 + 64*s) // (1024*s1)) is b only when x % 128 < 64, which the branch's mask
+    guarantees for every lane that loads. Only remainders (ModIdx, non-negative) with an upper bound are used;
+    an index the simplifier does not take is returned as it was."""
+    extra = {k: hi + 1 for k, (lo, hi) in bounds.items()
+             if isinstance(k, ModIdx) and hi is not None and hi >= 0 and (lo is None or lo >= 0)}
+    if not extra:
+        return index
+    from ..ir.indexing import simplify
+
+    try:
+        return simplify(sympy.sympify(index), {**ranges, **extra})
+    except Exception:  # noqa: BLE001 - a form the simplifier does not take: the index as it was
+        return index

@@ -87,10 +87,9 @@ def _consistent(n: torch.fx.Node) -> str | None:
         elif t is aten.select.int:
             if not (isinstance(args[2], int) and args[2] >= 0):
                 return "select counting from the end or at a size"
-        elif t is aten.diff.default:
-            if (len(args) > 2 and args[2] != 1) or (len(args) > 4 and args[4] is not None) or \
-                    n.kwargs.get("append") is not None:
-                return "diff of order > 1 or with an appended tensor"
+        elif t is aten.diff.default:  # diff(self, n, dim, prepend, append): an appended tensor moves with the end
+            if (len(args) > 4 and args[4] is not None) or n.kwargs.get("append") is not None:
+                return "diff with an appended tensor"
         elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             src, out = args[0].meta.get("val"), n.meta.get("val")
             if src is None or out is None or _unit_free(src.shape) != _unit_free(out.shape):
@@ -191,8 +190,14 @@ def value_at_range_end(mask: torch.fx.Node, seeds: dict, limit: int) -> tuple[to
             continue
         kwargs = {k: (torch.device("cpu") if k == "device" and v is not None else v)
                   for k, v in _map(dict(n.kwargs), env).items()}
+        args = _map(n.args, env)
+        if n.target is aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.numel() and int(i.min()) < 0
+                                                 for i in args[1]):
+            # a negative index counts from the end: the size enters the value (the index tensor is prefix-
+            # consistent itself, so one non-negative at the range's end is non-negative at every size)
+            return None, f"{n.name}: an index counting from the end"
         try:
-            env[n] = n.target(*_map(n.args, env), **kwargs)
+            env[n] = n.target(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - an op that will not run on the CPU at build time: the mask stays
             return None, f"{n.name} could not be evaluated at the range's end ({type(exc).__name__})"
     val = env[mask]

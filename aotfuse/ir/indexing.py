@@ -102,9 +102,12 @@ def _hi(n) -> int:
 
 
 def bounds(e: sympy.Expr, ranges: Ranges) -> tuple[int, int]:
-    """Inclusive integer bounds of e given each symbol's range [0, n)."""
+    """Inclusive integer bounds of e given each symbol's range [0, n). `ranges` may also bound an index
+    expression that is not a symbol (a ModIdx a predicate narrows: a load under `x % 128 < 64`): [0, n) too."""
     if e.is_Integer:
         return int(e), int(e)
+    if not e.is_Symbol and e in ranges:
+        return 0, _hi(ranges[e]) - 1
     if e.is_Symbol:
         n = ranges.get(e)
         if n is not None:
@@ -163,6 +166,9 @@ def _simplify_floordiv(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
         if not a.args[1].is_Integer:  # b a dim expression: the symbolic rules
             return _floordiv_sym(a.args[0], sympy.expand(a.args[1] * d), ranges)
         return _simplify_floordiv(a.args[0], int(a.args[1]) * d, ranges)
+    folded = _fold_sym_quotient(a, d, ranges)
+    if folded is not None:
+        return folded
     terms = _terms(a)
     exact = [(c // d, r) for c, r in terms if c % d == 0]
     rest = [(c, r) for c, r in terms if c % d != 0]
@@ -184,6 +190,21 @@ def _simplify_floordiv(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
         m = -(alo // d)
         return FloorDiv(a + m * d, sympy.Integer(d)) - m
     return FloorDiv(a, sympy.Integer(d))
+
+
+def _fold_sym_quotient(a: sympy.Expr, d: int, ranges: Ranges):
+    """(r // m + K) // d == (r + K*m) // (m*d) for integers (floors), a dynamic m, the numerator non-negative:
+    the inner quotient was split off by an earlier step (bottom-up), the whole may simplify (GQA's key head).
+    None when it does not simplify."""
+    inner = [t for t in sympy.Add.make_args(a) if isinstance(t, FloorDiv) and not t.args[1].is_Integer]
+    if len(inner) != 1:
+        return None
+    f = inner[0]
+    num = sympy.expand(f.args[0] + (a - f) * f.args[1])
+    if _sym_max(num, ranges) is None:
+        return None
+    out = _floordiv_sym(num, sympy.expand(f.args[1] * d), ranges)
+    return None if isinstance(out, FloorDiv) and sympy.expand(out.args[0] - num) == 0 else out
 
 
 def _simplify_mod(a: sympy.Expr, d: int, ranges: Ranges) -> sympy.Expr:
@@ -311,7 +332,7 @@ def _sym_max(e: sympy.Expr, ranges: Ranges):
             elif f.is_Symbol and f in current_dims():
                 val = val * f
             elif isinstance(f, ModIdx):
-                val = val * (f.args[1] - 1)
+                val = val * ((ranges[f] if f in ranges else f.args[1]) - 1)
             else:
                 return None
         total = total + val
@@ -351,26 +372,39 @@ def _floordiv_sym(a: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     split = _split_sym(rest, d, ranges)
     if split is not None:  # (g*Y + s) // d == Y // (d/g) for 0 <= s < g, g | d
         g, big = split
-        return sympy.Add(*exact, 0) + _floordiv_sym(sympy.expand(big / g), sympy.cancel(d / g), ranges)
+        q, y = sympy.cancel(d / g), sympy.expand(big / g)
+        return sympy.Add(*exact, 0) + (_simplify_floordiv(y, int(q), ranges) if q.is_Integer else
+                                       _floordiv_sym(y, q, ranges))
     if exact and _sym_max(r, ranges) is not None:
         return sympy.Add(*exact, 0) + FloorDiv(r, d)
     return FloorDiv(a, d)
 
 
 def _split_sym(terms, d: sympy.Expr, ranges: Ranges):
-    """(g, big): g, an integer dividing d's integer content, splits the terms into g*Y (big) + s with
-    0 <= s < g."""
-    content, _ = sympy.factor_terms(d).as_coeff_Mul()
-    if not content.is_Integer or int(content) <= 1:
+    """(g, big): g dividing d, an integer times a monomial of the dims (a common factor of some terms and d),
+    splits the terms into g*Y (big) + s with 0 <= s < g; the largest such g is tried first. GQA's key head
+    ((128*s1*h + 128*t + c) // (512*s1) with t < s1, c < 128) is h // 4 by g = 128*s1."""
+    dc, dm = sympy.factor_terms(d).as_coeff_Mul()
+    if not dc.is_Integer:
         return None
-    coefs = sorted({abs(int(t.as_coeff_Mul()[0])) for t in terms}, reverse=True)
-    for c in coefs:
-        g = math.gcd(c, int(content))
-        if g <= 1:
+    dims = current_dims()
+    cands = set()
+    for t in terms:
+        c, rest = t.as_coeff_Mul()
+        if not c.is_Integer:
             continue
-        big = [t for t in terms if int(t.as_coeff_Mul()[0]) % g == 0]
-        small = [t for t in terms if int(t.as_coeff_Mul()[0]) % g != 0]
-        if big and (not small or _below(sympy.Add(*small, 0), sympy.Integer(g), ranges)):
+        mono = sympy.Mul(*[f for f in sympy.Mul.make_args(rest)
+                           if f in dims or (f.is_Pow and f.base in dims)])
+        g = math.gcd(abs(int(c)), int(dc)) * sympy.gcd(mono, dm)
+        if g != 1:
+            cands.add(sympy.expand(g))
+    at2 = {s: 2 for s in dims}
+    for g in sorted(cands, key=lambda g: (-int(g.subs(at2)), str(g))):
+        if _exact(d, g) is None:
+            continue
+        big = [t for t in terms if _exact(t, g) is not None]
+        small = [t for t in terms if _exact(t, g) is None]
+        if big and (not small or _below(sympy.Add(*small, 0), g, ranges)):
             return g, sympy.Add(*big, 0)
     return None
 

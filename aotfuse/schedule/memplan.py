@@ -141,10 +141,11 @@ def plan_memory(graph: LoopGraph, sched: Schedule, donors: dict[str, int] | None
             in_host, dropped = _symbolic_hosts(in_host, {b: bufs[b].nbytes for b in in_host}, life, host_bytes)
             rest = {b: bufs[b].nbytes for b in slot_of if b not in in_host}
             rest_at, rest_arena = _symbolic_plan(rest, {b: life[b] for b in rest})
+            kept = bool(in_host)
             if not in_host or hint(rest_arena) >= before:
                 in_host = {}
-                donation = "none: " + (dropped if not in_host else "the arena would not shrink at the example") + \
-                    " (sizes vary with the dims)"
+                donation = "none: " + (dropped if dropped and not kept else "the arena would not shrink at the "
+                                       "example") + " (sizes vary with the dims)"
             else:
                 donation = describe(in_host, need, hosts, before, hint(rest_arena)) + \
                     (f"; {dropped}" if dropped else "") + " (offsets as expressions of the dims)"
@@ -231,6 +232,19 @@ def _symbolic_hosts(in_host: dict, nbytes: dict, life: dict, host_bytes: dict) -
     return out, why
 
 
+def _positive_floordivs(e) -> bool:
+    """Whether every FloorDiv in e appears as c * FloorDiv(a, b) with c > 0 and b a positive integer, its a
+    alike: then replacing each by a / b gives an upper bound of e."""
+    for t in sympy.Add.make_args(sympy.expand(e)):
+        if not t.has(FloorDiv):
+            continue
+        c, rest = t.as_coeff_Mul()
+        if not (c > 0 and isinstance(rest, FloorDiv) and rest.args[1].is_Integer and int(rest.args[1]) > 0
+                and _positive_floordivs(rest.args[0])):
+            return False
+    return True
+
+
 def _le_everywhere(small, big) -> bool:
     """Whether small <= big for every value of the dims in their ranges (a sufficient test). A rounded atom of
     `small`, 16 * FloorDiv(x + 15, 16), counts as its upper bound x + 15; `big` must be a polynomial. With each dim
@@ -239,7 +253,11 @@ def _le_everywhere(small, big) -> bool:
     hi - lo (64000 t - 2 t**2 >= 0 while t <= 2046)."""
     from ..ir.sizes import current_dims
 
-    small = sympy.sympify(small).replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
+    small = sympy.expand(sympy.sympify(small))
+    if small.has(FloorDiv):  # each atom by its upper bound: only where it is counted positively, and linearly
+        if not _positive_floordivs(small):
+            return False
+        small = small.replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
     d = sympy.expand(sympy.sympify(big) - small)
     if d.has(FloorDiv):
         return False
@@ -286,7 +304,10 @@ def _room(n) -> dict:
     gens = sorted(e.free_symbols, key=str)
     if not gens:
         return {(): -(-int(e) // DYN_ALIGN) * DYN_ALIGN}
-    terms = sympy.Poly(e, *gens).terms()
+    try:
+        terms = sympy.Poly(e, *gens).terms()
+    except sympy.PolynomialError:  # not a polynomial of the dims (a strided slice's (s1 + 1) // 2): one atom
+        return {(("@", e),): DYN_ALIGN}
     const = sum(int(c) for mono, c in terms if not any(mono))
     if const >= 0 and all(int(c) >= 0 and int(c) % DYN_ALIGN == 0 for mono, c in terms if any(mono)):
         out = {tuple((str(g), k) for g, k in zip(gens, mono) if k): int(c) for mono, c in terms if any(mono)}
