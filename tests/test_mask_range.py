@@ -129,3 +129,25 @@ def test_training_dynamic_causal_mask_becomes_causal_and_gradients_match():
         F.mse_loss(ref(*args[:2]), args[2]).backward()
         for p, q in zip(pm.parameters(), ref.parameters()):
             assert rel(p.grad, q.grad) < 1e-4, (b, t)
+
+
+def test_dynamic_window_in_half_precision_becomes_the_fused_op_at_every_size():
+    """A window of 20 keys looks causal at the example (12) and is a window at the range's end (40): in bf16 the
+    call becomes the fused op with window=20 (flash's local attention on CUDA), equal to eager at every size."""
+    torch.manual_seed(0)
+    model = DynMask("wide_window").to(torch.bfloat16).eval()
+
+    def inputs(b, t, seed):
+        x, keep = _inputs(b, t, seed)
+        return x.to(torch.bfloat16), keep
+
+    res = aotfuse.build(model, inputs(2, T_EX, 0), targets=("sm_90",), dynamic_shapes=DYN)
+    (call,) = _attention_calls(res.data)
+    assert call.target == "aotfuse.attention.default" and call.args[7] == 20, call
+    assert "window=20" in explain(res.data) and "at every size in range" in explain(res.data)
+    art = aotfuse.load(res.data, device="cpu")
+    for b, t, seed in ((2, T_LO, 1), (3, 19, 2), (2, 21, 3), (4, T_HI, 4)):
+        x, keep = inputs(b, t, seed)
+        with torch.no_grad():
+            want = model(x, keep)
+        assert rel(art(x, keep), want) < 2e-2, (b, t)

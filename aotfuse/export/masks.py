@@ -36,7 +36,9 @@ from .mask_range import shape_at_range_end, value_at_range_end
 
 aten = torch.ops.aten
 META_KEY = "aotfuse_mask"
-MAX_MASK_ELEMENTS = 1 << 26  # a larger constant mask is left alone (its evaluation would cost the build)
+MAX_MASK_ELEMENTS = 1 << 26
+_EVERY_SIZE = (" at every size in range (its ops keep each element whatever the sizes: evaluated at the range's end, "
+               "export/mask_range.py)")  # a larger constant mask is left alone (its evaluation would cost the build)
 
 
 def _attention_ops() -> dict:
@@ -196,9 +198,9 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
             elif kind is None:
                 rec.update(kept=True, why="a constant mask that is neither all-kept nor causal" +
                            (" at the range's end" if dynamic else ""))
-            elif kind.startswith("window:") and dynamic:
-                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys at the range's end) with dynamic dims: "
-                                          "the mask stays (not supported yet)")
+            elif kind.startswith("window:") and dynamic and not _same_length(q, k):
+                rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys at the range's end) with query and key "
+                                          "lengths that are not the same dim: the mask stays")
             elif kind.startswith("window:") and wi is None:
                 why, fused = _sdpa_window(gm.graph, node, int(kind[7:]))
                 if why:
@@ -208,7 +210,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
                     fused.meta[META_KEY] = rec
                     rec.update(kept=False, window=int(kind[7:]), why=f"constant sliding-window mask ({kind[7:]} keys): "
                                f"sdpa -> aotfuse::attention(is_causal=True, window={kind[7:]}), flash's local attention "
-                               "on CUDA")
+                               "on CUDA" + (_EVERY_SIZE if dynamic else ""))
             elif kind.startswith("window:") and (_arg(node, ci, "is_causal", False) or
                                                   _arg(node, wi, "window", 0)):
                 rec.update(kept=True, why=f"a sliding window ({kind[7:]} keys) on a call that is already causal or "
@@ -223,7 +225,8 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
                 _set_window(node, wi, w)
                 changed = True
                 rec.update(kept=False, window=w, why=f"constant sliding-window mask ({w} keys) -> is_causal=True, "
-                                                     f"window={w}: flash's local attention on CUDA")
+                                                     f"window={w}: flash's local attention on CUDA" +
+                           (_EVERY_SIZE if dynamic else ""))
             else:  # a causal call with a causal (or all-kept) mask is causal: dropping the mask is exact
                 _set(node, mi, "attn_mask", None)
                 if kind == "causal":
@@ -231,8 +234,7 @@ def simplify_attention_masks(gm: torch.fx.GraphModule, seeds: dict | None = None
                 changed = True
                 rec.update(kept=False, why=("constant all-kept mask dropped" if kind == "all" else
                                             "constant causal mask (tril) -> is_causal=True") +
-                           (" at every size in range (its ops keep each element whatever the sizes: evaluated at the "
-                            "range's end, export/mask_range.py)" if dynamic else ""))
+                           (_EVERY_SIZE if dynamic else ""))
         node.meta[META_KEY] = rec
         decisions.append(rec)
     if changed:
@@ -306,6 +308,16 @@ def _set_window(node: torch.fx.Node, i: int, w: int) -> None:
     else:
         args[i] = w
     node.args = tuple(args)
+
+
+def _same_length(q: torch.fx.Node, k: torch.fx.Node) -> bool:
+    """Whether the query and key lengths are one expression (no guard: compared as sympy expressions)."""
+    import sympy
+
+    a, b = q.meta["val"].shape[-2], k.meta["val"].shape[-2]
+    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
+    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
+    return sympy.expand(ea - eb) == 0
 
 
 def _hint(n) -> int:
