@@ -1,6 +1,6 @@
 """Hosts with dynamic dims (schedule/memplan.py `_symbolic_hosts`): buffers placed in an output before it is
 written, or in a training backward's saved tensors after their last read, at offsets that are expressions of
-the dims, kept only where they fit their host at every size in range (`_le_everywhere`).
+the dims, kept only where they fit their host at every size in range (`ir/sizes.le_everywhere`).
 
 CPU: the plans (hosted allocs with offsets as expressions, the arena shrinking), outputs and gradients against
 eager at both ends of the range and in between, the saved tensors really written over, and the fit test itself.
@@ -18,7 +18,7 @@ from aotfuse.contract.program import Alloc
 from aotfuse.ir.indexing import FloorDiv
 from aotfuse.ir.sizes import Dim, dim_symbol, dims_scope
 from aotfuse.knobs import override
-from aotfuse.schedule.memplan import _le_everywhere
+from aotfuse.ir.sizes import le_everywhere as _le_everywhere
 
 from test_donated_saved import D, VOCAB, Head, Net, _close, _forward_keeping_saved, _grads
 

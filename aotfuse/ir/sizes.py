@@ -237,3 +237,63 @@ def _ours(e: sympy.Expr) -> sympy.Expr:
             return x.func(*args)
         raise ValueError(f"size {e} uses {name}, which a program size cannot spell")
     return conv(e)
+
+
+def _positive_floordivs(e) -> bool:
+    """Whether every FloorDiv in e appears as c * FloorDiv(a, b) with c > 0 and b a positive integer, its a
+    alike: then replacing each by a / b gives an upper bound of e."""
+    from .indexing import FloorDiv
+
+    for t in sympy.Add.make_args(sympy.expand(e)):
+        if not t.has(FloorDiv):
+            continue
+        c, rest = t.as_coeff_Mul()
+        if not (c > 0 and isinstance(rest, FloorDiv) and rest.args[1].is_Integer and int(rest.args[1]) > 0
+                and _positive_floordivs(rest.args[0])):
+            return False
+    return True
+
+
+def le_everywhere(small, big) -> bool:
+    """Whether small <= big for every value of the dims in their ranges (a sufficient test). A rounded atom of
+    `small`, 16 * FloorDiv(x + 15, 16), counts as its upper bound x + 15; `big` must be a polynomial. With each dim
+    written as its lower end plus t (0 <= t <= hi - lo), big - small is a polynomial in the t's; each of its
+    negative terms must be paid for by positive terms whose monomials divide it, a factor t_i being at most
+    hi - lo (64000 t - 2 t**2 >= 0 while t <= 2046)."""
+    from .indexing import FloorDiv
+
+    small = sympy.expand(sympy.sympify(small))
+    if small.has(FloorDiv):  # each atom by its upper bound: only where it is counted positively, and linearly
+        if not _positive_floordivs(small):
+            return False
+        small = small.replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
+    d = sympy.expand(sympy.sympify(big) - small)
+    if d.has(FloorDiv):
+        return False
+    dims = current_dims()
+    syms = sorted(d.free_symbols, key=str)
+    if not syms:
+        return bool(d >= 0)
+    if any(s not in dims for s in syms):
+        return False
+    ts = [sympy.Symbol(f"t_{s}", nonnegative=True) for s in syms]
+    span = [dims[s].hi - dims[s].lo for s in syms]
+    shifted = sympy.expand(d.subs({s: dims[s].lo + t for s, t in zip(syms, ts)}, simultaneous=True))
+    try:
+        terms = sympy.Poly(shifted, *ts).terms()
+    except sympy.PolynomialError:
+        return False
+    have = {m: c for m, c in terms if c > 0}
+    for m, c in sorted(((m, -c) for m, c in terms if c < 0), key=lambda mc: -sum(mc[0])):
+        for q in sorted((q for q in have if all(a <= b for a, b in zip(q, m))), key=lambda q: -sum(q)):
+            f = 1
+            for k, (a, b) in enumerate(zip(q, m)):
+                f *= span[k] ** (b - a)
+            take = min(c * f, have[q])  # c * m <= c * f * q, paid from q's coefficient
+            have[q] -= take
+            c -= take / f if f else c
+            if c <= 0:
+                break
+        if c > 0:
+            return False
+    return True

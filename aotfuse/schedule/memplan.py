@@ -25,7 +25,7 @@ from .hosts import INF, Host, describe, in_place, place
 from ..knobs import knobs
 from ..ir.indexing import FloorDiv
 from ..ir.loop import Extern, LoopGraph
-from ..ir.sizes import hint, norm, static
+from ..ir.sizes import hint, le_everywhere, norm, static
 
 ALIGN = 256
 
@@ -211,7 +211,7 @@ def _stacked(room: dict, at: dict, hints: dict, life: dict) -> dict[str, dict]:
 def _symbolic_hosts(in_host: dict, nbytes: dict, life: dict, host_bytes: dict) -> tuple[dict, str]:
     """The placement in hosts made at the example (`place`), with offsets as expressions of the dims (_stacked):
     ({buffer: (host, offset)}, what was dropped). A buffer stays in its host only if it ends within it at every
-    size in range (_le_everywhere); those that do not go back to the arena, and the offsets of the rest are
+    size in range (ir/sizes.le_everywhere); those that do not go back to the arena, and the offsets of the rest are
     worked out again without them (they only go down) until every one left fits."""
     by_host: dict[str, list[str]] = {}
     for b, (h, _) in in_host.items():
@@ -222,7 +222,7 @@ def _symbolic_hosts(in_host: dict, nbytes: dict, life: dict, host_bytes: dict) -
             room = {b: _room(nbytes[b]) for b in bs}
             at = {b: in_host[b][1] for b in bs}
             off = _stacked(room, at, {b: hint(_poly_expr(room[b])) for b in bs}, life)
-            short = [b for b in bs if not _le_everywhere(_poly_expr(off[b]) + sympy.sympify(nbytes[b]), host_bytes[h])]
+            short = [b for b in bs if not le_everywhere(_poly_expr(off[b]) + sympy.sympify(nbytes[b]), host_bytes[h])]
             if not short:
                 out.update((b, (h, norm(_poly_expr(off[b])))) for b in bs)
                 break
@@ -230,64 +230,6 @@ def _symbolic_hosts(in_host: dict, nbytes: dict, life: dict, host_bytes: dict) -
             bs = [b for b in bs if b not in short]
     why = f"{dropped} buffers that would not fit their host at every size in range stay in the arena" if dropped else ""
     return out, why
-
-
-def _positive_floordivs(e) -> bool:
-    """Whether every FloorDiv in e appears as c * FloorDiv(a, b) with c > 0 and b a positive integer, its a
-    alike: then replacing each by a / b gives an upper bound of e."""
-    for t in sympy.Add.make_args(sympy.expand(e)):
-        if not t.has(FloorDiv):
-            continue
-        c, rest = t.as_coeff_Mul()
-        if not (c > 0 and isinstance(rest, FloorDiv) and rest.args[1].is_Integer and int(rest.args[1]) > 0
-                and _positive_floordivs(rest.args[0])):
-            return False
-    return True
-
-
-def _le_everywhere(small, big) -> bool:
-    """Whether small <= big for every value of the dims in their ranges (a sufficient test). A rounded atom of
-    `small`, 16 * FloorDiv(x + 15, 16), counts as its upper bound x + 15; `big` must be a polynomial. With each dim
-    written as its lower end plus t (0 <= t <= hi - lo), big - small is a polynomial in the t's; each of its
-    negative terms must be paid for by positive terms whose monomials divide it, a factor t_i being at most
-    hi - lo (64000 t - 2 t**2 >= 0 while t <= 2046)."""
-    from ..ir.sizes import current_dims
-
-    small = sympy.expand(sympy.sympify(small))
-    if small.has(FloorDiv):  # each atom by its upper bound: only where it is counted positively, and linearly
-        if not _positive_floordivs(small):
-            return False
-        small = small.replace(lambda e: isinstance(e, FloorDiv), lambda e: e.args[0] / e.args[1])
-    d = sympy.expand(sympy.sympify(big) - small)
-    if d.has(FloorDiv):
-        return False
-    dims = current_dims()
-    syms = sorted(d.free_symbols, key=str)
-    if not syms:
-        return bool(d >= 0)
-    if any(s not in dims for s in syms):
-        return False
-    ts = [sympy.Symbol(f"t_{s}", nonnegative=True) for s in syms]
-    span = [dims[s].hi - dims[s].lo for s in syms]
-    shifted = sympy.expand(d.subs({s: dims[s].lo + t for s, t in zip(syms, ts)}, simultaneous=True))
-    try:
-        terms = sympy.Poly(shifted, *ts).terms()
-    except sympy.PolynomialError:
-        return False
-    have = {m: c for m, c in terms if c > 0}
-    for m, c in sorted(((m, -c) for m, c in terms if c < 0), key=lambda mc: -sum(mc[0])):
-        for q in sorted((q for q in have if all(a <= b for a, b in zip(q, m))), key=lambda q: -sum(q)):
-            f = 1
-            for k, (a, b) in enumerate(zip(q, m)):
-                f *= span[k] ** (b - a)
-            take = min(c * f, have[q])  # c * m <= c * f * q, paid from q's coefficient
-            have[q] -= take
-            c -= take / f if f else c
-            if c <= 0:
-                break
-        if c > 0:
-            return False
-    return True
 
 
 DYN_ALIGN = 16  # bytes: what vectorized kernel loads need (the kernels assume 16-byte aligned pointers)
