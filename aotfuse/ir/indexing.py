@@ -373,8 +373,12 @@ def _floordiv_sym(a: sympy.Expr, d: sympy.Expr, ranges: Ranges) -> sympy.Expr:
     if split is not None:  # (g*Y + s) // d == Y // (d/g) for 0 <= s < g, g | d
         g, big = split
         q, y = sympy.cancel(d / g), sympy.expand(big / g)
-        return sympy.Add(*exact, 0) + (_simplify_floordiv(y, int(q), ranges) if q.is_Integer else
-                                       _floordiv_sym(y, q, ranges))
+        if q.is_Integer:  # the integer rules shift a dividend that can be negative
+            return sympy.Add(*exact, 0) + _simplify_floordiv(y, int(q), ranges)
+        if _sym_max(y, ranges) is not None:
+            # y // q with y >= 0: a kernel's `//` truncates, the simplifier floors; equal only for y >= 0 (review:
+            # big terms with a negative offset, (2*s1*x1 - 2*s1) // (4*s0*s1) -> (x1 - 1) // (2*s0))
+            return sympy.Add(*exact, 0) + _floordiv_sym(y, q, ranges)
     if exact and _sym_max(r, ranges) is not None:
         return sympy.Add(*exact, 0) + FloorDiv(r, d)
     return FloorDiv(a, d)
