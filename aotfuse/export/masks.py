@@ -19,6 +19,10 @@ depends on nothing but shapes and fixed buffers, and rewrites the call exactly:
   becomes `aotfuse::attention(..., window=W)[0]`, else its mask stays;
 - anything else (padding, bottom-right causal with L != S): the mask stays.
 
+A mask of dynamic size is classified from its value at the range's end when export/mask_range.py proves that
+value holds at every size (its ops never let a size enter an element's value); a window then needs the query
+and key lengths to be one dim.
+
 An additive float mask counts as masked where it is -inf or the dtype's lowest value (transformers
 uses `finfo.min`): exp of a score plus either underflows to exactly 0, and a causal pattern never masks
 a whole row. The decision is written on the attention node (`meta["aotfuse_mask"]`) and the lowering
@@ -36,9 +40,10 @@ from .mask_range import shape_at_range_end, value_at_range_end
 
 aten = torch.ops.aten
 META_KEY = "aotfuse_mask"
-MAX_MASK_ELEMENTS = 1 << 26
+MAX_MASK_ELEMENTS = 1 << 26  # a larger constant mask is left alone (its evaluation would cost the build)
+# what a decision on a mask of dynamic size adds (export/mask_range.py)
 _EVERY_SIZE = (" at every size in range (its ops keep each element whatever the sizes: evaluated at the range's end, "
-               "export/mask_range.py)")  # a larger constant mask is left alone (its evaluation would cost the build)
+               "export/mask_range.py)")
 
 
 def _attention_ops() -> dict:
