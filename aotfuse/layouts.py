@@ -66,7 +66,7 @@ def feeds_attention(node) -> bool:
     return False
 
 
-def _expr(n):
+def size_expr(n):
     """A size or stride as a sympy expression, read without a guard (a SymInt's own expression)."""
     import sympy
 
@@ -81,9 +81,9 @@ def _row_major(shape, stride) -> bool:
 
     acc = sympy.Integer(1)
     for d, st in zip(reversed(shape), reversed(stride)):
-        if not (type(d) is int and d == 1) and sympy.expand(_expr(st) - acc) != 0:
+        if not (type(d) is int and d == 1) and sympy.expand(size_expr(st) - acc) != 0:
             return False
-        acc = acc * _expr(d)
+        acc = acc * size_expr(d)
     return True
 
 

@@ -325,8 +325,7 @@ class _Emitter:
 
     def _extents(self) -> dict:
         """The kernel's x and r extents, bounded over the dims' ranges (a dynamic extent by its largest value)."""
-        return {sym: hi(n) for sym, n in ((SX, getattr(self, "xnumel", 0)), (SR, getattr(self, "rnumel", 0)))
-                if not (static(n) and int(n) == 0)}
+        return {sym: hi(n) for sym, n in self._ranges().items()}
 
     def narrow_compare(self, e: Op) -> str | None:
         """`index == v` (or !=) with an int64 index value that fits int32 and an int64 v: compared in

@@ -319,10 +319,9 @@ def _same_length(q: torch.fx.Node, k: torch.fx.Node) -> bool:
     """Whether the query and key lengths are one expression (no guard: compared as sympy expressions)."""
     import sympy
 
-    a, b = q.meta["val"].shape[-2], k.meta["val"].shape[-2]
-    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
-    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
-    return sympy.expand(ea - eb) == 0
+    from ..layouts import size_expr
+
+    return sympy.expand(size_expr(q.meta["val"].shape[-2]) - size_expr(k.meta["val"].shape[-2])) == 0
 
 
 def _hint(n) -> int:
